@@ -1,0 +1,43 @@
+"""ServerConfig: the only place environment variables are read."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+DEFAULT_BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+class ServerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    data_dir: Path = Field(default_factory=lambda: Path(os.environ.get("TINKERD_DATA_DIR", "~/.tinkerd")).expanduser())
+    base_models: list[str] = Field(default_factory=lambda: [DEFAULT_BASE_MODEL])
+    # The API key printed for local use; any `tml-` key is accepted until accounts exist.
+    api_key: str = "tml-tinkerd-local"
+    # LoRA scaling is alpha / rank; 32 is the value Tinker documents and what exports carry.
+    lora_alpha: float = 32.0
+    max_lora_rank: int = 256
+    # Long-poll hold for retrieve_future: below the SDK's 45 s read timeout.
+    retrieve_future_timeout_s: float = 20.0
+    # forward_backward bodies: the SDK chunks at ~5 MB estimated; leave headroom.
+    max_body_bytes: int = 64 * 1024 * 1024
+    max_sample_tokens_default: int = 256
+    max_num_samples: int = 128
+    torch_threads: int | None = None
+
+    @property
+    def db_path(self) -> Path:
+        return self.data_dir / "tinkerd.sqlite"
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.data_dir / "checkpoints"
+
+    @property
+    def models_dir(self) -> Path:
+        return self.data_dir / "models"

@@ -1,0 +1,113 @@
+"""The adapter pool: maps tenant-facing ids (model_id, sampler path) to slots and owns their state.
+
+Only the pool knows slots. Each adapter owns its LoRA tensors, its AdamW state and its step count;
+attaching it registers its tensors with the MultiLoraLinear layers it targets.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass, field
+
+import torch
+
+from tinkerd.engine.lora.layers import MultiLoraLinear, LoraWeights, targets_for
+from tinkerd.errors import NotFoundError, UserError
+from tinkerd.types import LoraSpec
+
+
+@dataclass
+class Adapter:
+    key: str
+    slot: int
+    spec: LoraSpec
+    # HF module name -> (A [R, in], B [out, R]); leaf tensors with requires_grad when trainable.
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    trainable: bool
+    optimizer: torch.optim.Optimizer | None = None
+    step: int = 0
+    # Number of forward_backward calls accumulated into .grad since the last optim_step.
+    pending_grads: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def parameters(self) -> list[torch.Tensor]:
+        return [t for ab in self.weights.values() for t in ab]
+
+
+class AdapterPool:
+    def __init__(self, layers: dict[str, MultiLoraLinear], max_rank: int):
+        self.layers = layers
+        self.max_rank = max_rank
+        self.adapters: dict[str, Adapter] = {}
+        self._next_slot = 0
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.adapters
+
+    def get(self, key: str) -> Adapter:
+        adapter = self.adapters.get(key)
+        if adapter is None:
+            raise NotFoundError(f"unknown model_id {key!r}")
+        return adapter
+
+    def layer_names(self, spec: LoraSpec) -> list[str]:
+        targets = targets_for(spec.train_attn, spec.train_mlp, spec.train_unembed)
+        return [name for name in self.layers if name.rsplit(".", 1)[-1] in targets]
+
+    def create(self, key: str, spec: LoraSpec, trainable: bool = True) -> Adapter:
+        """A fresh adapter initialised as PEFT does: A Kaiming-uniform, B zero (equals the base)."""
+        if key in self.adapters:
+            raise UserError(f"model_id {key!r} already exists")
+        if not 1 <= spec.rank <= self.max_rank:
+            raise UserError(f"LoRA rank must be between 1 and {self.max_rank}, got {spec.rank}")
+        names = self.layer_names(spec)
+        if not names:
+            raise UserError("LoRA config targets no layer: enable train_attn, train_mlp or train_unembed")
+        seed = spec.seed if spec.seed is not None else secrets.randbits(63)
+        gen = torch.Generator().manual_seed(seed)
+        weights = {}
+        for name in names:
+            base = self.layers[name].base
+            dtype = torch.float32
+            a = torch.empty(spec.rank, base.in_features, dtype=dtype)
+            torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=gen)
+            b = torch.zeros(base.out_features, spec.rank, dtype=dtype)
+            weights[name] = (a.requires_grad_(trainable), b.requires_grad_(trainable))
+        return self._attach(key, spec, weights, trainable)
+
+    def create_from_tensors(
+        self, key: str, spec: LoraSpec, weights: dict[str, tuple[torch.Tensor, torch.Tensor]], trainable: bool
+    ) -> Adapter:
+        if key in self.adapters:
+            raise UserError(f"model_id {key!r} already exists")
+        unknown = set(weights) - set(self.layers)
+        if unknown:
+            raise UserError(f"checkpoint has LoRA weights for layers this model lacks: {sorted(unknown)[:3]}")
+        for name, (a, b) in weights.items():
+            base = self.layers[name].base
+            if a.shape != (spec.rank, base.in_features) or b.shape != (base.out_features, spec.rank):
+                raise UserError(f"checkpoint LoRA shapes for {name} do not fit this base model")
+        weights = {
+            n: (a.detach().float().clone().requires_grad_(trainable), b.detach().float().clone().requires_grad_(trainable))
+            for n, (a, b) in weights.items()
+        }
+        return self._attach(key, spec, weights, trainable)
+
+    def _attach(self, key: str, spec: LoraSpec, weights, trainable: bool) -> Adapter:
+        slot = self._next_slot
+        self._next_slot += 1
+        adapter = Adapter(key=key, slot=slot, spec=spec, weights=weights, trainable=trainable)
+        if trainable:
+            adapter.optimizer = torch.optim.AdamW(adapter.parameters(), lr=1e-4, foreach=True)
+        for name, (a, b) in weights.items():
+            self.layers[name].adapters[slot] = LoraWeights(a, b, spec.scaling)
+        self.adapters[key] = adapter
+        return adapter
+
+    def remove(self, key: str) -> None:
+        adapter = self.adapters.pop(key, None)
+        if adapter is None:
+            return
+        for name in adapter.weights:
+            self.layers[name].adapters.pop(adapter.slot, None)

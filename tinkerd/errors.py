@@ -1,0 +1,34 @@
+"""One error hierarchy. Each error carries the SDK's category and an HTTP status.
+
+The SDK retries 408/409/429/5xx for minutes, so a caller's mistake must never be one of those:
+`UserError` is 400 (or 404 for things that do not exist) and fails the request's own future.
+"""
+
+from __future__ import annotations
+
+
+class TinkerdError(Exception):
+    category: str = "server"
+    status_code: int = 500
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+class UserError(TinkerdError):
+    """The caller sent something we will never accept; retrying cannot help."""
+
+    category = "user"
+    status_code = 400
+
+
+class NotFoundError(UserError):
+    status_code = 404
+
+
+class ServerError(TinkerdError):
+    """Our fault; reported through the future with category 'server'."""
+
+    category = "server"
+    status_code = 500

@@ -1,0 +1,151 @@
+"""Domain types shared by control/ and engine/: plain dataclasses over numpy, no torch, no HTTP.
+
+The wire layer (api/) converts the SDK's pydantic/protobuf messages into these; the engine consumes
+them. Shapes use one alphabet: N targets in a datum, K soft targets per position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """One adapter's shape: which linears carry LoRA, at what rank and scaling (alpha / rank)."""
+
+    rank: int
+    alpha: float
+    seed: int | None = None
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = True
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
+@dataclass(frozen=True)
+class AdamParams:
+    """The SDK's AdamParams, sent whole with every optim_step."""
+
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+
+@dataclass
+class Datum:
+    """One training example: the model input tokens and the loss inputs aligned to them.
+
+    tokens [N] int64; loss_fn_inputs maps a name (target_tokens, weights, advantages, ...) to a
+    dense array whose leading dimension is N ([N] or [N, K]).
+    """
+
+    tokens: np.ndarray
+    loss_fn_inputs: dict[str, np.ndarray]
+
+
+@dataclass
+class ForwardBackwardOp:
+    model_id: str
+    data: list[Datum]
+    loss_fn: str
+    loss_fn_config: dict[str, float | str] = field(default_factory=dict)
+    forward_only: bool = False
+
+
+@dataclass
+class ForwardBackwardResult:
+    # One dict per datum: output name -> array (logprobs [N] or [N, K]).
+    loss_fn_outputs: list[dict[str, np.ndarray]]
+    # Keys are `name:reduction` as the SDK's chunk merger requires.
+    metrics: dict[str, float]
+
+
+@dataclass
+class OptimStepOp:
+    model_id: str
+    adam_params: AdamParams
+
+
+@dataclass
+class CreateModelOp:
+    model_id: str
+    base_model: str
+    lora: LoraSpec
+
+
+@dataclass
+class SaveWeightsOp:
+    """Write the adapter to `dir_path`; `with_optimizer` for training state, False for sampler."""
+
+    model_id: str
+    dir_path: str
+    with_optimizer: bool
+
+
+@dataclass
+class LoadWeightsOp:
+    """Load a saved adapter into `model_id` (creating the slot when it does not exist yet)."""
+
+    model_id: str
+    base_model: str
+    dir_path: str
+    with_optimizer: bool
+
+
+@dataclass
+class UnloadModelOp:
+    model_id: str
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    seed: int | None = None
+    # Token-id stop sequences and string stops; `stop_at_eos` is False only for `stop=[]`.
+    stop_token_seqs: tuple[tuple[int, ...], ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    stop_at_eos: bool = True
+
+
+@dataclass
+class SampleOp:
+    """Sample from `base_model`, with the adapter saved at `adapter_path` when given."""
+
+    base_model: str
+    adapter_path: str | None
+    prompt: np.ndarray  # [P] int64
+    params: SamplingParams
+    num_samples: int = 1
+    prompt_logprobs: bool = False
+    topk_prompt_logprobs: int = 0
+
+
+@dataclass
+class SampledSequence:
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: Literal["stop", "length"]
+
+
+@dataclass
+class SampleResult:
+    sequences: list[SampledSequence]
+    # [P] with NaN at position 0; present when prompt_logprobs was asked.
+    prompt_logprobs: np.ndarray | None = None
+    # ([P, K] ids, [P, K] logprobs), row 0 empty; present when topk_prompt_logprobs > 0.
+    topk_prompt_logprobs: tuple[np.ndarray, np.ndarray] | None = None
+
+
+EngineOp = ForwardBackwardOp | OptimStepOp | CreateModelOp | SaveWeightsOp | LoadWeightsOp | UnloadModelOp | SampleOp
