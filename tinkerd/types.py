@@ -149,3 +149,13 @@ class SampleResult:
 
 
 EngineOp = ForwardBackwardOp | OptimStepOp | CreateModelOp | SaveWeightsOp | LoadWeightsOp | UnloadModelOp | SampleOp
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What the engine serves: reported by get_server_capabilities and get_info."""
+
+    name: str
+    tokenizer_dir: str
+    max_context_length: int
+    arch: str

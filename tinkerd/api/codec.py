@@ -1,0 +1,143 @@
+"""Protobuf codec: the SDK's own `tinker_public` messages <-> domain types.
+
+forward_backward requests arrive as protobuf; ForwardBackwardOutput and SampleResponse results must
+leave as protobuf (SDK 0.38 rejects JSON for both). Every malformed field is a UserError naming it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from google.protobuf.message import DecodeError
+from tinker.proto import tinker_public_pb2 as pb
+
+from tinkerd.errors import UserError
+from tinkerd.types import Datum, ForwardBackwardOp, ForwardBackwardResult, SampleResult
+
+PROTO_MEDIA_TYPE = "application/x-protobuf"
+
+_DTYPES = {
+    pb.DTYPE_FLOAT32: np.dtype(np.float32),
+    pb.DTYPE_INT64: np.dtype(np.int64),
+    pb.DTYPE_INT32: np.dtype(np.int32),
+}
+_OUT_DTYPES = {np.dtype(np.float32): pb.DTYPE_FLOAT32, np.dtype(np.int64): pb.DTYPE_INT64}
+# Caps a hostile shape can't exceed before we allocate: 1e8 cells is 400 MB of float32.
+_MAX_CELLS = 100_000_000
+
+
+def decode_tensor(msg: pb.Tensor, where: str) -> np.ndarray:
+    dtype = _DTYPES.get(msg.dtype)
+    if dtype is None:
+        raise UserError(f"{where}: unsupported tensor dtype {msg.dtype}")
+    shape = [int(s) for s in msg.shape]
+    if any(s < 0 for s in shape):
+        raise UserError(f"{where}: negative dimension in shape {shape}")
+    cells = math.prod(shape) if shape else None
+    if cells is not None and cells > _MAX_CELLS:
+        raise UserError(f"{where}: tensor of shape {shape} is too large")
+    which = msg.WhichOneof("encoding")
+    if which == "sparse_csr":
+        if len(shape) != 2:
+            raise UserError(f"{where}: sparse CSR tensors must be 2-D, got shape {shape}")
+        values = _frombuffer(msg.sparse_csr.values, dtype, where)
+        crow = _frombuffer(msg.sparse_csr.crow_indices, np.dtype(np.int64), where)
+        col = _frombuffer(msg.sparse_csr.col_indices, np.dtype(np.int64), where)
+        rows, cols = shape
+        if len(crow) != rows + 1 or len(col) != len(values) or (len(crow) and (crow[0] != 0 or crow[-1] != len(values))):
+            raise UserError(f"{where}: inconsistent sparse CSR indices")
+        if np.any(np.diff(crow) < 0) or (len(col) and (col.min() < 0 or col.max() >= cols)):
+            raise UserError(f"{where}: sparse CSR indices out of range")
+        dense = np.zeros(shape, dtype=dtype)
+        row_of = np.repeat(np.arange(rows), np.diff(crow))
+        dense[row_of, col] = values
+        return dense
+    data = _frombuffer(msg.dense, dtype, where)
+    if not shape:
+        return data
+    if data.size != cells:
+        raise UserError(f"{where}: {data.size} values do not fill shape {shape}")
+    return data.reshape(shape)
+
+
+def _frombuffer(buf: bytes, dtype: np.dtype, where: str) -> np.ndarray:
+    if len(buf) % dtype.itemsize:
+        raise UserError(f"{where}: byte length {len(buf)} is not a multiple of {dtype.itemsize}")
+    return np.frombuffer(buf, dtype=dtype).copy()
+
+
+def decode_forward_backward(body: bytes) -> ForwardBackwardOp:
+    msg = pb.ForwardBackwardRequest()
+    try:
+        msg.ParseFromString(body)
+    except DecodeError as e:
+        raise UserError(f"malformed ForwardBackwardRequest protobuf: {e}") from e
+    if not msg.model_id:
+        raise UserError("ForwardBackwardRequest.model_id is required")
+    data = []
+    for i, d in enumerate(msg.data):
+        tokens = []
+        for chunk in d.model_input:
+            kind = chunk.WhichOneof("chunk")
+            if kind != "encoded_text":
+                raise UserError(f"datum {i}: {kind} chunks are not supported by tinkerd's text models")
+            tokens.append(_frombuffer(chunk.encoded_text.tokens, np.dtype(np.int32), f"datum {i} tokens"))
+        toks = np.concatenate(tokens).astype(np.int64) if tokens else np.zeros(0, dtype=np.int64)
+        inputs = {name: decode_tensor(t, f"datum {i} loss_fn_inputs[{name!r}]") for name, t in d.loss_fn_inputs.items()}
+        data.append(Datum(tokens=toks, loss_fn_inputs=inputs))
+    config: dict[str, float | str] = {k: float(v) for k, v in msg.loss_fn_config.items()}
+    for k, v in msg.loss_fn_config_v2.items():
+        config[k] = v.text if v.WhichOneof("value") == "text" else float(v.number)
+    return ForwardBackwardOp(
+        model_id=msg.model_id,
+        data=data,
+        loss_fn=msg.loss_fn,
+        loss_fn_config=config,
+        forward_only=msg.forward_only,
+    )
+
+
+def forward_backward_seq_id(body: bytes) -> tuple[str, int]:
+    msg = pb.ForwardBackwardRequest()
+    msg.ParseFromString(body)
+    return msg.model_id, msg.seq_id
+
+
+def encode_forward_backward_output(result: ForwardBackwardResult) -> bytes:
+    out = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord")
+    for k, v in result.metrics.items():
+        out.metrics[k] = float(v)
+    record = out.loss_fn_outputs.add()
+    record.num_datums = len(result.loss_fn_outputs)
+    names = list(result.loss_fn_outputs[0]) if result.loss_fn_outputs else []
+    for name in names:
+        arrays = [np.ascontiguousarray(d[name]) for d in result.loss_fn_outputs]
+        dtype = np.dtype(np.float32) if arrays[0].dtype.kind == "f" else np.dtype(np.int64)
+        arrays = [a.astype(dtype, copy=False) for a in arrays]
+        bt = record.fields[name]
+        bt.dtype = _OUT_DTYPES[dtype]
+        bt.trailing_shape.extend(arrays[0].shape[1:])
+        offsets = np.cumsum([0] + [a.nbytes for a in arrays]).astype(np.int64)
+        bt.offsets = offsets.tobytes()
+        bt.data = b"".join(a.tobytes() for a in arrays)
+    return out.SerializeToString()
+
+
+def encode_sample_response(result: SampleResult) -> bytes:
+    out = pb.SampleResponse()
+    for seq in result.sequences:
+        s = out.sequences.add()
+        s.stop_reason = pb.STOP_REASON_STOP if seq.stop_reason == "stop" else pb.STOP_REASON_LENGTH
+        s.tokens = np.asarray(seq.tokens, dtype=np.int32).tobytes()
+        s.logprobs = np.asarray(seq.logprobs, dtype=np.float32).tobytes()
+    if result.prompt_logprobs is not None:
+        out.prompt_logprobs = np.asarray(result.prompt_logprobs, dtype=np.float32).tobytes()
+    if result.topk_prompt_logprobs is not None:
+        ids, lps = result.topk_prompt_logprobs
+        n, k = ids.shape
+        out.topk_prompt_logprobs.token_ids = np.ascontiguousarray(ids, dtype=np.int32).tobytes()
+        out.topk_prompt_logprobs.logprobs = np.ascontiguousarray(lps, dtype=np.float32).tobytes()
+        out.topk_prompt_logprobs.k = k
+        out.topk_prompt_logprobs.length = n
+    return out.SerializeToString()

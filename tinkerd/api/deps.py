@@ -1,0 +1,99 @@
+"""Request-scoped helpers: the app's shared state, authentication, body parsing."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import TypeVar
+
+import pydantic
+import zstandard
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from tinkerd.config import ServerConfig
+from tinkerd.control.control import Control
+from tinkerd.control.runs import Runs
+from tinkerd.errors import TinkerdError, UserError
+from tinkerd.types import ServedModel
+
+M = TypeVar("M", bound=pydantic.BaseModel)
+
+
+@dataclass
+class AppState:
+    config: ServerConfig
+    control: Control
+    runs: Runs
+    served: dict[str, ServedModel]
+
+    def served_model(self, name: str) -> ServedModel:
+        model = self.served.get(name)
+        if model is None:
+            raise UserError(f"base model {name!r} is not served here; served: {sorted(self.served)}")
+        return model
+
+
+class AuthError(TinkerdError):
+    category = "user"
+    status_code = 401
+
+
+def state(request: Request) -> AppState:
+    return request.app.state.tinkerd
+
+
+def authenticate(request: Request) -> None:
+    key = request.headers.get("x-api-key")
+    if not key:
+        raise AuthError("missing X-API-Key header")
+    if key != state(request).config.api_key:
+        raise AuthError("invalid API key")
+
+
+async def read_body(request: Request) -> bytes:
+    """The request body, zstd-decoded when the SDK compressed it, within the configured size limit."""
+    limit = state(request).config.max_body_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"request body of {declared} bytes is over the {limit}-byte limit")
+    body = bytearray()
+    async for part in request.stream():
+        body.extend(part)
+        if len(body) > limit:
+            raise PayloadTooLarge(f"request body is over the {limit}-byte limit")
+    if request.headers.get("content-encoding", "").lower() == "zstd":
+        try:
+            # max_output_size bounds a decompression bomb to the same limit as a plain body.
+            return zstandard.ZstdDecompressor().decompress(bytes(body), max_output_size=limit)
+        except zstandard.ZstdError as e:
+            raise UserError(f"cannot decompress zstd body: {e}") from e
+    return bytes(body)
+
+
+class PayloadTooLarge(UserError):
+    status_code = 413
+
+
+def parse(model: type[M], body: bytes) -> M:
+    try:
+        return model.model_validate_json(body or b"{}")
+    except pydantic.ValidationError as e:
+        problems = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or 'body'}: {err['msg']}" for err in e.errors()[:5])
+        raise UserError(f"invalid {model.__name__}: {problems}") from e
+
+
+def json_bytes(obj: dict) -> tuple[bytes, str]:
+    return json.dumps(obj).encode(), "application/json"
+
+
+def error_response(e: TinkerdError) -> JSONResponse:
+    return JSONResponse({"error": e.message, "category": e.category}, status_code=e.status_code)
+
+
+def future_response(request_id: str, **extra) -> JSONResponse:
+    return JSONResponse({"request_id": request_id, **extra})
+
+
+def empty() -> Response:
+    return Response(status_code=204)

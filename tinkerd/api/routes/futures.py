@@ -1,0 +1,31 @@
+"""retrieve_future: a long poll that answers when the result is ready or the hold time passes."""
+
+from __future__ import annotations
+
+import json
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+from tinker import types as t
+
+from tinkerd.api.deps import authenticate, parse, read_body, state
+from tinkerd.errors import NotFoundError
+
+router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
+
+
+@router.post("/retrieve_future")
+async def retrieve_future(request: Request) -> Response:
+    st = state(request)
+    req = parse(t.FutureRetrieveRequest, await read_body(request))
+    row = await st.control.retrieve(req.request_id, st.config.retrieve_future_timeout_s)
+    if row is None:
+        raise NotFoundError(f"unknown request_id {req.request_id!r}")
+    if row.status == "pending":
+        # The SDK re-polls a try_again at once, so this answer only comes after the long-poll hold.
+        return JSONResponse({"type": "try_again", "request_id": row.request_id, "queue_state": "active"})
+    if row.status == "failed":
+        return JSONResponse({"error": row.error, "category": row.error_category or "unknown"})
+    if row.result_media_type == "application/json":
+        return Response(row.result, media_type="application/json")
+    return Response(row.result, media_type=row.result_media_type)

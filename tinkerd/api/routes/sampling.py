@@ -1,0 +1,118 @@
+"""Sampling endpoints: create_sampling_session, samplers/{id}, asample."""
+
+from __future__ import annotations
+
+import numpy as np
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
+from tinker import types as t
+
+from tinkerd.api import codec
+from tinkerd.api.deps import AppState, authenticate, future_response, parse, read_body, state
+from tinkerd.control.control import Work
+from tinkerd.control.runs import parse_tinker_path
+from tinkerd.errors import UserError
+from tinkerd.types import SampleOp, SamplingParams
+
+router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
+
+
+@router.post("/create_sampling_session")
+async def create_sampling_session(request: Request) -> dict:
+    st = state(request)
+    req = parse(t.CreateSamplingSessionRequest, await read_body(request))
+    if req.model_path is not None:
+        path = parse_tinker_path(req.model_path)
+        if path.segment not in ("sampler_weights", "weights"):
+            raise UserError(f"cannot sample from {req.model_path}: use a sampler_weights or weights path")
+        ckpt = st.runs.checkpoint(path)
+        base_model = st.runs.run(ckpt.model_id).base_model
+        if req.base_model is not None and req.base_model != base_model:
+            raise UserError(f"{req.model_path} was trained on {base_model}, not {req.base_model}")
+        adapter_dir = ckpt.dir_path
+    elif req.base_model is not None:
+        base_model, adapter_dir = req.base_model, None
+    else:
+        raise UserError("create_sampling_session needs a base_model or a model_path")
+    st.served_model(base_model)
+    row = st.runs.create_sampling_session(req.session_id, req.sampling_session_seq_id, base_model, req.model_path, adapter_dir)
+    return {"sampling_session_id": row.sampling_session_id, "type": "create_sampling_session"}
+
+
+@router.get("/samplers/{sampler_id}")
+async def get_sampler(sampler_id: str, request: Request) -> dict:
+    row = state(request).runs.sampling_session(sampler_id)
+    return {"sampler_id": row.sampling_session_id, "base_model": row.base_model, "model_path": row.model_path}
+
+
+def _prompt_tokens(prompt: t.ModelInput) -> np.ndarray:
+    tokens: list[int] = []
+    for chunk in prompt.chunks:
+        if chunk.type != "encoded_text":
+            raise UserError(f"{chunk.type} prompt chunks are not supported by tinkerd's text models")
+        tokens.extend(chunk.tokens)
+    return np.asarray(tokens, dtype=np.int64)
+
+
+def _sampling_params(st: AppState, p: t.SamplingParams) -> SamplingParams:
+    stop = p.stop
+    strings: tuple[str, ...] = ()
+    token_seqs: tuple[tuple[int, ...], ...] = ()
+    if isinstance(stop, str):
+        strings = (stop,)
+    elif stop is not None:
+        items = list(stop)
+        if all(isinstance(s, str) for s in items):
+            strings = tuple(items)
+        elif all(isinstance(s, int) and not isinstance(s, bool) for s in items):
+            token_seqs = tuple((s,) for s in items)
+        else:
+            raise UserError("stop must be a string, a list of strings or a list of token ids")
+    return SamplingParams(
+        max_tokens=p.max_tokens if p.max_tokens is not None else st.config.max_sample_tokens_default,
+        temperature=float(p.temperature),
+        top_k=int(p.top_k),
+        top_p=float(p.top_p),
+        seed=p.seed,
+        stop_token_seqs=token_seqs,
+        stop_strings=strings,
+        # `stop=[]` disables every stop, EOS included; absent keeps EOS.
+        stop_at_eos=not (stop is not None and not isinstance(stop, str) and len(list(stop)) == 0),
+    )
+
+
+@router.post("/asample")
+async def asample(request: Request) -> JSONResponse:
+    st = state(request)
+    body = await read_body(request)
+    req = parse(t.SampleRequest, body)
+    if req.sampling_session_id is not None:
+        row = st.runs.sampling_session(req.sampling_session_id)
+        base_model, adapter_dir, target = row.base_model, row.adapter_dir, row.sampling_session_id
+    elif req.model_path is not None:
+        ckpt = st.runs.checkpoint(parse_tinker_path(req.model_path))
+        base_model, adapter_dir, target = st.runs.run(ckpt.model_id).base_model, ckpt.dir_path, req.model_path
+    elif req.base_model is not None:
+        base_model, adapter_dir, target = req.base_model, None, req.base_model
+    else:
+        raise UserError("asample needs a sampling_session_id, model_path or base_model")
+    st.served_model(base_model)
+    if not 1 <= req.num_samples <= st.config.max_num_samples:
+        raise UserError(f"num_samples must be between 1 and {st.config.max_num_samples}, got {req.num_samples}")
+    if req.prompt_logprobs_last_n is not None or req.prompt_alt_tokens_k or req.target_prompt_logprobs is not None:
+        raise UserError("prompt_logprobs_last_n, prompt_alt_tokens_k and target_prompt_logprobs are not supported yet")
+    if req.topk_sample_logprobs:
+        raise UserError("topk_sample_logprobs is not supported yet")
+    op = SampleOp(
+        base_model=base_model,
+        adapter_path=adapter_dir,
+        prompt=_prompt_tokens(req.prompt),
+        params=_sampling_params(st, req.sampling_params),
+        num_samples=req.num_samples,
+        prompt_logprobs=bool(req.prompt_logprobs),
+        topk_prompt_logprobs=int(req.topk_prompt_logprobs),
+    )
+    work = Work(op, lambda res: (codec.encode_sample_response(res), codec.PROTO_MEDIA_TYPE))
+    accepted = st.control.submit("Sample", target, req.seq_id, body, work)
+    ids = [f"{accepted.request_id}:{i}" for i in range(req.num_samples)]
+    return future_response(accepted.request_id, sample_sequence_ids=ids)

@@ -1,0 +1,77 @@
+"""Client configuration, sessions, heartbeat, telemetry, capabilities."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
+from tinker import types as t
+
+from tinkerd.api.deps import authenticate, empty, parse, read_body, state
+
+router = APIRouter(prefix="/api/v1")
+authed = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
+
+
+@router.get("/healthz")
+async def healthz() -> dict:
+    return {"status": "ok"}
+
+
+@authed.post("/client/config")
+async def client_config(request: Request) -> dict:
+    return {
+        # Serial chunk submission keeps every model's ops in seq_id order on arrival, so gradient
+        # accumulation sums in one fixed order and resumed runs reproduce bit-for-bit.
+        "parallel_fwdbwd_chunks": False,
+        "pjwt_auth_enabled": False,
+        "sample_max_concurrent_requests": 64,
+        "proto_compress_fwdbwd": False,
+    }
+
+
+@authed.post("/client/dynamic_config")
+async def dynamic_config() -> dict:
+    return {}
+
+
+@authed.post("/create_session")
+async def create_session(request: Request) -> dict:
+    req = parse(t.CreateSessionRequest, await read_body(request))
+    session_id = state(request).runs.create_session(req.tags, req.user_metadata or {}, req.sdk_version)
+    return {"session_id": session_id, "type": "create_session"}
+
+
+@authed.post("/session_heartbeat")
+async def session_heartbeat(request: Request) -> dict:
+    req = parse(t.SessionHeartbeatRequest, await read_body(request))
+    state(request).runs.heartbeat(req.session_id)
+    return {"type": "session_heartbeat"}
+
+
+@authed.post("/sessions/{session_id}/finish")
+async def finish_session(session_id: str, request: Request):
+    body = await read_body(request)
+    reason = None
+    try:
+        import json
+
+        reason = (json.loads(body or b"{}").get("reason") or {}).get("type")
+    except (ValueError, AttributeError):
+        pass
+    state(request).runs.finish_session(session_id, reason)
+    return empty()
+
+
+@authed.post("/telemetry")
+async def telemetry() -> dict:
+    # Accepted and dropped: tinkerd keeps its own metrics; the literal is required by the SDK.
+    return {"status": "accepted"}
+
+
+@authed.get("/get_server_capabilities")
+async def get_server_capabilities(request: Request) -> JSONResponse:
+    models = [
+        {"model_name": m.name, "max_context_length": m.max_context_length, "trainable": True, "sampleable": True}
+        for m in state(request).served.values()
+    ]
+    return JSONResponse({"supported_models": models})

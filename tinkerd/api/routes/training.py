@@ -1,0 +1,189 @@
+"""Training endpoints: create_model, get_info, forward_backward, optim_step, save/load weights."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
+from tinker import types as t
+
+from tinkerd.api import codec
+from tinkerd.api.deps import AppState, authenticate, future_response, json_bytes, parse, read_body, state
+from tinkerd.control.control import Work
+from tinkerd.control.runs import TinkerPath, check_name, parse_tinker_path
+from tinkerd.errors import UserError
+from tinkerd.types import (
+    AdamParams,
+    CreateModelOp,
+    LoadWeightsOp,
+    LoraSpec,
+    OptimStepOp,
+    SaveWeightsOp,
+)
+
+router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
+
+
+def _lora_spec(st: AppState, cfg: dict) -> LoraSpec:
+    return LoraSpec(
+        rank=int(cfg["rank"]),
+        alpha=float(cfg.get("alpha", st.config.lora_alpha)),
+        seed=cfg.get("seed"),
+        train_attn=bool(cfg.get("train_attn", True)),
+        train_mlp=bool(cfg.get("train_mlp", True)),
+        train_unembed=bool(cfg.get("train_unembed", True)),
+    )
+
+
+@router.post("/create_model")
+async def create_model(request: Request) -> JSONResponse:
+    st = state(request)
+    body = await read_body(request)
+    req = parse(t.CreateModelRequest, body)
+    st.served_model(req.base_model)
+    if req.lora_config is None:
+        raise UserError("only LoRA training is supported: send a lora_config")
+    if req.optimizer_config.type != "adamw":
+        raise UserError(f"optimizer {req.optimizer_config.type!r} is not supported; use adamw")
+    if not 1 <= req.lora_config.rank <= st.config.max_lora_rank:
+        raise UserError(f"LoRA rank must be between 1 and {st.config.max_lora_rank}, got {req.lora_config.rank}")
+    lora_config = req.lora_config.model_dump() | {"alpha": st.config.lora_alpha}
+    run, _ = st.runs.create_run(req.session_id, req.model_seq_id, req.base_model, lora_config, req.user_metadata)
+    op = CreateModelOp(model_id=run.model_id, base_model=run.base_model, lora=_lora_spec(st, run.lora_config))
+    work = Work(op, lambda _: json_bytes({"model_id": run.model_id, "type": "create_model"}))
+    accepted = st.control.submit("CreateModel", run.model_id, 0, body, work)
+    return future_response(accepted.request_id, model_id=run.model_id)
+
+
+@router.post("/get_info")
+async def get_info(request: Request) -> dict:
+    st = state(request)
+    req = parse(t.GetInfoRequest, await read_body(request))
+    run = st.runs.run(req.model_id)
+    served = st.served_model(run.base_model)
+    return {
+        "type": "get_info",
+        "model_id": run.model_id,
+        "model_data": {"arch": served.arch, "model_name": run.base_model, "tokenizer_id": served.tokenizer_dir},
+        "is_lora": True,
+        "lora_rank": run.lora_rank,
+        "model_name": run.base_model,
+        "optimizer_config": {"type": "adamw"},
+    }
+
+
+@router.post("/forward_backward")
+async def forward_backward(request: Request) -> JSONResponse:
+    st = state(request)
+    body = await read_body(request)
+    op = codec.decode_forward_backward(body)
+    st.runs.run(op.model_id)
+    seq_id = codec.forward_backward_seq_id(body)[1]
+    work = Work(op, lambda res: (codec.encode_forward_backward_output(res), codec.PROTO_MEDIA_TYPE))
+    kind = "Forward" if op.forward_only else "ForwardBackward"
+    accepted = st.control.submit(kind, op.model_id, seq_id, body, work)
+    st.runs.touch(op.model_id)
+    return future_response(accepted.request_id, model_id=op.model_id)
+
+
+@router.post("/optim_step")
+async def optim_step(request: Request) -> JSONResponse:
+    st = state(request)
+    body = await read_body(request)
+    req = parse(t.OptimStepRequest, body)
+    st.runs.run(req.model_id)
+    if not isinstance(req.optim_params, t.AdamParams):
+        raise UserError(f"optimizer {req.optim_params.type!r} is not supported; send adam_params")
+    p = req.optim_params
+    op = OptimStepOp(req.model_id, AdamParams(p.learning_rate, p.beta1, p.beta2, p.eps, p.weight_decay, p.grad_clip_norm))
+    work = Work(op, lambda metrics: json_bytes({"metrics": dict(metrics or {}), "type": "optim_step"}))
+    accepted = st.control.submit("OptimStep", req.model_id, req.seq_id, body, work)
+    return future_response(accepted.request_id, model_id=req.model_id)
+
+
+def _ttl(ttl_seconds: int | None) -> int | None:
+    if ttl_seconds is not None and ttl_seconds <= 0:
+        raise UserError(f"ttl_seconds must be positive, got {ttl_seconds}")
+    return ttl_seconds
+
+
+@router.post("/save_weights")
+async def save_weights(request: Request) -> JSONResponse:
+    st = state(request)
+    body = await read_body(request)
+    req = parse(t.SaveWeightsRequest, body)
+    st.runs.run(req.model_id)
+    path = TinkerPath(req.model_id, "weights", check_name(req.path or f"step-{req.seq_id}"))
+    ttl = _ttl(req.ttl_seconds)
+    if not req.overwrite and st.runs.checkpoint_exists(path):
+        raise UserError(f"checkpoint {path} already exists; pass overwrite=True to replace it")
+    op = SaveWeightsOp(req.model_id, str(st.runs.checkpoint_dir(path)), with_optimizer=True)
+
+    def finalize(_):
+        st.runs.register_checkpoint(path, ttl, req.user_metadata)
+        return json_bytes({"path": str(path), "type": "save_weights"})
+
+    accepted = st.control.submit("SaveWeights", req.model_id, req.seq_id, body, Work(op, finalize))
+    return future_response(accepted.request_id, model_id=req.model_id)
+
+
+@router.post("/save_weights_for_sampler")
+async def save_weights_for_sampler(request: Request) -> JSONResponse:
+    st = state(request)
+    body = await read_body(request)
+    req = parse(t.SaveWeightsForSamplerRequest, body)
+    run = st.runs.run(req.model_id)
+    if req.path is not None:
+        path = TinkerPath(req.model_id, "sampler_weights", check_name(req.path))
+        ttl = _ttl(req.ttl_seconds)
+        op = SaveWeightsOp(req.model_id, str(st.runs.checkpoint_dir(path)), with_optimizer=False)
+
+        def finalize(_):
+            st.runs.register_checkpoint(path, ttl, req.user_metadata)
+            return json_bytes({"path": str(path), "type": "save_weights_for_sampler"})
+
+    elif req.sampling_session_seq_id is not None:
+        # Ephemeral: the sampler is created server-side from these weights; the SDK sends no
+        # create_sampling_session and samples through the returned id.
+        sid = f"{run.session_id}:sample:{req.sampling_session_seq_id}"
+        adapter_dir = str(st.runs.ephemeral_dir(sid))
+        op = SaveWeightsOp(req.model_id, adapter_dir, with_optimizer=False)
+
+        def finalize(_):
+            st.runs.create_sampling_session(run.session_id, req.sampling_session_seq_id, run.base_model, None, adapter_dir)
+            return json_bytes({"sampling_session_id": sid, "type": "save_weights_for_sampler"})
+
+    else:
+        raise UserError("save_weights_for_sampler needs a path or a sampling_session_seq_id")
+    accepted = st.control.submit("SaveWeightsForSampler", req.model_id, req.seq_id, body, Work(op, finalize))
+    return future_response(accepted.request_id, model_id=req.model_id)
+
+
+@router.post("/load_weights")
+async def load_weights(request: Request) -> JSONResponse:
+    st = state(request)
+    body = await read_body(request)
+    req = parse(t.LoadWeightsRequest, body)
+    path = parse_tinker_path(req.path)
+    if path.segment != "weights":
+        raise UserError(f"load_weights needs a training checkpoint (tinker://.../weights/<name>), got {req.path}")
+    ckpt = st.runs.checkpoint(path)
+    source = st.runs.run(ckpt.model_id)
+    if req.model_id is not None:
+        # Legacy in-place load into an existing model, ordered with its other ops.
+        run = st.runs.run(req.model_id)
+        if run.base_model != source.base_model:
+            raise UserError(f"checkpoint {path} was trained on {source.base_model}, not {run.base_model}")
+        target, seq_id = run.model_id, req.seq_id
+    elif req.session_id is not None and req.model_seq_id is not None:
+        # Create-via-load: a new model `{session}:train:{n}` whose seq 0 is this load.
+        if req.base_model is not None and req.base_model != source.base_model:
+            raise UserError(f"checkpoint {path} was trained on {source.base_model}, not {req.base_model}")
+        run, _ = st.runs.create_run(req.session_id, req.model_seq_id, source.base_model, source.lora_config,
+                                    req.user_metadata if req.user_metadata is not None else source.user_metadata)
+        target, seq_id = run.model_id, 0
+    else:
+        raise UserError("load_weights needs model_id and seq_id, or session_id and model_seq_id")
+    op = LoadWeightsOp(target, source.base_model, ckpt.dir_path, with_optimizer=req.optimizer)
+    work = Work(op, lambda _: json_bytes({"path": str(path), "model_id": target, "type": "load_weights"}))
+    accepted = st.control.submit("LoadWeights", target, seq_id, body, work)
+    return future_response(accepted.request_id, model_id=target)

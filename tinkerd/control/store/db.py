@@ -1,0 +1,92 @@
+"""The durable store: one SQLAlchemy engine, short transactions, one writer at a time.
+
+SQLite in WAL mode: readers never block the writer and a commit costs well under a millisecond
+on local disk, so storing every accepted op before answering (the write-ahead rule) is cheap.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, TypeVar
+
+from sqlalchemy import create_engine, event, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
+from tinkerd.control.store.tables import Base, FutureRow
+
+T = TypeVar("T")
+
+
+def utcnow() -> datetime:
+    # Stored naive in UTC (SQLite has no time zones); the api layer adds the zone on the wire.
+    return datetime.now(timezone.utc).replace(tzinfo=None)
+
+
+class Store:
+    def __init__(self, url: str):
+        self.engine = create_engine(url, connect_args={"check_same_thread": False} if url.startswith("sqlite") else {})
+        if url.startswith("sqlite"):
+            event.listen(self.engine, "connect", _sqlite_pragmas)
+        Base.metadata.create_all(self.engine)
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        # SQLite allows one writer; serialising here avoids "database is locked" retries.
+        self._lock = threading.Lock()
+
+    @classmethod
+    def sqlite(cls, path: Path) -> "Store":
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return cls(f"sqlite:///{path}")
+
+    def get(self, row_type: type[T], key: Any) -> T | None:
+        with self._lock, self._sessions() as s:
+            return s.get(row_type, key)
+
+    def add(self, row: Any) -> bool:
+        """Insert; False when the primary or a unique key already exists."""
+        with self._lock, self._sessions() as s:
+            s.add(row)
+            try:
+                s.commit()
+            except IntegrityError:
+                s.rollback()
+                return False
+            return True
+
+    def update(self, row_type: type, key: Any, **values: Any) -> None:
+        with self._lock, self._sessions() as s:
+            row = s.get(row_type, key)
+            if row is not None:
+                for k, v in values.items():
+                    setattr(row, k, v)
+                s.commit()
+
+    def delete(self, row_type: type, key: Any) -> None:
+        with self._lock, self._sessions() as s:
+            row = s.get(row_type, key)
+            if row is not None:
+                s.delete(row)
+                s.commit()
+
+    def query(self, stmt) -> list:
+        with self._lock, self._sessions() as s:
+            return list(s.scalars(stmt))
+
+    def future_by_dedupe_key(self, key: str) -> FutureRow | None:
+        rows = self.query(select(FutureRow).where(FutureRow.dedupe_key == key))
+        return rows[0] if rows else None
+
+    def session(self) -> Session:
+        """A raw session for multi-statement work; callers must hold no other store call inside."""
+        return self._sessions()
+
+
+def _sqlite_pragmas(dbapi_conn, _record) -> None:
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    # NORMAL in WAL mode survives a process crash (only an OS crash may lose the last commits).
+    cur.execute("PRAGMA synchronous=NORMAL")
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.close()

@@ -1,0 +1,83 @@
+"""Storage rows (SQLAlchemy). SQLite in WAL mode by default; the same models serve PostgreSQL."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Float, Integer, LargeBinary, String, Text
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class SessionRow(Base):
+    __tablename__ = "sessions"
+    session_id: Mapped[str] = mapped_column(String, primary_key=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime)
+    last_heartbeat_at: Mapped[datetime] = mapped_column(DateTime)
+    tags: Mapped[list] = mapped_column(JSON, default=list)
+    user_metadata: Mapped[dict] = mapped_column(JSON, default=dict)
+    sdk_version: Mapped[str | None] = mapped_column(String, nullable=True)
+    finished_reason: Mapped[str | None] = mapped_column(String, nullable=True)
+
+
+class TrainingRunRow(Base):
+    __tablename__ = "training_runs"
+    model_id: Mapped[str] = mapped_column(String, primary_key=True)
+    session_id: Mapped[str] = mapped_column(String, index=True)
+    base_model: Mapped[str] = mapped_column(String)
+    lora_rank: Mapped[int] = mapped_column(Integer)
+    lora_config: Mapped[dict] = mapped_column(JSON)
+    user_metadata: Mapped[dict] = mapped_column(JSON, default=dict)
+    created_at: Mapped[datetime] = mapped_column(DateTime)
+    last_request_at: Mapped[datetime] = mapped_column(DateTime)
+
+
+class SamplingSessionRow(Base):
+    __tablename__ = "sampling_sessions"
+    sampling_session_id: Mapped[str] = mapped_column(String, primary_key=True)
+    session_id: Mapped[str] = mapped_column(String, index=True)
+    base_model: Mapped[str] = mapped_column(String)
+    # The tinker:// path the user named (None for base-model and ephemeral samplers).
+    model_path: Mapped[str | None] = mapped_column(String, nullable=True)
+    # The adapter directory the engine loads (None = the base model alone).
+    adapter_dir: Mapped[str | None] = mapped_column(String, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime)
+
+
+class CheckpointRow(Base):
+    __tablename__ = "checkpoints"
+    tinker_path: Mapped[str] = mapped_column(String, primary_key=True)
+    model_id: Mapped[str] = mapped_column(String, index=True)
+    checkpoint_type: Mapped[str] = mapped_column(String)  # training | sampler | external
+    name: Mapped[str] = mapped_column(String)
+    dir_path: Mapped[str] = mapped_column(String)
+    created_at: Mapped[datetime] = mapped_column(DateTime)
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    size_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    public: Mapped[bool] = mapped_column(Boolean, default=False)
+    user_metadata: Mapped[dict] = mapped_column(JSON, default=dict)
+
+
+class FutureRow(Base):
+    """One accepted operation: its wire request (the write-ahead log entry) and, once done, its result."""
+
+    __tablename__ = "futures"
+    request_id: Mapped[str] = mapped_column(String, primary_key=True)
+    request_type: Mapped[str] = mapped_column(String)  # ForwardBackward, OptimStep, Sample, ...
+    # The queue it belongs to (model_id or sampling_session_id) and its seq_id there:
+    # (target, seq_id) is the idempotency key of re-sent requests.
+    target: Mapped[str] = mapped_column(String, index=True)
+    seq_id: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    dedupe_key: Mapped[str | None] = mapped_column(String, unique=True, nullable=True)
+    body: Mapped[bytes] = mapped_column(LargeBinary)
+    status: Mapped[str] = mapped_column(String, index=True)  # pending | complete | failed
+    result: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
+    result_media_type: Mapped[str | None] = mapped_column(String, nullable=True)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    error_category: Mapped[str | None] = mapped_column(String, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime)
+    completed_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    compute_s: Mapped[float | None] = mapped_column(Float, nullable=True)
