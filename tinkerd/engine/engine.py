@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -41,6 +42,13 @@ class ModelRuntime:
     @property
     def vocab_size(self) -> int:
         return self.model.get_output_embeddings().out_features
+
+    @cached_property
+    def tokenizer(self):
+        """The base model's tokenizer, loaded on first use (sampling stop strings) and kept."""
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.loaded.tokenizer_dir)
 
 
 class Engine:
