@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Install tinkerd and its dependencies from this repository's own files.
+# torch goes first and alone: the pinned CPU build is on local disk, and an unpinned torch pulled
+# in by another package would download a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PIP="python3 -m pip install -q --disable-pip-version-check"
+$PIP -r requirements/torch.txt
+$PIP -r requirements/base.txt
+$PIP --no-deps -r requirements/nodeps.txt
+if [ "${1:-}" = "--test" ]; then
+  $PIP -r requirements/test.txt
+fi
+$PIP --no-deps -e .

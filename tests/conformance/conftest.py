@@ -1,0 +1,19 @@
+import pytest
+import tinker
+
+from tests.serverproc import API_KEY, start_server
+
+TINY = "tinkerd/tiny-qwen3"
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    srv = start_server(tmp_path_factory.mktemp("tinkerd-data"), [TINY, "tinkerd/tiny-llama"], ["--threads", "2"])
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def service_client(server):
+    client = tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
+    yield client
