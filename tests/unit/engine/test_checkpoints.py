@@ -1,0 +1,99 @@
+"""Checkpoint files: PEFT key layout, canonical optimizer order, atomic replace, plain PEFT dirs."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from tinkerd.engine import checkpoints
+from tinkerd.errors import ServerError
+from tinkerd.types import AdamParams, CreateModelOp, Datum, ForwardBackwardOp, LoraSpec, OptimStepOp, SaveWeightsOp
+
+BASE = "tinkerd/tiny-qwen3"
+
+
+@pytest.fixture(scope="module")
+def trained(engine) -> str:
+    """rank 4, every target, one optim step taken (so optimizer state exists for every tensor)."""
+    ops = [
+        CreateModelOp("ckpt-model", BASE, LoraSpec(rank=4, alpha=16.0, seed=21)),
+        ForwardBackwardOp("ckpt-model", [Datum(np.arange(1, 7), {"target_tokens": np.arange(2, 8)})], "cross_entropy"),
+        OptimStepOp("ckpt-model", AdamParams(learning_rate=1e-2)),
+    ]
+    for result in engine.step(ops):
+        assert not isinstance(result, Exception), result
+    return "ckpt-model"
+
+
+def test_files_use_peft_keys_and_canonical_optimizer_order(engine, trained, tmp_path):
+    adapter = engine.runtime(BASE).pool.get(trained)
+    (result,) = engine.step([SaveWeightsOp(trained, str(tmp_path / "c"), with_optimizer=True)])
+    assert not isinstance(result, Exception), result
+
+    tensors = load_file(tmp_path / "c" / checkpoints.WEIGHTS_FILE)
+    assert len(tensors) == 2 * len(adapter.weights) == 30
+    a = tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"]
+    b = tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"]
+    assert a.shape == (4, 64) and b.shape == (64, 4)
+    assert tensors["base_model.model.lm_head.lora_B.weight"].shape == (151_669, 4)
+    assert torch.equal(tensors["base_model.model.lm_head.lora_A.weight"], adapter.weights["lm_head"][0].detach())
+
+    state = torch.load(tmp_path / "c" / checkpoints.OPTIMIZER_FILE, weights_only=True)
+    canonical = [t for name in sorted(adapter.weights) for t in adapter.weights[name]]
+    assert state["param_groups"][0]["params"] == list(range(30))
+    for j, param in enumerate(canonical):
+        assert torch.equal(state["state"][j]["exp_avg"], adapter.optimizer.state[param]["exp_avg"])
+
+    files = checkpoints.read_adapter(tmp_path / "c")
+    assert (files.spec, files.step, files.base_model) == (adapter.spec, 1, BASE)
+
+
+def test_a_failed_save_leaves_the_old_checkpoint_and_no_debris(engine, trained, tmp_path, monkeypatch):
+    target = tmp_path / "ckpt"
+    (ok,) = engine.step([SaveWeightsOp(trained, str(target), with_optimizer=False)])
+    assert not isinstance(ok, Exception)
+    before = {p.name: p.read_bytes() for p in target.iterdir()}
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(checkpoints.torch, "save", crash)
+    (failed,) = engine.step([SaveWeightsOp(trained, str(target), with_optimizer=True)])
+    assert isinstance(failed, ServerError)
+    assert {p.name: p.read_bytes() for p in target.iterdir()} == before
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # no temporary directory left behind
+
+    monkeypatch.undo()
+    (replaced,) = engine.step([SaveWeightsOp(trained, str(target), with_optimizer=True)])
+    assert not isinstance(replaced, Exception)
+    assert (target / checkpoints.OPTIMIZER_FILE).is_file()
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_reads_a_plain_peft_adapter_directory(tiny_runtime, tiny_model_dir, tmp_path):
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    # init_lora_weights=False: random B, so equal tensors below mean the right tensors were read.
+    targets = ["q_proj", "v_proj", "lm_head"]
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, init_lora_weights=False)
+    peft_model = get_peft_model(base, config)
+    peft_model.save_pretrained(tmp_path / "peft")
+
+    files = checkpoints.read_adapter(tmp_path / "peft")
+    assert files.spec == LoraSpec(rank=4, alpha=8.0, train_attn=True, train_mlp=False, train_unembed=True)
+    assert files.optimizer_state is None and files.step == 0
+    attn = [f"model.layers.{i}.self_attn.{p}" for i in (0, 1) for p in ("q_proj", "v_proj")]
+    assert sorted(files.weights) == sorted(["lm_head", *attn])
+    inner = peft_model.base_model.model
+    for name, (a, b) in files.weights.items():
+        assert torch.equal(a, inner.get_submodule(name).lora_A["default"].weight.detach())
+        assert torch.equal(b, inner.get_submodule(name).lora_B["default"].weight.detach())
+    # The sampler's path: the tensors attach to the shared base as a frozen adapter.
+    adapter = tiny_runtime.pool.create_from_tensors("peft-import", files.spec, files.weights, trainable=False)
+    assert adapter.optimizer is None
+    tiny_runtime.pool.remove("peft-import")

@@ -1,0 +1,254 @@
+"""Adapter checkpoint files: a PEFT adapter directory, plus optimizer state for training checkpoints.
+
+Layout of one checkpoint directory:
+
+    adapter_model.safetensors  base_model.model.<hf module>.lora_A.weight [R, in]
+                               base_model.model.<hf module>.lora_B.weight [out, R]
+    adapter_config.json        what `peft.PeftModel.from_pretrained` reads (exports need nothing else)
+    tinkerd.json               LoRA spec, step, base model (exact spec, incl. seed and train_* flags)
+    optimizer.pt               only when with_optimizer: torch.save of an AdamW state_dict whose
+                               parameter indices follow `canonical_params` (sorted layer names,
+                               A then B), so it restores into any adapter with the same layers
+                               whatever order its own optimizer lists them in
+
+Everything is written into a temporary directory next to the target and renamed into place, so a
+crash leaves either the old checkpoint, the new one, or none: never a half one under the real name.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from tinkerd.engine.lora.layers import ATTN_TARGETS, MLP_TARGETS, UNEMBED_TARGET
+from tinkerd.engine.lora.pool import Adapter
+from tinkerd.errors import NotFoundError, UserError
+from tinkerd.types import LoraSpec
+
+WEIGHTS_FILE = "adapter_model.safetensors"
+CONFIG_FILE = "adapter_config.json"
+META_FILE = "tinkerd.json"
+OPTIMIZER_FILE = "optimizer.pt"
+FORMAT_VERSION = 1
+
+log = logging.getLogger(__name__)
+
+# PEFT wraps the HF model twice (PeftModel -> LoraModel -> model), hence this prefix on every key.
+_KEY_PREFIX = "base_model.model."
+_A_SUFFIX = ".lora_A.weight"
+_B_SUFFIX = ".lora_B.weight"
+# PEFT also saves a full copy of a targeted lm_head/embedding (`save_embedding_layers`, on by default
+# when lm_head is a target) in case the vocabulary was resized; tinkerd serves the base's own layer.
+_BASE_LAYER_SUFFIX = ".base_layer.weight"
+
+
+@dataclass
+class AdapterFiles:
+    spec: LoraSpec
+    # HF module name -> (A [R, in], B [out, R]) fp32, in sorted name order.
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    # AdamW state_dict in canonical parameter order; None for sampler/exported checkpoints.
+    optimizer_state: dict | None
+    step: int
+    base_model: str
+
+
+def canonical_params(adapter: Adapter) -> list[torch.Tensor]:
+    """The adapter's tensors in file order: sorted layer names, A then B."""
+    return [t for name in sorted(adapter.weights) for t in adapter.weights[name]]
+
+
+def new_optimizer(adapter: Adapter, state: dict | None = None) -> torch.optim.Optimizer:
+    """A fresh AdamW over the adapter's tensors, with `state` (canonical order) restored when given.
+
+    Hyperparameters here are placeholders: optim_step sets lr/betas/eps/weight_decay every step.
+    """
+    optimizer = torch.optim.AdamW(canonical_params(adapter), lr=1e-4, foreach=True)
+    if state is not None:
+        try:
+            optimizer.load_state_dict(state)
+        except (ValueError, KeyError) as e:
+            raise UserError(f"checkpoint optimizer state does not fit this adapter: {e}") from e
+    return optimizer
+
+
+def _canonical_optimizer_state(adapter: Adapter) -> dict:
+    """The adapter optimizer's state_dict re-indexed to canonical_params order."""
+    optimizer = adapter.optimizer
+    assert optimizer is not None and len(optimizer.param_groups) == 1
+    own_index = {id(p): i for i, p in enumerate(optimizer.param_groups[0]["params"])}
+    to_canonical = {own_index[id(p)]: j for j, p in enumerate(canonical_params(adapter))}
+    sd = optimizer.state_dict()
+    return {
+        "state": {to_canonical[i]: s for i, s in sd["state"].items()},
+        "param_groups": [{**g, "params": sorted(to_canonical[i] for i in g["params"])} for g in sd["param_groups"]],
+    }
+
+
+def _peft_config(spec: LoraSpec, layer_names: list[str], base_model: str) -> dict:
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": spec.rank,
+        "lora_alpha": spec.alpha,
+        # Short names: PEFT matches them as suffixes, and an adapter covers every layer of a kind.
+        "target_modules": sorted({n.rsplit(".", 1)[-1] for n in layer_names}),
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "inference_mode": True,
+    }
+
+
+def _spec_to_json(spec: LoraSpec) -> dict:
+    return {
+        "rank": spec.rank,
+        "alpha": spec.alpha,
+        "seed": spec.seed,
+        "train_attn": spec.train_attn,
+        "train_mlp": spec.train_mlp,
+        "train_unembed": spec.train_unembed,
+    }
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def save_adapter(adapter: Adapter, base_model: str, dir_path: str | os.PathLike, with_optimizer: bool) -> int:
+    """Write `adapter` to `dir_path` (replacing what is there); returns the bytes written."""
+    target = Path(dir_path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if with_optimizer and adapter.optimizer is None:
+        raise UserError(f"model {adapter.key!r} has no optimizer state to save")
+    names = sorted(adapter.weights)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        tensors = {}
+        for name in names:
+            a, b = adapter.weights[name]
+            tensors[f"{_KEY_PREFIX}{name}{_A_SUFFIX}"] = a.detach().float().contiguous().clone()
+            tensors[f"{_KEY_PREFIX}{name}{_B_SUFFIX}"] = b.detach().float().contiguous().clone()
+        save_file(tensors, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
+        (tmp / CONFIG_FILE).write_text(json.dumps(_peft_config(adapter.spec, names, base_model), indent=2))
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "base_model": base_model,
+            "lora": _spec_to_json(adapter.spec),
+            "step": adapter.step,
+            "with_optimizer": with_optimizer,
+        }
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
+        if with_optimizer:
+            torch.save(_canonical_optimizer_state(adapter), tmp / OPTIMIZER_FILE)
+        size_bytes = 0
+        for f in tmp.iterdir():
+            _fsync_file(f)
+            size_bytes += f.stat().st_size
+        _swap_into_place(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return size_bytes
+
+
+def _swap_into_place(tmp: Path, target: Path) -> None:
+    # os.replace cannot replace a non-empty directory, so an existing checkpoint is first renamed
+    # aside (also atomic) and deleted only after the new one is in place.
+    old = None
+    if target.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+        os.replace(target, old / "ckpt")
+    os.replace(tmp, target)
+    dir_fd = os.open(target.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _spec_from_peft_config(cfg: dict) -> LoraSpec:
+    """For directories without tinkerd.json (e.g. adapters trained elsewhere)."""
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise UserError(f"checkpoint is a {cfg.get('peft_type')} adapter; only LoRA is supported")
+    if cfg.get("rank_pattern") or cfg.get("alpha_pattern") or cfg.get("use_dora"):
+        raise UserError("checkpoint uses per-layer ranks/alphas or DoRA, which tinkerd does not support")
+    targets = cfg.get("target_modules") or []
+    targets = {targets} if isinstance(targets, str) else {t.rsplit(".", 1)[-1] for t in targets}
+    return LoraSpec(
+        rank=int(cfg["r"]),
+        alpha=float(cfg.get("lora_alpha", cfg["r"])),
+        train_attn=bool(targets & set(ATTN_TARGETS)),
+        train_mlp=bool(targets & set(MLP_TARGETS)),
+        train_unembed=UNEMBED_TARGET in targets,
+    )
+
+
+def _split_weights(tensors: dict[str, torch.Tensor], rank: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        if key.endswith(_BASE_LAYER_SUFFIX):
+            log.warning("ignoring %s: a copy of a base-model layer, not LoRA weights", key)
+            continue
+        if not key.startswith(_KEY_PREFIX) or not key.endswith((_A_SUFFIX, _B_SUFFIX)):
+            raise UserError(f"unexpected tensor {key!r} in {WEIGHTS_FILE}")
+        which = "a" if key.endswith(_A_SUFFIX) else "b"
+        name = key[len(_KEY_PREFIX) : -len(_A_SUFFIX)]
+        halves.setdefault(name, {})[which] = t.float()
+    weights = {}
+    for name in sorted(halves):
+        pair = halves[name]
+        if set(pair) != {"a", "b"}:
+            raise UserError(f"checkpoint has only one of lora_A/lora_B for {name}")
+        a, b = pair["a"], pair["b"]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != rank or b.shape[1] != rank:
+            shapes = f"({tuple(a.shape)}, {tuple(b.shape)})"
+            raise UserError(f"checkpoint LoRA shapes for {name} {shapes} do not match rank {rank}")
+        weights[name] = (a, b)
+    if not weights:
+        raise UserError(f"{WEIGHTS_FILE} holds no LoRA weights")
+    return weights
+
+
+def read_adapter(dir_path: str | os.PathLike) -> AdapterFiles:
+    """Read a checkpoint written by save_adapter (or a plain PEFT LoRA adapter directory)."""
+    path = Path(dir_path)
+    if not (path / WEIGHTS_FILE).is_file() or not (path / CONFIG_FILE).is_file():
+        raise NotFoundError(f"no adapter checkpoint at {str(path)!r}")
+    try:
+        peft_cfg = json.loads((path / CONFIG_FILE).read_text())
+        meta = json.loads((path / META_FILE).read_text()) if (path / META_FILE).is_file() else None
+        tensors = load_file(path / WEIGHTS_FILE)
+    except (OSError, ValueError, SafetensorError) as e:
+        raise UserError(f"unreadable adapter checkpoint at {str(path)!r}: {e}") from e
+    if meta is not None:
+        spec = LoraSpec(**meta["lora"])
+        base_model, step = meta["base_model"], int(meta["step"])
+    else:
+        spec = _spec_from_peft_config(peft_cfg)
+        base_model, step = peft_cfg.get("base_model_name_or_path") or "", 0
+    optimizer_state = None
+    if (path / OPTIMIZER_FILE).is_file():
+        optimizer_state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+    return AdapterFiles(
+        spec=spec,
+        weights=_split_weights(tensors, spec.rank),
+        optimizer_state=optimizer_state,
+        step=step,
+        base_model=base_model,
+    )

@@ -1,0 +1,93 @@
+"""Loss functions, registered by their protocol name (`loss_fn` in forward_backward).
+
+Every loss is one module exporting the same five names:
+
+    NAME             the protocol name, verbatim (`cross_entropy`, `importance_sampling`, ...)
+    REQUIRED_INPUTS  loss_fn_inputs keys that must be present on every datum
+    OPTIONAL_INPUTS  keys the loss accepts but can do without (it fills the default itself)
+    CONFIG_DEFAULTS  the accepted loss_fn_config keys and their defaults
+    loss_fn(target_logprobs, inputs, config) -> (loss_sum, metrics)
+
+and is added here with one line in `_MODULES`. The engine (training.py) does the rest: it
+validates inputs per datum against the declared keys (so errors can name the datum), computes
+the learner's log-probs of `target_tokens`, and concatenates every datum's positions in datum
+order before calling the loss once:
+
+    target_logprobs  [M] or [M, K] fp32, M = total target positions of the batch (no padding rows,
+                     so a loss never has to mask), differentiable unless forward_only
+    inputs           key -> tensor with the same leading M: `target_tokens` int64, others fp32
+    config           CONFIG_DEFAULTS updated with the request's loss_fn_config
+    loss_sum         scalar; Tinker losses are sums over tokens, never means (protocol §8)
+    metrics          `name:reduction` keys (protocol §7.6); at least `loss:sum`
+
+An unknown name is a UserError listing the supported ones; there is no fallback loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import ModuleType
+
+from torch import Tensor
+
+from tinkerd.engine.losses import cross_entropy
+from tinkerd.errors import UserError
+
+LossImpl = Callable[[Tensor, dict[str, Tensor], dict[str, float | str]], tuple[Tensor, dict[str, float]]]
+
+# Adding a loss family: write losses/<family>.py with the five names above and list it here.
+_MODULES: tuple[ModuleType, ...] = (cross_entropy,)
+
+
+@dataclass(frozen=True)
+class LossFn:
+    """A registered loss: the pure function plus what it accepts, so the engine can validate."""
+
+    name: str
+    fn: LossImpl
+    required_inputs: tuple[str, ...]
+    optional_inputs: tuple[str, ...] = ()
+    config_defaults: Mapping[str, float | str] = field(default_factory=dict)
+
+    @property
+    def accepted_inputs(self) -> tuple[str, ...]:
+        return self.required_inputs + self.optional_inputs
+
+    def resolve_config(self, config: Mapping[str, float | str]) -> dict[str, float | str]:
+        """The loss's defaults updated with the request's values; unknown keys are the caller's mistake."""
+        unknown = sorted(set(config) - set(self.config_defaults))
+        if unknown:
+            accepted = ", ".join(sorted(self.config_defaults)) or "none"
+            raise UserError(f"loss_fn_config keys {unknown} are not used by {self.name} (accepted: {accepted})")
+        return {**self.config_defaults, **config}
+
+    def __call__(
+        self, target_logprobs: Tensor, inputs: dict[str, Tensor], config: dict[str, float | str]
+    ) -> tuple[Tensor, dict[str, float]]:
+        return self.fn(target_logprobs, inputs, config)
+
+
+def _from_module(module: ModuleType) -> LossFn:
+    return LossFn(
+        name=module.NAME,
+        fn=module.loss_fn,
+        required_inputs=tuple(module.REQUIRED_INPUTS),
+        optional_inputs=tuple(module.OPTIONAL_INPUTS),
+        config_defaults=dict(module.CONFIG_DEFAULTS),
+    )
+
+
+LOSSES: dict[str, LossFn] = {m.NAME: _from_module(m) for m in _MODULES}
+
+
+def supported_losses() -> list[str]:
+    """The names get_server_capabilities advertises."""
+    return sorted(LOSSES)
+
+
+def get_loss(name: str) -> LossFn:
+    loss = LOSSES.get(name)
+    if loss is None:
+        raise UserError(f"loss_fn {name!r} is not supported by this server (supported: {', '.join(supported_losses())})")
+    return loss

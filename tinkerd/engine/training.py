@@ -1,0 +1,332 @@
+"""Training ops on one adapter: create, forward_backward, optim_step, save, load, unload.
+
+Every op validates everything it can before it touches the adapter, and forward_backward computes
+its gradients into fresh tensors (torch.autograd.grad) that are added to `.grad` only once the
+whole batch succeeded: a failed op leaves weights, grads and optimizer state as they were.
+
+Shapes: B datums (rows), T longest datum, M total real positions, V vocab, H hidden, K soft targets.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from tinkerd.engine import checkpoints
+from tinkerd.engine.losses import LossFn, get_loss
+from tinkerd.errors import UserError
+from tinkerd.types import (
+    AdamParams,
+    CreateModelOp,
+    Datum,
+    ForwardBackwardOp,
+    ForwardBackwardResult,
+    LoadWeightsOp,
+    OptimStepOp,
+    SaveWeightsOp,
+    UnloadModelOp,
+)
+
+if TYPE_CHECKING:
+    from tinkerd.engine.engine import Engine, ModelRuntime
+    from tinkerd.engine.lora.pool import Adapter
+
+log = logging.getLogger(__name__)
+
+
+def _trainable(engine: "Engine", model_id: str) -> tuple["ModelRuntime", "Adapter"]:
+    rt = engine.runtime_of(model_id)
+    adapter = rt.pool.get(model_id)
+    if not adapter.trainable or adapter.optimizer is None:
+        raise UserError(f"model_id {model_id!r} is not a training model")
+    return rt, adapter
+
+
+# ---------------------------------------------------------------------------------------------
+# create / unload
+
+
+def create_model(engine: "Engine", op: CreateModelOp) -> dict:
+    rt = engine.runtime(op.base_model)
+    if op.model_id in engine.model_of:
+        raise UserError(f"model_id {op.model_id!r} already exists")
+    rt.pool.create(op.model_id, op.lora, trainable=True)
+    engine.model_of[op.model_id] = rt.name
+    return {"model_id": op.model_id}
+
+
+def unload_model(engine: "Engine", op: UnloadModelOp) -> dict:
+    rt = engine.runtime_of(op.model_id)
+    rt.pool.remove(op.model_id)
+    del engine.model_of[op.model_id]
+    return {}
+
+
+# ---------------------------------------------------------------------------------------------
+# forward_backward
+
+
+def _validate_datum(i: int, datum: Datum, loss: LossFn, vocab_size: int, max_context: int) -> dict[str, np.ndarray]:
+    """Check one datum; returns its loss inputs converted (target_tokens int64, the rest fp32)."""
+    tokens = np.asarray(datum.tokens)
+    if tokens.ndim != 1 or tokens.size == 0:
+        raise UserError(f"datum {i}: model_input must be a non-empty 1-D token list, got shape {list(tokens.shape)}")
+    if not np.issubdtype(tokens.dtype, np.integer):
+        raise UserError(f"datum {i}: model_input tokens must be integers, got {tokens.dtype}")
+    n = tokens.shape[0]
+    if n > max_context:
+        raise UserError(f"datum {i}: {n} tokens exceed the model's context length of {max_context}")
+    bad = (tokens < 0) | (tokens >= vocab_size)
+    if bad.any():
+        raise UserError(f"datum {i}: token id {int(tokens[bad][0])} is outside the vocabulary [0, {vocab_size})")
+
+    given = datum.loss_fn_inputs
+    missing = [k for k in loss.required_inputs if k not in given]
+    if missing:
+        raise UserError(f"datum {i}: loss_fn {loss.name} requires loss_fn_inputs {missing}")
+    unknown = sorted(set(given) - set(loss.accepted_inputs))
+    if unknown:
+        accepted = ", ".join(loss.accepted_inputs)
+        raise UserError(f"datum {i}: loss_fn_inputs {unknown} are not used by {loss.name} (accepted: {accepted})")
+    targets = np.asarray(given["target_tokens"])
+    if targets.ndim not in (1, 2) or targets.shape[0] != n or (targets.ndim == 2 and targets.shape[1] == 0):
+        raise UserError(
+            f"datum {i}: target_tokens has shape {list(targets.shape)}; expected [{n}] or [{n}, K] to match {n} input tokens"
+        )
+    if not np.issubdtype(targets.dtype, np.integer):
+        raise UserError(f"datum {i}: target_tokens must be integers, got {targets.dtype}")
+    bad = (targets < 0) | (targets >= vocab_size)
+    if bad.any():
+        token = int(targets[bad][0])
+        raise UserError(f"datum {i}: target token id {token} is outside the vocabulary [0, {vocab_size})")
+
+    out = {"target_tokens": targets.astype(np.int64, copy=False)}
+    for key, value in given.items():
+        if key == "target_tokens":
+            continue
+        arr = np.asarray(value)
+        # Every registered loss aligns its inputs with the targets position by position.
+        if arr.shape != targets.shape:
+            raise UserError(f"datum {i}: {key} has shape {list(arr.shape)} but target_tokens has {list(targets.shape)}")
+        if not (np.issubdtype(arr.dtype, np.number) or arr.dtype == np.bool_):
+            raise UserError(f"datum {i}: {key} must be numeric, got {arr.dtype}")
+        arr = arr.astype(np.float32, copy=False)
+        if not np.isfinite(arr).all():
+            raise UserError(f"datum {i}: {key} contains NaN or infinite values")
+        out[key] = arr
+    return out
+
+
+def _validate(op: ForwardBackwardOp, rt: "ModelRuntime", loss: LossFn) -> list[dict[str, np.ndarray]]:
+    if not op.data:
+        raise UserError("forward_backward needs at least one datum")
+    vocab_size, max_context = rt.vocab_size, rt.loaded.max_context_length
+    inputs = [_validate_datum(i, d, loss, vocab_size, max_context) for i, d in enumerate(op.data)]
+    # The loss sees all positions concatenated, so every datum must share the trailing target shape.
+    trailing = inputs[0]["target_tokens"].shape[1:]
+    for i, x in enumerate(inputs):
+        if x["target_tokens"].shape[1:] != trailing:
+            raise UserError(
+                f"datum {i}: target_tokens trailing shape {list(x['target_tokens'].shape[1:])} differs from "
+                f"datum 0's {list(trailing)}; one request must use one target shape"
+            )
+        present = sorted(k for k in x if k in loss.optional_inputs)
+        first = sorted(k for k in inputs[0] if k in loss.optional_inputs)
+        if present != first:
+            raise UserError(
+                f"datum {i}: loss_fn_inputs {present} differ from datum 0's {first}; send the same keys on every datum"
+            )
+    return inputs
+
+
+def _target_logprobs(
+    rt: "ModelRuntime", input_ids: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor
+) -> torch.Tensor:
+    """Log-probs of `targets` ([M] or [M, K]) at the real positions of a right-padded batch.
+
+    input_ids/mask [B, T]. The unembedding runs only on the M real positions (padding costs no
+    [*, V] work), and logprob = logit[target] − logsumexp(logits) avoids materialising a second
+    [M, V] log-softmax: the [M, V] logits are the one vocab-sized fp32 tensor kept for backward.
+    """
+    model = rt.model
+    decoder = model.get_decoder()
+    hidden = decoder(input_ids=input_ids, attention_mask=mask, use_cache=False).last_hidden_state  # [B, T, H]
+    hidden = hidden[mask.bool()]  # [M, H], datum 0's positions first
+    logits = model.get_output_embeddings()(hidden)  # [M, V]
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    if softcap:  # Gemma-style models cap logits in their forward; keep parity with it
+        logits = torch.tanh(logits / softcap) * softcap
+    lse = torch.logsumexp(logits, dim=-1)  # [M]
+    if targets.dim() == 1:
+        return logits.gather(-1, targets[:, None])[:, 0] - lse
+    return logits.gather(-1, targets) - lse[:, None]  # [M, K]
+
+
+def forward_backward(engine: "Engine", op: ForwardBackwardOp) -> ForwardBackwardResult:
+    rt = engine.runtime_of(op.model_id)
+    adapter = rt.pool.get(op.model_id)
+    if not op.forward_only and (not adapter.trainable or adapter.optimizer is None):
+        raise UserError(f"model_id {op.model_id!r} is not a training model")
+    loss = get_loss(op.loss_fn)
+    config = loss.resolve_config(op.loss_fn_config)
+    per_datum = _validate(op, rt, loss)
+    started = time.perf_counter()
+
+    # Pack into one right-padded batch; pad positions are masked out and never reach the loss.
+    lengths = [len(d.tokens) for d in op.data]
+    batch, width = len(lengths), max(lengths)
+    input_ids = torch.zeros(batch, width, dtype=torch.long)  # [B, T]
+    mask = torch.zeros(batch, width, dtype=torch.long)  # [B, T]
+    for row, d in enumerate(op.data):
+        # np.array copies: decoded wire buffers are read-only and torch warns on those.
+        input_ids[row, : lengths[row]] = torch.from_numpy(np.array(d.tokens, dtype=np.int64))
+        mask[row, : lengths[row]] = 1
+    inputs = {k: torch.from_numpy(np.concatenate([x[k] for x in per_datum])) for k in per_datum[0]}  # [M] / [M, K]
+
+    params = adapter.parameters()
+    rt.ctx.set_single(adapter.slot)
+    try:
+        with torch.set_grad_enabled(not op.forward_only):
+            target_logprobs = _target_logprobs(rt, input_ids, mask, inputs["target_tokens"])
+            loss_sum, metrics = loss(target_logprobs, inputs, config)
+            # Into fresh tensors first: .grad is touched only after the whole batch succeeded.
+            grads = None if op.forward_only else torch.autograd.grad(loss_sum, params, allow_unused=True)
+    finally:
+        rt.ctx.clear()
+
+    if grads is not None:
+        with torch.no_grad():
+            for p, g in zip(params, grads):
+                if g is None:
+                    continue
+                if p.grad is None:
+                    p.grad = g
+                else:
+                    p.grad.add_(g)
+        adapter.pending_grads += 1
+
+    logprobs = target_logprobs.detach().numpy().astype(np.float32, copy=False)
+    offsets = np.cumsum([0] + lengths)
+    outputs = [{"logprobs": logprobs[offsets[i] : offsets[i + 1]].copy()} for i in range(batch)]
+    log.debug(
+        "forward_backward model=%s datums=%d tokens=%d forward_only=%s %.1f ms",
+        op.model_id, batch, int(offsets[-1]), op.forward_only, 1e3 * (time.perf_counter() - started),
+    )
+    return ForwardBackwardResult(loss_fn_outputs=outputs, metrics=metrics)
+
+
+# ---------------------------------------------------------------------------------------------
+# optim_step
+
+
+def _check_adam(p: AdamParams) -> None:
+    if not p.learning_rate >= 0:
+        raise UserError(f"adam_params.learning_rate must be >= 0, got {p.learning_rate}")
+    for name, beta in (("beta1", p.beta1), ("beta2", p.beta2)):
+        if not 0 <= beta < 1:
+            raise UserError(f"adam_params.{name} must be in [0, 1), got {beta}")
+    if not p.eps >= 0:
+        raise UserError(f"adam_params.eps must be >= 0, got {p.eps}")
+    if not p.weight_decay >= 0:
+        raise UserError(f"adam_params.weight_decay must be >= 0, got {p.weight_decay}")
+    if not p.grad_clip_norm >= 0:
+        raise UserError(f"adam_params.grad_clip_norm must be >= 0 (0 = no clipping), got {p.grad_clip_norm}")
+
+
+def optim_step(engine: "Engine", op: OptimStepOp) -> dict[str, float]:
+    _, adapter = _trainable(engine, op.model_id)
+    p = op.adam_params
+    _check_adam(p)
+    optimizer = adapter.optimizer
+    # The SDK sends AdamParams whole with every step (schedules live client-side), so each step
+    # overwrites the group's hyperparameters rather than keeping the ones of creation time.
+    for group in optimizer.param_groups:
+        group["lr"] = p.learning_rate
+        group["betas"] = (p.beta1, p.beta2)
+        group["eps"] = p.eps
+        group["weight_decay"] = p.weight_decay
+    if p.grad_clip_norm > 0:
+        # Canonical order, so a run restored from a checkpoint sums the same norms in the same order.
+        grads = [t for t in checkpoints.canonical_params(adapter) if t.grad is not None]
+        torch.nn.utils.clip_grad_norm_(grads, p.grad_clip_norm, foreach=True)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    adapter.step += 1
+    adapter.pending_grads = 0
+    return {}
+
+
+# ---------------------------------------------------------------------------------------------
+# save / load
+
+
+def save_weights(engine: "Engine", op: SaveWeightsOp) -> dict[str, int]:
+    rt = engine.runtime_of(op.model_id)
+    adapter = rt.pool.get(op.model_id)
+    size_bytes = checkpoints.save_adapter(adapter, rt.name, op.dir_path, op.with_optimizer)
+    return {"size_bytes": size_bytes}
+
+
+def _load_in_place(engine: "Engine", op: LoadWeightsOp, files: checkpoints.AdapterFiles) -> None:
+    rt, adapter = _trainable(engine, op.model_id)
+    if files.base_model != rt.name:
+        raise UserError(f"checkpoint was trained on {files.base_model!r}, but model {op.model_id!r} uses {rt.name!r}")
+    spec = adapter.spec
+    if (files.spec.rank, files.spec.alpha) != (spec.rank, spec.alpha) or set(files.weights) != set(adapter.weights):
+        raise UserError(
+            f"checkpoint LoRA config (rank {files.spec.rank}, alpha {files.spec.alpha}, {len(files.weights)} layers) "
+            f"does not match model {op.model_id!r} (rank {spec.rank}, alpha {spec.alpha}, {len(adapter.weights)} layers)"
+        )
+    for name, (a, b) in files.weights.items():
+        cur_a, cur_b = adapter.weights[name]
+        if a.shape != cur_a.shape or b.shape != cur_b.shape:
+            raise UserError(f"checkpoint LoRA shapes for {name} do not fit this base model")
+    # Built before any mutation: a state that does not fit fails here with the adapter intact.
+    optimizer = checkpoints.new_optimizer(adapter, files.optimizer_state if op.with_optimizer else None)
+    with torch.no_grad():
+        for name, (a, b) in files.weights.items():
+            cur_a, cur_b = adapter.weights[name]
+            cur_a.copy_(a)
+            cur_b.copy_(b)
+            cur_a.grad = None
+            cur_b.grad = None
+    adapter.optimizer = optimizer
+    adapter.step = files.step if op.with_optimizer else 0
+    adapter.pending_grads = 0
+
+
+def _load_as_new(engine: "Engine", op: LoadWeightsOp, files: checkpoints.AdapterFiles) -> None:
+    base_model = op.base_model or files.base_model
+    if files.base_model != base_model:
+        raise UserError(f"checkpoint was trained on {files.base_model!r}, not on {base_model!r}")
+    rt = engine.runtime(base_model)
+    # Same tensor order as a freshly created adapter, so both behave identically bit for bit.
+    weights = {n: files.weights[n] for n in rt.pool.layers if n in files.weights}
+    unknown = sorted(set(files.weights) - set(weights))
+    if unknown:
+        raise UserError(f"checkpoint has LoRA weights for layers {rt.name!r} lacks: {unknown[:3]}")
+    if not 1 <= files.spec.rank <= rt.pool.max_rank:
+        raise UserError(f"checkpoint LoRA rank {files.spec.rank} is outside 1..{rt.pool.max_rank}")
+    adapter = rt.pool.create_from_tensors(op.model_id, files.spec, weights, trainable=True)
+    try:
+        adapter.optimizer = checkpoints.new_optimizer(adapter, files.optimizer_state if op.with_optimizer else None)
+    except Exception:
+        rt.pool.remove(op.model_id)
+        raise
+    adapter.step = files.step if op.with_optimizer else 0
+    engine.model_of[op.model_id] = rt.name
+
+
+def load_weights(engine: "Engine", op: LoadWeightsOp) -> dict:
+    files = checkpoints.read_adapter(op.dir_path)
+    if op.with_optimizer and files.optimizer_state is None:
+        raise UserError(f"checkpoint at {op.dir_path!r} has no optimizer state (a sampler or exported checkpoint?)")
+    if op.model_id in engine.model_of:
+        _load_in_place(engine, op, files)
+    else:
+        _load_as_new(engine, op, files)
+    return {"model_id": op.model_id}
