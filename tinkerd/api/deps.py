@@ -12,7 +12,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from tinkerd.config import ServerConfig
-from tinkerd.control.control import Control
+from tinkerd.control.control import Control, Work
 from tinkerd.control.runs import Runs
 from tinkerd.errors import TinkerdError, UserError
 from tinkerd.types import ServedModel
@@ -104,6 +104,24 @@ def error_response(e: TinkerdError) -> JSONResponse:
 
 def future_response(request_id: str, **extra) -> JSONResponse:
     return JSONResponse({"request_id": request_id, **extra})
+
+
+@dataclass
+class Prepared:
+    """A validated request ready for the queue: what `Control.submit` needs, built from the body alone
+    (plus stored state), so recovery can rebuild it from the write-ahead log."""
+
+    request_type: str
+    target: str
+    seq_id: int | None
+    work: Work
+    response: dict | None = None  # extra fields of the future response (e.g. sample_sequence_ids)
+
+
+def submit(st: AppState, prepared: Prepared, body: bytes) -> JSONResponse:
+    accepted = st.control.submit(prepared.request_type, prepared.target, prepared.seq_id, body, prepared.work)
+    st.runs.touch(prepared.target)  # a training run's last_request_time; no-op for other targets
+    return future_response(accepted.request_id, model_id=prepared.target, **(prepared.response or {}))
 
 
 def empty() -> Response:

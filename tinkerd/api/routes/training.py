@@ -7,7 +7,7 @@ from fastapi.responses import JSONResponse
 from tinker import types as t
 
 from tinkerd.api import codec
-from tinkerd.api.deps import AppState, authenticate, future_response, json_bytes, parse, read_body, state
+from tinkerd.api.deps import AppState, Prepared, authenticate, json_bytes, parse, read_body, state, submit
 from tinkerd.control.control import Work
 from tinkerd.control.runs import TinkerPath, check_name, parse_tinker_path
 from tinkerd.errors import UserError
@@ -34,10 +34,7 @@ def _lora_spec(st: AppState, cfg: dict) -> LoraSpec:
     )
 
 
-@router.post("/create_model")
-async def create_model(request: Request) -> JSONResponse:
-    st = state(request)
-    body = await read_body(request)
+def prepare_create_model(st: AppState, body: bytes) -> Prepared:
     req = parse(t.CreateModelRequest, body)
     st.served_model(req.base_model)
     if req.lora_config is None:
@@ -50,8 +47,7 @@ async def create_model(request: Request) -> JSONResponse:
     run, _ = st.runs.create_run(req.session_id, req.model_seq_id, req.base_model, lora_config, req.user_metadata)
     op = CreateModelOp(model_id=run.model_id, base_model=run.base_model, lora=_lora_spec(st, run.lora_config))
     work = Work(op, lambda _: json_bytes({"model_id": run.model_id, "type": "create_model"}))
-    accepted = st.control.submit("CreateModel", run.model_id, 0, body, work)
-    return future_response(accepted.request_id, model_id=run.model_id)
+    return Prepared("CreateModel", run.model_id, 0, work)
 
 
 @router.post("/get_info")
@@ -71,24 +67,16 @@ async def get_info(request: Request) -> dict:
     }
 
 
-@router.post("/forward_backward")
-async def forward_backward(request: Request) -> JSONResponse:
-    st = state(request)
-    body = await read_body(request)
+def prepare_forward_backward(st: AppState, body: bytes) -> Prepared:
     op = codec.decode_forward_backward(body)
     st.runs.run(op.model_id)
     seq_id = codec.forward_backward_seq_id(body)[1]
     work = Work(op, lambda res: (codec.encode_forward_backward_output(res), codec.PROTO_MEDIA_TYPE))
     kind = "Forward" if op.forward_only else "ForwardBackward"
-    accepted = st.control.submit(kind, op.model_id, seq_id, body, work)
-    st.runs.touch(op.model_id)
-    return future_response(accepted.request_id, model_id=op.model_id)
+    return Prepared(kind, op.model_id, seq_id, work)
 
 
-@router.post("/optim_step")
-async def optim_step(request: Request) -> JSONResponse:
-    st = state(request)
-    body = await read_body(request)
+def prepare_optim_step(st: AppState, body: bytes) -> Prepared:
     req = parse(t.OptimStepRequest, body)
     st.runs.run(req.model_id)
     if not isinstance(req.optim_params, t.AdamParams):
@@ -96,8 +84,7 @@ async def optim_step(request: Request) -> JSONResponse:
     p = req.optim_params
     op = OptimStepOp(req.model_id, AdamParams(p.learning_rate, p.beta1, p.beta2, p.eps, p.weight_decay, p.grad_clip_norm))
     work = Work(op, lambda metrics: json_bytes({"metrics": dict(metrics or {}), "type": "optim_step"}))
-    accepted = st.control.submit("OptimStep", req.model_id, req.seq_id, body, work)
-    return future_response(accepted.request_id, model_id=req.model_id)
+    return Prepared("OptimStep", req.model_id, req.seq_id, work)
 
 
 def _ttl(ttl_seconds: int | None) -> int | None:
@@ -106,10 +93,7 @@ def _ttl(ttl_seconds: int | None) -> int | None:
     return ttl_seconds
 
 
-@router.post("/save_weights")
-async def save_weights(request: Request) -> JSONResponse:
-    st = state(request)
-    body = await read_body(request)
+def prepare_save_weights(st: AppState, body: bytes) -> Prepared:
     req = parse(t.SaveWeightsRequest, body)
     st.runs.run(req.model_id)
     path = TinkerPath(req.model_id, "weights", check_name(req.path or f"step-{req.seq_id}"))
@@ -122,14 +106,10 @@ async def save_weights(request: Request) -> JSONResponse:
         st.runs.register_checkpoint(path, ttl, req.user_metadata)
         return json_bytes({"path": str(path), "type": "save_weights"})
 
-    accepted = st.control.submit("SaveWeights", req.model_id, req.seq_id, body, Work(op, finalize))
-    return future_response(accepted.request_id, model_id=req.model_id)
+    return Prepared("SaveWeights", req.model_id, req.seq_id, Work(op, finalize))
 
 
-@router.post("/save_weights_for_sampler")
-async def save_weights_for_sampler(request: Request) -> JSONResponse:
-    st = state(request)
-    body = await read_body(request)
+def prepare_save_weights_for_sampler(st: AppState, body: bytes) -> Prepared:
     req = parse(t.SaveWeightsForSamplerRequest, body)
     run = st.runs.run(req.model_id)
     if req.path is not None:
@@ -154,14 +134,10 @@ async def save_weights_for_sampler(request: Request) -> JSONResponse:
 
     else:
         raise UserError("save_weights_for_sampler needs a path or a sampling_session_seq_id")
-    accepted = st.control.submit("SaveWeightsForSampler", req.model_id, req.seq_id, body, Work(op, finalize))
-    return future_response(accepted.request_id, model_id=req.model_id)
+    return Prepared("SaveWeightsForSampler", req.model_id, req.seq_id, Work(op, finalize))
 
 
-@router.post("/load_weights")
-async def load_weights(request: Request) -> JSONResponse:
-    st = state(request)
-    body = await read_body(request)
+def prepare_load_weights(st: AppState, body: bytes) -> Prepared:
     req = parse(t.LoadWeightsRequest, body)
     path = parse_tinker_path(req.path)
     if path.segment != "weights":
@@ -185,5 +161,33 @@ async def load_weights(request: Request) -> JSONResponse:
         raise UserError("load_weights needs model_id and seq_id, or session_id and model_seq_id")
     op = LoadWeightsOp(target, source.base_model, ckpt.dir_path, with_optimizer=req.optimizer)
     work = Work(op, lambda _: json_bytes({"path": str(path), "model_id": target, "type": "load_weights"}))
-    accepted = st.control.submit("LoadWeights", target, seq_id, body, work)
-    return future_response(accepted.request_id, model_id=target)
+    return Prepared("LoadWeights", target, seq_id, work)
+
+
+# Every future-returning training request, by the request type stored with it: the routes use these,
+# and recovery rebuilds accepted ops from their stored bodies with the same code.
+PREPARERS = {
+    "CreateModel": prepare_create_model,
+    "ForwardBackward": prepare_forward_backward,
+    "Forward": prepare_forward_backward,
+    "OptimStep": prepare_optim_step,
+    "SaveWeights": prepare_save_weights,
+    "SaveWeightsForSampler": prepare_save_weights_for_sampler,
+    "LoadWeights": prepare_load_weights,
+}
+
+for _path, _prepare in (
+    ("/create_model", prepare_create_model),
+    ("/forward_backward", prepare_forward_backward),
+    ("/optim_step", prepare_optim_step),
+    ("/save_weights", prepare_save_weights),
+    ("/save_weights_for_sampler", prepare_save_weights_for_sampler),
+    ("/load_weights", prepare_load_weights),
+):
+
+    async def _route(request: Request, _prepare=_prepare) -> JSONResponse:
+        st = state(request)
+        body = await read_body(request)
+        return submit(st, _prepare(st, body), body)
+
+    router.add_api_route(_path, _route, methods=["POST"], name=_path.strip("/"))
