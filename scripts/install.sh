@@ -10,5 +10,9 @@ $PIP -r requirements/base.txt
 $PIP --no-deps -r requirements/nodeps.txt
 if [ "${1:-}" = "--test" ]; then
   $PIP -r requirements/test.txt
+  # tinker-cookbook for the conformance tests: its dependencies first, then the cookbook itself
+  # with --no-deps (it declares a tml-renderers version the index does not have; see cookbook.txt).
+  $PIP -r requirements/cookbook.txt
+  $PIP --no-deps -r requirements/cookbook-nodeps.txt
 fi
 $PIP --no-deps -e .

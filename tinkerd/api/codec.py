@@ -85,6 +85,9 @@ def decode_forward_backward(body: bytes) -> ForwardBackwardOp:
             tokens.append(_frombuffer(chunk.encoded_text.tokens, np.dtype(np.int32), f"datum {i} tokens"))
         toks = np.concatenate(tokens).astype(np.int64) if tokens else np.zeros(0, dtype=np.int64)
         inputs = {name: decode_tensor(t, f"datum {i} loss_fn_inputs[{name!r}]") for name, t in d.loss_fn_inputs.items()}
+        # d.model_input_spans / d.loss_fn_input_spans (provenance) are parsed and dropped on purpose:
+        # only stable_reinforce reads them, which tinkerd refuses, but the cookbook's rl/train.py
+        # attaches them to every RL datum whatever the loss, so they must not be an error.
         data.append(Datum(tokens=toks, loss_fn_inputs=inputs))
     config: dict[str, float | str] = {k: float(v) for k, v in msg.loss_fn_config.items()}
     for k, v in msg.loss_fn_config_v2.items():
@@ -131,13 +134,19 @@ def encode_sample_response(result: SampleResult) -> bytes:
         s.stop_reason = pb.STOP_REASON_STOP if seq.stop_reason == "stop" else pb.STOP_REASON_LENGTH
         s.tokens = np.asarray(seq.tokens, dtype=np.int32).tobytes()
         s.logprobs = np.asarray(seq.logprobs, dtype=np.float32).tobytes()
+        if seq.topk_logprobs is not None:
+            _fill_topk(s.topk_sampled_logprobs, *seq.topk_logprobs)
     if result.prompt_logprobs is not None:
         out.prompt_logprobs = np.asarray(result.prompt_logprobs, dtype=np.float32).tobytes()
     if result.topk_prompt_logprobs is not None:
-        ids, lps = result.topk_prompt_logprobs
-        n, k = ids.shape
-        out.topk_prompt_logprobs.token_ids = np.ascontiguousarray(ids, dtype=np.int32).tobytes()
-        out.topk_prompt_logprobs.logprobs = np.ascontiguousarray(lps, dtype=np.float32).tobytes()
-        out.topk_prompt_logprobs.k = k
-        out.topk_prompt_logprobs.length = n
+        _fill_topk(out.topk_prompt_logprobs, *result.topk_prompt_logprobs)
     return out.SerializeToString()
+
+
+def _fill_topk(msg: pb.TopkLogprobs, ids: np.ndarray, lps: np.ndarray) -> None:
+    """ids / lps [N, K], row-major; empty cells are (0, -99999.0), which the SDK reads as None."""
+    n, k = ids.shape
+    msg.token_ids = np.ascontiguousarray(ids, dtype=np.int32).tobytes()
+    msg.logprobs = np.ascontiguousarray(lps, dtype=np.float32).tobytes()
+    msg.k = k
+    msg.length = n

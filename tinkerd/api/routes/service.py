@@ -70,8 +70,13 @@ async def telemetry() -> dict:
 
 @authed.get("/get_server_capabilities")
 async def get_server_capabilities(request: Request) -> JSONResponse:
+    served = state(request).served.values()
     models = [
         {"model_name": m.name, "max_context_length": m.max_context_length, "trainable": True, "sampleable": True}
-        for m in state(request).served.values()
+        for m in served
     ]
-    return JSONResponse({"supported_models": models})
+    # Not a field of the SDK's GetServerCapabilitiesResponse: its pydantic model ignores extra keys,
+    # so SDK callers never see it, but plain HTTP clients (curl, scripts) can read which loss_fn
+    # names forward_backward accepts. Unsupported names fail with a user error listing the same set.
+    loss_fns = sorted({name for m in served for name in m.loss_fns})
+    return JSONResponse({"supported_models": models, "supported_loss_fns": loss_fns})

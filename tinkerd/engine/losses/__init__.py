@@ -5,7 +5,8 @@ Every loss is one module exporting the same five names:
     NAME             the protocol name, verbatim (`cross_entropy`, `importance_sampling`, ...)
     REQUIRED_INPUTS  loss_fn_inputs keys that must be present on every datum
     OPTIONAL_INPUTS  keys the loss accepts but can do without (it fills the default itself)
-    CONFIG_DEFAULTS  the accepted loss_fn_config keys and their defaults
+    CONFIG_DEFAULTS  the accepted loss_fn_config keys and their defaults; None = the caller must
+                     send it (no published default to copy, and guessing one would change results)
     loss_fn(target_logprobs, inputs, config) -> (loss_sum, metrics)
 
 and is added here with one line in `_MODULES`. The engine (training.py) does the rest: it
@@ -15,11 +16,16 @@ order before calling the loss once:
 
     target_logprobs  [M] or [M, K] fp32, M = total target positions of the batch (no padding rows,
                      so a loss never has to mask), differentiable unless forward_only
-    inputs           key -> tensor with the same leading M: `target_tokens` int64, others fp32
+    inputs           key -> tensor with the same leading M: `target_tokens` int64, others fp32;
+                     plus DATUM_INDEX [M] int64, the datum each position belongs to, for losses
+                     that aggregate per sequence (gspo)
     config           CONFIG_DEFAULTS updated with the request's loss_fn_config
     loss_sum         scalar; Tinker losses are sums over tokens, never means (protocol §8)
-    metrics          `name:reduction` keys (protocol §7.6); at least `loss:sum`
+    metrics          `name:reduction` keys (protocol §7.6); at least `loss:sum`. The SDK merges
+                     chunks by suffix (`:sum` added, `:mean` datum-weighted), so a metric must be
+                     exact under that merge: counts are `:sum`, never per-chunk token fractions.
 
+A loss must be a function of the target log-probs alone: the engine splits the backward at them.
 An unknown name is a UserError listing the supported ones; there is no fallback loss.
 """
 
@@ -31,13 +37,29 @@ from types import ModuleType
 
 from torch import Tensor
 
-from tinkerd.engine.losses import cross_entropy
+from tinkerd.engine.losses import cispo, cross_entropy, dro, gspo, importance_sampling, ppo
+from tinkerd.engine.losses.params import DATUM_INDEX
 from tinkerd.errors import UserError
+
+__all__ = ["DATUM_INDEX", "LOSSES", "LossFn", "get_loss", "supported_losses"]
 
 LossImpl = Callable[[Tensor, dict[str, Tensor], dict[str, float | str]], tuple[Tensor, dict[str, float]]]
 
 # Adding a loss family: write losses/<family>.py with the five names above and list it here.
-_MODULES: tuple[ModuleType, ...] = (cross_entropy,)
+_MODULES: tuple[ModuleType, ...] = (cross_entropy, importance_sampling, ppo, cispo, dro, gspo)
+
+# Names the SDK's LossFnType knows that tinkerd refuses on purpose, with the reason the caller needs.
+_REFUSED = {
+    "stable_reinforce": (
+        "its objective is not published (the SDK and the cookbook only say it uses information "
+        "recorded at sampling time with record_stability_info); with the cookbook pass "
+        "loss_fn=importance_sampling (or ppo/cispo)"
+    ),
+    "custom": (
+        "server-side custom losses (create_custom_loss) are not implemented; forward_backward_custom "
+        "with the SDK's default client-side mode works"
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -48,7 +70,7 @@ class LossFn:
     fn: LossImpl
     required_inputs: tuple[str, ...]
     optional_inputs: tuple[str, ...] = ()
-    config_defaults: Mapping[str, float | str] = field(default_factory=dict)
+    config_defaults: Mapping[str, float | str | None] = field(default_factory=dict)
 
     @property
     def accepted_inputs(self) -> tuple[str, ...]:
@@ -60,7 +82,11 @@ class LossFn:
         if unknown:
             accepted = ", ".join(sorted(self.config_defaults)) or "none"
             raise UserError(f"loss_fn_config keys {unknown} are not used by {self.name} (accepted: {accepted})")
-        return {**self.config_defaults, **config}
+        resolved = {**self.config_defaults, **config}
+        missing = sorted(k for k, v in resolved.items() if v is None)
+        if missing:
+            raise UserError(f"loss_fn {self.name} needs loss_fn_config {missing}; it has no default value")
+        return resolved
 
     def __call__(
         self, target_logprobs: Tensor, inputs: dict[str, Tensor], config: dict[str, float | str]
@@ -89,5 +115,8 @@ def supported_losses() -> list[str]:
 def get_loss(name: str) -> LossFn:
     loss = LOSSES.get(name)
     if loss is None:
-        raise UserError(f"loss_fn {name!r} is not supported by this server (supported: {', '.join(supported_losses())})")
+        why = f": {_REFUSED[name]}" if name in _REFUSED else ""
+        raise UserError(
+            f"loss_fn {name!r} is not supported by this server{why} (supported: {', '.join(supported_losses())})"
+        )
     return loss

@@ -1,0 +1,147 @@
+"""tinker-cookbook 0.6.1's own trainers against a live tinkerd on the tiny Qwen3 model.
+
+The tiny model's name has no Hugging Face repo, so its tokenizer is registered in-process under that
+name (cookbook-compat §4 (a)) and every config passes `renderer_name` explicitly. Recipes without a
+base_url flag read TINKER_BASE_URL / TINKER_API_KEY.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from pathlib import Path
+
+import pytest
+import tinker
+from tinker_cookbook import tokenizer_utils
+from tinker_cookbook.preference import train_dpo
+from tinker_cookbook.preference.dpo_datasets import DPODatasetBuilderFromComparisons
+from tinker_cookbook.preference.preference_datasets import ComparisonBuilderFromJsonl
+from tinker_cookbook.recipes.math_rl import train as math_rl
+from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig
+from transformers import AutoTokenizer
+
+from tests.conformance.conftest import TINY
+from tests.serverproc import API_KEY
+from tinkerd.engine.model.tiny import qwen3_tokenizer_dir
+
+pytestmark = pytest.mark.slow
+
+RENDERER = "qwen3_instruct"  # the Qwen3 chat template without a think block: simplest for a tiny model
+
+
+@pytest.fixture
+def cookbook_env(server, monkeypatch):
+    monkeypatch.setenv("TINKER_BASE_URL", server.url)
+    monkeypatch.setenv("TINKER_API_KEY", API_KEY)
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    tokenizer_utils.register_tokenizer(TINY, lambda: AutoTokenizer.from_pretrained(qwen3_tokenizer_dir()))
+    yield server.url
+    tokenizer_utils.unregister_tokenizer(TINY)
+
+
+def _metrics(log_path: Path) -> list[dict]:
+    return [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+PAIRS = [
+    ("What colour is the sky?", "Blue.", "Green."),
+    ("Is fire hot?", "Yes, fire is hot.", "No."),
+    ("What is two plus two?", "Four.", "Five."),
+    ("Name a fruit.", "An apple.", "A chair."),
+    ("Say hello.", "Hello!", "Goodbye."),
+    ("Which is bigger, 3 or 7?", "7 is bigger.", "3 is bigger."),
+    ("What do cows drink?", "Water.", "Milk."),
+    ("Is the earth round?", "Yes.", "No, it is flat."),
+]
+
+
+def test_dpo_through_train_dpo_main(cookbook_env, tmp_path):
+    """train_dpo runs forward_backward_custom with the DPO loss: the server sees only cross_entropy
+    with weights = −dL/dlogprob. The reference is the initial weights, so step 0's loss is ln 2."""
+    path = tmp_path / "comparisons.jsonl"
+    with path.open("w") as f:
+        for prompt, good, bad in PAIRS:
+            comparison = {
+                "prompt_conversation": [{"role": "user", "content": prompt}],
+                "completion_A": [{"role": "assistant", "content": good}],
+                "completion_B": [{"role": "assistant", "content": bad}],
+            }
+            f.write(json.dumps({"comparison": comparison, "label": "A"}) + "\n")
+    common = ChatDatasetBuilderCommonConfig(model_name_for_tokenizer=TINY, renderer_name=RENDERER, max_length=256, batch_size=4)
+    config = train_dpo.Config(
+        log_path=str(tmp_path / "log"),
+        model_name=TINY,
+        recipe_name="tinkerd_conformance_dpo",
+        dataset_builder=DPODatasetBuilderFromComparisons(
+            common_config=common, comparison_builder=ComparisonBuilderFromJsonl(train_path=str(path))
+        ),
+        renderer_name=RENDERER,
+        base_url=cookbook_env,
+        lora_rank=8,
+        learning_rate=5e-4,  # the recipe's 1e-5 is for real models; the tiny one needs larger steps
+        lr_schedule="constant",
+        dpo_beta=0.5,
+        num_epochs=3,  # 2 batches of 4 pairs each: 6 steps
+        save_every=0,
+        eval_every=0,
+        infrequent_eval_every=0,
+        ttl_seconds=None,
+    )
+    train_dpo.main(config)
+
+    losses = [m["dpo_loss"] for m in _metrics(tmp_path / "log") if "dpo_loss" in m]
+    print(f"DPO loss per step: {[round(x, 4) for x in losses]}")
+    assert len(losses) == 6
+    # Exactly ln 2 up to sampler-vs-trainer numerics: the reference logprobs come from
+    # compute_logprobs on a sampling client, the policy's from the training forward.
+    assert losses[0] == pytest.approx(math.log(2), abs=1e-3)
+    assert losses[-1] < 0.3 * math.log(2), losses
+    final = json.loads((tmp_path / "log" / "checkpoints.jsonl").read_text().splitlines()[-1])
+    assert final["state_path"].startswith("tinker://") and "/weights/" in final["state_path"]
+
+
+def _math_rl_config(url: str, log_path: Path, loss_fn: str, max_steps: int) -> math_rl.CLIConfig:
+    return math_rl.CLIConfig(
+        model_name=TINY,
+        renderer_name=RENDERER,
+        lora_rank=8,
+        env="arithmetic",  # fully local: generated sums, graded in-process
+        group_size=4,
+        groups_per_batch=4,
+        learning_rate=1e-4,
+        max_tokens=5,
+        eval_every=0,
+        save_every=0,
+        base_url=url,
+        log_path=str(log_path),
+        behavior_if_log_dir_exists="delete",
+        loss_fn=loss_fn,
+        max_steps=max_steps,
+    )
+
+
+def test_math_rl_arithmetic_with_importance_sampling(cookbook_env, tmp_path):
+    """rl/train.py end to end: sampling with sequence_ids, datums carrying provenance spans,
+    importance_sampling forward_backward, optim_step, sampler snapshots, final checkpoint."""
+    log_path = tmp_path / "log"
+    asyncio.run(math_rl.cli_main(_math_rl_config(cookbook_env, log_path, "importance_sampling", max_steps=3)))
+
+    steps = [m for m in _metrics(log_path) if "optim/kl_sample_train_v1" in m]
+    assert [m["progress/batch"] for m in steps] == [0, 1, 2]
+    for m in steps:
+        assert m["tokens/trained"] > 0
+        # The learner's logprobs (forward_backward output) match the sampler's on the sampled tokens.
+        assert abs(m["optim/kl_sample_train_v1"]) < 1e-3, m
+    final = json.loads((log_path / "checkpoints.jsonl").read_text().splitlines()[-1])
+    assert "/sampler_weights/" in final["sampler_path"]
+
+
+def test_math_rl_default_stable_reinforce_fails_clearly(cookbook_env, tmp_path):
+    """The recipe's default loss is refused as a user error that says what to use, never run as IS."""
+    config = _math_rl_config(cookbook_env, tmp_path / "log", "stable_reinforce", max_steps=1)
+    with pytest.raises(tinker.RequestFailedError) as info:
+        asyncio.run(math_rl.cli_main(config))
+    assert info.value.category == "user"
+    assert "stable_reinforce" in info.value.message and "loss_fn=importance_sampling" in info.value.message
