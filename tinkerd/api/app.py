@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from tinkerd.api.deps import AppState, error_response
-from tinkerd.api.routes import futures, sampling, service, training
+from tinkerd.api.routes import export, futures, rest, sampling, service, training
 from tinkerd.errors import TinkerdError, UserError
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,8 @@ def create_app(app_state: AppState) -> FastAPI:
         log.exception("unhandled error")
         return JSONResponse({"error": f"internal error: {type(e).__name__}", "category": "server"}, status_code=500)
 
-    for module in (service, training, sampling, futures):
+    # rest last: its catch-all under /training_runs/{id}/checkpoints/ must not shadow export's routes.
+    for module in (service, training, sampling, futures, export, rest):
         for name in ("router", "authed"):
             router = getattr(module, name, None)
             if router is not None:

@@ -7,21 +7,37 @@ create-via-load), sampler id = `{session_id}:sample:{n}`, checkpoint paths
 
 from __future__ import annotations
 
+import logging
+import os
 import re
 import secrets
 import shutil
+import threading
+import time
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-from sqlalchemy import select
+from sqlalchemy import func, or_, select
 
 from tinkerd.control.store.db import Store, utcnow
 from tinkerd.control.store.tables import CheckpointRow, SamplingSessionRow, SessionRow, TrainingRunRow
-from tinkerd.errors import NotFoundError, UserError
+from tinkerd.errors import NotFoundError, ServerError, UserError
+
+log = logging.getLogger(__name__)
 
 SEGMENT_TYPES = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
+TYPE_SEGMENTS = {v: k for k, v in SEGMENT_TYPES.items()}
 _NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+# Runs are not yet tagged with the account whose key created them, so every run reports the local
+# account (control/accounts.py) as its TrainingRun.model_owner, a field the SDK requires.
+LOCAL_OWNER = "local"
+# The protocol's upper bound for checkpoint TTLs. Its lower bound (3600 s on the hosted service) is
+# not enforced: the SDK does not check it either, and short TTLs are useful on a self-hosted server.
+MAX_TTL_SECONDS = 10 * 366 * 24 * 3600
+# The writer's temporary and set-aside directories (engine/checkpoints.py); one older than this is
+# debris of a crash mid-save (saves take seconds), never a save still in progress.
+STALE_TEMP_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -56,6 +72,17 @@ def parse_tinker_path(path: str) -> TinkerPath:
             f"invalid path {path!r}: expected tinker://<run_id>/<weights|sampler_weights|external_weights>/<name>"
         )
     return TinkerPath(parts[0], parts[1], check_name(parts[2]))
+
+
+def check_ttl(ttl_seconds) -> int | None:
+    """A checkpoint TTL from a request: None (never expires) or 1 s .. 10 years."""
+    if ttl_seconds is None:
+        return None
+    if isinstance(ttl_seconds, bool) or not isinstance(ttl_seconds, int):
+        raise UserError(f"ttl_seconds must be an integer number of seconds or null, got {ttl_seconds!r}")
+    if not 0 < ttl_seconds <= MAX_TTL_SECONDS:
+        raise UserError(f"ttl_seconds must be between 1 and {MAX_TTL_SECONDS} (10 years), got {ttl_seconds}")
+    return ttl_seconds
 
 
 class Runs:
@@ -112,23 +139,41 @@ class Runs:
     def touch(self, model_id: str) -> None:
         self.store.update(TrainingRunRow, model_id, last_request_at=utcnow())
 
-    def list_runs(self) -> list[TrainingRunRow]:
-        return self.store.query(select(TrainingRunRow).order_by(TrainingRunRow.created_at.desc()))
+    def list_runs(self, limit: int | None = None, offset: int = 0) -> tuple[list[TrainingRunRow], int]:
+        """A page of runs, newest first, and the total number of runs."""
+        stmt = select(TrainingRunRow).order_by(TrainingRunRow.created_at.desc(), TrainingRunRow.model_id)
+        if limit is not None:
+            stmt = stmt.limit(limit)
+        rows = self.store.query(stmt.offset(offset))
+        total = self.store.query(select(func.count()).select_from(TrainingRunRow))[0]
+        return rows, total
 
     # -- checkpoints -----------------------------------------------------------------------------
+    #
+    # A checkpoint is registered (its row added) only by the finalize step of the op that wrote it,
+    # i.e. after the engine renamed the finished directory into place: a row always points at a
+    # whole checkpoint. Expired rows are treated as absent everywhere and removed, with their files,
+    # both lazily (whenever a lookup or listing meets them) and by CheckpointSweeper.
 
     def checkpoint_dir(self, path: TinkerPath) -> Path:
         return self.checkpoints_dir / path.model_id / path.segment / path.name
 
     def checkpoint(self, path: TinkerPath) -> CheckpointRow:
         row = self.store.get(CheckpointRow, str(path))
-        if row is None or (row.expires_at is not None and row.expires_at <= utcnow()):
+        if row is not None and _expired(row, utcnow()):
+            self._remove(row)
+            row = None
+        if row is None:
             raise NotFoundError(f"checkpoint {path} does not exist")
         return row
 
     def register_checkpoint(self, path: TinkerPath, ttl_seconds: int | None, user_metadata: dict | None) -> CheckpointRow:
         d = self.checkpoint_dir(path)
-        size = sum(f.stat().st_size for f in d.rglob("*") if f.is_file()) if d.exists() else None
+        if not d.is_dir():
+            # The engine reported success but the directory is gone (deleted or swept meanwhile):
+            # fail the save rather than register a checkpoint without files.
+            raise ServerError(f"checkpoint {path} was written but its files are missing; save it again")
+        size = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
         now = utcnow()
         row = CheckpointRow(
             tinker_path=str(path), model_id=path.model_id, checkpoint_type=SEGMENT_TYPES[path.segment],
@@ -147,17 +192,101 @@ class Runs:
         except NotFoundError:
             return False
 
-    def list_checkpoints(self, model_id: str | None = None) -> list[CheckpointRow]:
-        stmt = select(CheckpointRow).order_by(CheckpointRow.created_at.desc())
+    def list_checkpoints(self, model_id: str | None = None, checkpoint_type: str | None = None,
+                         limit: int | None = None, offset: int = 0) -> tuple[list[CheckpointRow], int]:
+        """A page of live checkpoints, newest first, and how many there are in all."""
+        self.sweep_expired()  # so that a page and its total count only live rows
+        stmt = select(CheckpointRow)
+        count = select(func.count()).select_from(CheckpointRow)
         if model_id is not None:
-            stmt = stmt.where(CheckpointRow.model_id == model_id)
-        now = utcnow()
-        return [r for r in self.store.query(stmt) if r.expires_at is None or r.expires_at > now]
+            stmt, count = stmt.where(CheckpointRow.model_id == model_id), count.where(CheckpointRow.model_id == model_id)
+        if checkpoint_type is not None:
+            stmt = stmt.where(CheckpointRow.checkpoint_type == checkpoint_type)
+            count = count.where(CheckpointRow.checkpoint_type == checkpoint_type)
+        stmt = stmt.order_by(CheckpointRow.created_at.desc(), CheckpointRow.tinker_path)
+        if limit is not None:
+            stmt = stmt.limit(limit)
+        return self.store.query(stmt.offset(offset)), self.store.query(count)[0]
+
+    def last_checkpoint(self, model_id: str, checkpoint_type: str) -> CheckpointRow | None:
+        """The newest live checkpoint of a type (no sweep: a listing of runs asks this per run)."""
+        live = or_(CheckpointRow.expires_at.is_(None), CheckpointRow.expires_at > utcnow())
+        stmt = (
+            select(CheckpointRow)
+            .where(CheckpointRow.model_id == model_id, CheckpointRow.checkpoint_type == checkpoint_type, live)
+            .order_by(CheckpointRow.created_at.desc())
+            .limit(1)
+        )
+        rows = self.store.query(stmt)
+        return rows[0] if rows else None
 
     def delete_checkpoint(self, path: TinkerPath) -> None:
+        self._remove(self.checkpoint(path))
+
+    def set_ttl(self, path: TinkerPath, ttl_seconds: int | None) -> CheckpointRow:
+        """Expire `ttl_seconds` from now; None removes the expiry."""
         row = self.checkpoint(path)
+        ttl = check_ttl(ttl_seconds)
+        expires_at = utcnow() + timedelta(seconds=ttl) if ttl is not None else None
+        self.store.update(CheckpointRow, row.tinker_path, expires_at=expires_at)
+        return self.checkpoint(path)
+
+    def set_public(self, path: TinkerPath, public: bool) -> None:
+        row = self.checkpoint(path)
+        self.store.update(CheckpointRow, row.tinker_path, public=public)
+
+    def sweep_expired(self) -> int:
+        """Remove every expired checkpoint (row and files); returns how many."""
+        now = utcnow()
+        expired = self.store.query(select(CheckpointRow).where(CheckpointRow.expires_at <= now))
+        for row in expired:
+            self._remove(row)
+        return len(expired)
+
+    def sweep_stale_temp(self, older_than_s: float = STALE_TEMP_S) -> int:
+        """Clear what a crashed save left next to checkpoints; returns how many directories.
+
+        `.<name>.tmp-*` is a save that never finished: deleted. `.<name>.old-*/ckpt` is the previous
+        checkpoint set aside while a new one was renamed into place: if the crash came between the
+        two renames the real name is empty, so the old checkpoint goes back (its registration never
+        changed); otherwise it is deleted. Run with older_than_s=0 only while no save can be running
+        (at start-up).
+        """
+        if not self.checkpoints_dir.is_dir():
+            return 0
+        cutoff = time.time() - older_than_s
+        handled = 0
+        # <model>/<segment>/.<name>.* for named checkpoints, _ephemeral/.<id>.* for samplers.
+        for pattern in ("*/*/.*.tmp-*", "*/*/.*.old-*", "*/.*.tmp-*", "*/.*.old-*"):
+            for d in self.checkpoints_dir.glob(pattern):
+                try:
+                    if not d.is_dir() or d.stat().st_mtime >= cutoff:
+                        continue
+                    kept = d / "ckpt"
+                    target = d.parent / d.name[1:].rsplit(".old-", 1)[0]
+                    if ".old-" in d.name and kept.is_dir() and not target.exists():
+                        os.replace(kept, target)
+                        log.warning("restored %s, set aside by a save that crashed before replacing it", target)
+                    shutil.rmtree(d, ignore_errors=True)
+                    handled += 1
+                except FileNotFoundError:
+                    pass
+        return handled
+
+    def _remove(self, row: CheckpointRow) -> None:
         self.store.delete(CheckpointRow, row.tinker_path)
-        shutil.rmtree(row.dir_path, ignore_errors=True)
+        d = Path(row.dir_path)
+        try:
+            mtime = datetime.fromtimestamp(d.stat().st_mtime, timezone.utc).replace(tzinfo=None)
+        except FileNotFoundError:
+            return
+        # A save under the same name may have renamed a newer directory into place after this row
+        # was read (a re-save after expiry, or overwrite=True, racing the sweeper). The directory
+        # of this row was finished before the row was created; a newer one was written after it.
+        if mtime > row.created_at:
+            log.info("not deleting %s: it holds a newer save than the removed %s", d, row.tinker_path)
+            return
+        shutil.rmtree(d, ignore_errors=True)
 
     # -- sampling sessions -----------------------------------------------------------------------
 
@@ -181,5 +310,44 @@ class Runs:
         return self.checkpoints_dir / "_ephemeral" / sampling_session_id
 
 
+def _expired(row: CheckpointRow, now: datetime) -> bool:
+    return row.expires_at is not None and row.expires_at <= now
+
+
 def iso(dt: datetime | None) -> str | None:
     return None if dt is None else dt.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+class CheckpointSweeper:
+    """A daemon thread that removes expired checkpoints every `interval_s`, so their disk space comes
+    back even when nobody lists or opens them, and clears temporary debris of crashed saves.
+
+    Policy: expiry is exact for the API (lookups and listings treat an expired row as gone at once
+    and remove it themselves); the sweeper only bounds how long the files of an unvisited expired
+    checkpoint stay on disk, to `interval_s`.
+    """
+
+    def __init__(self, runs: Runs, interval_s: float):
+        self.runs = runs
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="tinkerd-checkpoint-sweeper", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                removed = self.runs.sweep_expired()
+                if removed:
+                    log.info("removed %d expired checkpoint(s)", removed)
+                self.runs.sweep_stale_temp()
+            except Exception:  # a failed sweep must not end the thread; the next one retries
+                log.exception("checkpoint sweep failed")
+            if self._stop.wait(self.interval_s):
+                return

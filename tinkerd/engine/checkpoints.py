@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save_file
 
 from tinkerd.engine.lora.layers import ATTN_TARGETS, MLP_TARGETS, UNEMBED_TARGET
 from tinkerd.engine.lora.pool import Adapter
-from tinkerd.errors import NotFoundError, UserError
+from tinkerd.errors import NotFoundError, ServerError, UserError
 from tinkerd.types import LoraSpec
 
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -94,7 +94,17 @@ def _canonical_optimizer_state(adapter: Adapter) -> dict:
     }
 
 
-def _peft_config(spec: LoraSpec, layer_names: list[str], base_model: str) -> dict:
+def lora_tensors(adapter: Adapter) -> dict[str, torch.Tensor]:
+    """The adapter's A and B under PEFT key names, fp32 copies (the live tensors keep training)."""
+    tensors = {}
+    for name in sorted(adapter.weights):
+        a, b = adapter.weights[name]
+        tensors[f"{_KEY_PREFIX}{name}{_A_SUFFIX}"] = a.detach().float().contiguous().clone()
+        tensors[f"{_KEY_PREFIX}{name}{_B_SUFFIX}"] = b.detach().float().contiguous().clone()
+    return tensors
+
+
+def peft_config(spec: LoraSpec, layer_names: list[str], base_model: str) -> dict:
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -138,13 +148,8 @@ def save_adapter(adapter: Adapter, base_model: str, dir_path: str | os.PathLike,
     names = sorted(adapter.weights)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
-        tensors = {}
-        for name in names:
-            a, b = adapter.weights[name]
-            tensors[f"{_KEY_PREFIX}{name}{_A_SUFFIX}"] = a.detach().float().contiguous().clone()
-            tensors[f"{_KEY_PREFIX}{name}{_B_SUFFIX}"] = b.detach().float().contiguous().clone()
-        save_file(tensors, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
-        (tmp / CONFIG_FILE).write_text(json.dumps(_peft_config(adapter.spec, names, base_model), indent=2))
+        save_file(lora_tensors(adapter), tmp / WEIGHTS_FILE, metadata={"format": "pt"})
+        (tmp / CONFIG_FILE).write_text(json.dumps(peft_config(adapter.spec, names, base_model), indent=2))
         meta = {
             "format_version": FORMAT_VERSION,
             "base_model": base_model,
@@ -163,6 +168,29 @@ def save_adapter(adapter: Adapter, base_model: str, dir_path: str | os.PathLike,
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return size_bytes
+
+
+def write_files_atomically(target: Path, files: dict[str, bytes]) -> int:
+    """Write `files` (name -> content) as the directory `target`, replacing what is there, with the
+    same temp-then-rename guarantee as save_adapter; returns the bytes written. A failed write
+    (ENOSPC, EIO) raises ServerError and leaves `target` as it was."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    except OSError as e:
+        raise ServerError(f"cannot write checkpoint {target.name!r}: {e.strerror or e}") from e
+    try:
+        for name, data in files.items():
+            with open(tmp / name, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        _swap_into_place(tmp, target)
+    except OSError as e:
+        raise ServerError(f"cannot write checkpoint {target.name!r}: {e.strerror or e}") from e
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return sum(len(d) for d in files.values())
 
 
 def _swap_into_place(tmp: Path, target: Path) -> None:

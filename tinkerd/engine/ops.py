@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tinkerd.engine import training
+from tinkerd.engine import export, training
 from tinkerd.engine.sampler import sample
 from tinkerd.types import (
     CreateModelOp,
     EngineOp,
+    ExportWeightsOp,
     ForwardBackwardOp,
     LoadWeightsOp,
     OptimStepOp,
@@ -30,6 +31,8 @@ def run(engine: "Engine", op: EngineOp) -> object:
         return training.create_model(engine, op)
     if isinstance(op, SaveWeightsOp):
         return training.save_weights(engine, op)
+    if isinstance(op, ExportWeightsOp):
+        return export.export_weights(engine, op)
     if isinstance(op, LoadWeightsOp):
         return training.load_weights(engine, op)
     if isinstance(op, UnloadModelOp):

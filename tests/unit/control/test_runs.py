@@ -1,0 +1,133 @@
+"""The checkpoint registry: TTL expiry (lazy and swept), paging, and recovery of crashed saves."""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+
+import pytest
+
+from tinkerd.control.runs import CheckpointSweeper, Runs, TinkerPath, check_ttl
+from tinkerd.control.store.db import Store, utcnow
+from tinkerd.control.store.tables import CheckpointRow
+from tinkerd.errors import NotFoundError, ServerError, UserError
+
+
+@pytest.fixture
+def runs(tmp_path) -> Runs:
+    r = Runs(Store.sqlite(tmp_path / "db.sqlite"), tmp_path / "checkpoints")
+    session = r.create_session([], {}, "test")
+    r.create_run(session, 0, "tiny", {"rank": 4}, {})
+    return r
+
+
+def _model_id(runs: Runs) -> str:
+    return runs.list_runs()[0][0].model_id
+
+
+def _saved(runs: Runs, name: str, segment: str = "weights", ttl: int | None = None) -> TinkerPath:
+    """What a finished save leaves: the directory in place, then the registration."""
+    path = TinkerPath(_model_id(runs), segment, name)
+    d = runs.checkpoint_dir(path)
+    d.mkdir(parents=True)
+    (d / "adapter_model.safetensors").write_bytes(b"x" * 100)
+    runs.register_checkpoint(path, ttl, {"k": "v"})
+    return path
+
+
+def _expire(runs: Runs, path: TinkerPath) -> None:
+    runs.store.update(CheckpointRow, str(path), expires_at=utcnow() - timedelta(seconds=1))
+
+
+def test_registration_needs_the_finished_directory(runs):
+    path = TinkerPath(_model_id(runs), "weights", "never-written")
+    with pytest.raises(ServerError, match="files are missing"):
+        runs.register_checkpoint(path, None, None)
+    assert runs.list_checkpoints() == ([], 0)
+
+
+def test_expired_checkpoints_vanish_from_lookups_listings_and_disk(runs):
+    keep, gone = _saved(runs, "keep"), _saved(runs, "gone", ttl=3600)
+    assert runs.checkpoint(gone).size_bytes == 100
+    _expire(runs, gone)
+    with pytest.raises(NotFoundError):
+        runs.checkpoint(gone)
+    assert not runs.checkpoint_dir(gone).exists()
+    rows, total = runs.list_checkpoints()
+    assert [r.tinker_path for r in rows] == [str(keep)] and total == 1
+    assert runs.checkpoint_dir(keep).is_dir()
+
+
+def test_listing_sweeps_so_page_and_total_count_only_live_rows(runs):
+    paths = [_saved(runs, f"c{i}") for i in range(5)]
+    _expire(runs, paths[1])
+    rows, total = runs.list_checkpoints(limit=2, offset=0)
+    assert total == 4
+    assert [r.name for r in rows] == ["c4", "c3"]  # newest first
+    assert [r.name for r in runs.list_checkpoints(limit=2, offset=2)[0]] == ["c2", "c0"]
+    assert not runs.checkpoint_dir(paths[1]).exists()
+    assert runs.last_checkpoint(_model_id(runs), "training").name == "c4"
+
+
+def test_sweep_spares_a_newer_save_under_an_expired_name(runs):
+    path = _saved(runs, "reused", ttl=3600)
+    # The row was created an hour ago and has expired; the directory is a newer save of the same
+    # name that has not been registered yet (its finalize is about to run).
+    runs.store.update(CheckpointRow, str(path), created_at=utcnow() - timedelta(hours=1),
+                      expires_at=utcnow() - timedelta(seconds=1))
+    assert runs.sweep_expired() == 1
+    assert runs.store.get(CheckpointRow, str(path)) is None
+    assert runs.checkpoint_dir(path).is_dir()
+    runs.register_checkpoint(path, None, None)
+    assert runs.checkpoint(path).expires_at is None
+
+
+def test_sweeper_thread_deletes_files_without_any_request(runs):
+    path = _saved(runs, "t", ttl=3600)
+    sweeper = CheckpointSweeper(runs, interval_s=0.05)
+    sweeper.start()
+    try:
+        _expire(runs, path)
+        deadline = time.monotonic() + 5
+        while runs.checkpoint_dir(path).exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not runs.checkpoint_dir(path).exists()
+        assert runs.store.get(CheckpointRow, str(path)) is None
+    finally:
+        sweeper.stop()
+
+
+def test_ttl_update_and_removal(runs):
+    path = _saved(runs, "ttl")
+    row = runs.set_ttl(path, 7200)
+    assert timedelta(seconds=7190) < row.expires_at - utcnow() <= timedelta(seconds=7200)
+    assert runs.set_ttl(path, None).expires_at is None
+    for bad in (0, -5, True, "60", 1.5, 10**10):
+        with pytest.raises(UserError):
+            check_ttl(bad)
+    assert check_ttl(None) is None and check_ttl(1) == 1
+
+
+def test_crash_debris_is_removed_and_a_set_aside_checkpoint_restored(runs):
+    live = _saved(runs, "live")
+    parent = runs.checkpoint_dir(live).parent
+    old = time.time() - 7200
+
+    def debris(name: str, inner: str | None = None, mtime: float = old):
+        d = parent / name
+        (d / inner if inner else d).mkdir(parents=True)
+        (d / inner if inner else d).joinpath("adapter_model.safetensors").write_bytes(b"y")
+        os.utime(d, (mtime, mtime))
+        return d
+
+    half = debris(".half.tmp-abc123")  # a save that never finished
+    fresh = debris(".busy.tmp-def456", mtime=time.time())  # maybe a save in progress: kept
+    lost = debris(".lost.old-ghi789", "ckpt")  # crash between the two renames: restore
+    stale = debris(".live.old-jkl012", "ckpt")  # crash after the swap: the new one is in place
+    assert runs.sweep_stale_temp() == 3
+    assert not half.exists() and fresh.exists() and not lost.exists() and not stale.exists()
+    assert (parent / "lost" / "adapter_model.safetensors").read_bytes() == b"y"
+    assert (runs.checkpoint_dir(live) / "adapter_model.safetensors").read_bytes() == b"x" * 100
+    # At start-up nothing can be saving, so age does not matter.
+    assert runs.sweep_stale_temp(older_than_s=0) == 1 and not fresh.exists()

@@ -1,0 +1,138 @@
+"""Exports and downloads: save_weights_external, external_weights_urls, and the signed file route.
+
+The SDK CLI and tinker-cookbook download an export by asking for one URL per file and fetching each
+with plain urllib and no API key, so the URL itself is the credential. tinkerd serves the files
+itself: `/files/external_weights/<run_id>/<name>/<file>?expires=<unix s>&sig=<hex>`, where `sig` is
+HMAC-SHA256 over (run_id, name, file, expires) under a secret kept in the data directory (created
+on first use, mode 0600; deleting it revokes every URL handed out). A URL is good until `expires`
+(DOWNLOAD_URL_TTL_S after signing; clients re-sign when under 5 minutes remain) and only while the
+checkpoint exists: deleting or expiring the export makes its URLs 404.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from urllib.parse import quote
+
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import FileResponse, JSONResponse
+from tinker import types as t
+
+from tinkerd.api.deps import authenticate, future_response, json_bytes, parse, read_body, state
+from tinkerd.control.control import Work
+from tinkerd.control.runs import TinkerPath, check_name, check_ttl, iso
+from tinkerd.errors import NotFoundError, UserError
+from tinkerd.types import ExportWeightsOp
+
+authed = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
+# No API key on downloads: the signature is the credential.
+router = APIRouter()
+
+DOWNLOAD_URL_TTL_S = 3600
+KEY_FILE = "url_signing.key"
+
+
+class Forbidden(UserError):
+    status_code = 403
+
+
+class UrlSigner:
+    def __init__(self, key: bytes):
+        self._key = key
+
+    @classmethod
+    def for_data_dir(cls, data_dir: Path) -> "UrlSigner":
+        path = Path(data_dir) / KEY_FILE
+        if not path.exists():
+            # Written aside and linked into place: two processes starting at once agree on one key,
+            # and a crash never leaves a truncated key.
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{KEY_FILE}.")
+            try:
+                os.write(fd, secrets.token_bytes(32))
+                os.fsync(fd)
+                os.close(fd)
+                os.link(tmp, path)
+            except FileExistsError:
+                pass
+            finally:
+                os.unlink(tmp)
+        return cls(path.read_bytes())
+
+    def signature(self, run_id: str, name: str, file_name: str, expires: int) -> str:
+        message = "\n".join((run_id, name, file_name, str(expires))).encode()
+        return hmac.new(self._key, message, hashlib.sha256).hexdigest()
+
+    def verify(self, run_id: str, name: str, file_name: str, expires: str | None, sig: str | None) -> None:
+        if not expires or not sig:
+            raise Forbidden("this download URL is not signed; get one from external_weights_urls")
+        if not expires.isdigit() or not hmac.compare_digest(self.signature(run_id, name, file_name, int(expires)), sig):
+            raise Forbidden("invalid download URL signature (altered, or signed with another server key)")
+        if int(expires) <= time.time():
+            when = datetime.fromtimestamp(int(expires), timezone.utc).isoformat()
+            raise Forbidden(f"this download URL expired at {when}; request new URLs with external_weights_urls")
+
+
+def _signer(request: Request) -> UrlSigner:
+    signer = getattr(request.app.state, "url_signer", None)
+    if signer is None:
+        signer = request.app.state.url_signer = UrlSigner.for_data_dir(state(request).config.data_dir)
+    return signer
+
+
+@authed.post("/save_weights_external")
+async def save_weights_external(request: Request) -> JSONResponse:
+    st = state(request)
+    body = await read_body(request)
+    req = parse(t.SaveWeightsExternalRequest, body)
+    st.runs.run(req.model_id)
+    path = TinkerPath(req.model_id, "external_weights", check_name(req.path))
+    ttl = check_ttl(req.ttl_seconds)
+    # The request has no overwrite flag; like save_weights' default, an existing name is refused.
+    if st.runs.checkpoint_exists(path):
+        raise UserError(f"external weights {path} already exist; delete them or choose another name")
+    op = ExportWeightsOp(req.model_id, str(st.runs.checkpoint_dir(path)), req.age_encryption_recipients)
+
+    def finalize(_):
+        row = st.runs.register_checkpoint(path, ttl, None)
+        return json_bytes({"path": str(path), "size_bytes": row.size_bytes, "type": "save_weights_external"})
+
+    accepted = st.control.submit("SaveWeightsExternal", req.model_id, req.seq_id, body, Work(op, finalize))
+    return future_response(accepted.request_id, model_id=req.model_id)
+
+
+@authed.get("/training_runs/{run_id}/checkpoints/external_weights/{name}/external_weights_urls")
+async def external_weights_urls(run_id: str, name: str, request: Request) -> dict:
+    st = state(request)
+    row = st.runs.checkpoint(TinkerPath(run_id, "external_weights", check_name(name)))
+    signer = _signer(request)
+    expires = int(time.time()) + DOWNLOAD_URL_TTL_S
+    # request.base_url carries the scheme, host and port the client used, so the URLs work from
+    # wherever the client reached the API (localhost, a LAN address, a proxy's root path).
+    base = str(request.base_url).rstrip("/")
+    urls = {}
+    for f in sorted(Path(row.dir_path).iterdir()):
+        if f.is_file():
+            sig = signer.signature(run_id, name, f.name, expires)
+            urls[f.name] = f"{base}/files/external_weights/{quote(run_id, safe=':')}/{name}/{f.name}?expires={expires}&sig={sig}"
+    return {"urls": urls, "expires": iso(datetime.fromtimestamp(expires, timezone.utc).replace(tzinfo=None))}
+
+
+@router.api_route("/files/external_weights/{run_id}/{name}/{file_name}", methods=["GET", "HEAD"])
+async def download_file(run_id: str, name: str, file_name: str, request: Request,
+                        expires: str | None = None, sig: str | None = None) -> Response:
+    _signer(request).verify(run_id, name, file_name, expires, sig)
+    row = state(request).runs.checkpoint(TinkerPath(run_id, "external_weights", check_name(name)))
+    # The signature already pins the file name; this also keeps a leaked key from reading outside
+    # the export directory.
+    f = Path(row.dir_path) / check_name(file_name)
+    if not f.is_file():
+        raise NotFoundError(f"{file_name!r} is not a file of {row.tinker_path}")
+    return FileResponse(f, media_type="application/octet-stream", filename=file_name)

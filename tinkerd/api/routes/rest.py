@@ -1,0 +1,192 @@
+"""RestClient endpoints: training runs, checkpoints (list, delete, TTL, publish) and weights_info.
+
+Path parameters arrive unencoded: run ids contain ':' (`sess-…:train:0`) and a checkpoint id is
+`<type segment>/<name>`, so routes spell both parts out. Anything else under a run's checkpoints
+(a name with '/', a wrong segment, a '..' name that HTTP clients normalise away) lands on the
+catch-all at the end with a 404 that says what a checkpoint id looks like — this router must be
+registered after every other router with routes under /training_runs.
+
+Responses carry every field the SDK's strict models require (TrainingRun.model_owner,
+last_request_time, TrainingRunsResponse.cursor, …); datetimes are ISO-8601 with a 'Z'.
+"""
+
+from __future__ import annotations
+
+import json
+
+from fastapi import APIRouter, Depends, Request, Response
+
+from tinkerd.api.deps import authenticate, empty, read_body, state
+from tinkerd.control.runs import LOCAL_OWNER, TYPE_SEGMENTS, Runs, TinkerPath, check_name, iso, parse_tinker_path
+from tinkerd.control.store.tables import CheckpointRow, TrainingRunRow
+from tinkerd.errors import NotFoundError, UserError
+
+router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
+
+# Runs carry no owning account yet (see LOCAL_OWNER), so both scopes see every run.
+ACCESS_SCOPES = ("owned", "accessible")
+# The SDK CLI pages checkpoints 1000 at a time; a bound keeps one request's response small.
+MAX_PAGE = 10_000
+
+
+def checkpoint_json(row: CheckpointRow) -> dict:
+    segment = TYPE_SEGMENTS[row.checkpoint_type]
+    return {
+        "checkpoint_id": f"{segment}/{row.name}",
+        "checkpoint_type": row.checkpoint_type,
+        "time": iso(row.created_at),
+        "tinker_path": row.tinker_path,
+        "size_bytes": row.size_bytes,
+        "public": bool(row.public),
+        "user_metadata": dict(row.user_metadata or {}),
+        "expires_at": iso(row.expires_at),
+    }
+
+
+def run_json(runs: Runs, row: TrainingRunRow) -> dict:
+    last = runs.last_checkpoint(row.model_id, "training")
+    last_sampler = runs.last_checkpoint(row.model_id, "sampler")
+    return {
+        "training_run_id": row.model_id,
+        "base_model": row.base_model,
+        "model_owner": LOCAL_OWNER,
+        "is_lora": True,
+        "corrupted": False,
+        "lora_rank": row.lora_rank,
+        "last_request_time": iso(row.last_request_at),
+        "last_checkpoint": checkpoint_json(last) if last else None,
+        "last_sampler_checkpoint": checkpoint_json(last_sampler) if last_sampler else None,
+        "user_metadata": dict(row.user_metadata or {}),
+    }
+
+
+def _page(limit: int, offset: int) -> tuple[int, int]:
+    if not 0 <= limit <= MAX_PAGE:
+        raise UserError(f"limit must be between 0 and {MAX_PAGE}, got {limit}")
+    if offset < 0:
+        raise UserError(f"offset must be >= 0, got {offset}")
+    return limit, offset
+
+
+def _scope(access_scope: str) -> None:
+    if access_scope not in ACCESS_SCOPES:
+        raise UserError(f"access_scope must be one of {list(ACCESS_SCOPES)}, got {access_scope!r}")
+
+
+def _path(run_id: str, type_seg: str, name: str) -> TinkerPath:
+    return parse_tinker_path(f"tinker://{run_id}/{type_seg}/{check_name(name)}")
+
+
+# -- training runs ------------------------------------------------------------------------------
+
+
+@router.get("/training_runs")
+async def list_training_runs(request: Request, limit: int = 20, offset: int = 0, access_scope: str = "owned",
+                             project_id: str | None = None) -> dict:
+    _scope(access_scope)
+    if project_id is not None:
+        raise UserError("tinkerd has no projects: list training runs without project_id")
+    limit, offset = _page(limit, offset)
+    runs = state(request).runs
+    rows, total = runs.list_runs(limit, offset)
+    return {
+        "training_runs": [run_json(runs, r) for r in rows],
+        "cursor": {"offset": offset, "limit": limit, "total_count": total},
+    }
+
+
+@router.get("/training_runs/{run_id}")
+async def get_training_run(run_id: str, request: Request, access_scope: str = "owned") -> dict:
+    _scope(access_scope)
+    runs = state(request).runs
+    return run_json(runs, runs.run(run_id))
+
+
+# -- checkpoints --------------------------------------------------------------------------------
+
+
+@router.get("/training_runs/{run_id}/checkpoints")
+async def list_run_checkpoints(run_id: str, request: Request) -> dict:
+    runs = state(request).runs
+    runs.run(run_id)
+    rows, total = runs.list_checkpoints(run_id)
+    return {"checkpoints": [checkpoint_json(r) for r in rows], "cursor": {"offset": 0, "limit": total, "total_count": total}}
+
+
+@router.get("/checkpoints")
+async def list_user_checkpoints(request: Request, limit: int = 100, offset: int = 0) -> dict:
+    limit, offset = _page(limit, offset)
+    rows, total = state(request).runs.list_checkpoints(limit=limit, offset=offset)
+    return {
+        "checkpoints": [checkpoint_json(r) for r in rows],
+        "cursor": {"offset": offset, "limit": limit, "total_count": total},
+    }
+
+
+@router.delete("/training_runs/{run_id}/checkpoints/{type_seg}/{name}/publish")
+async def unpublish_checkpoint(run_id: str, type_seg: str, name: str, request: Request) -> Response:
+    state(request).runs.set_public(_path(run_id, type_seg, name), False)
+    return empty()
+
+
+@router.post("/training_runs/{run_id}/checkpoints/{type_seg}/{name}/publish")
+async def publish_checkpoint(run_id: str, type_seg: str, name: str, request: Request) -> Response:
+    # The SDK posts an empty body with a JSON content type: nothing to parse.
+    state(request).runs.set_public(_path(run_id, type_seg, name), True)
+    return empty()
+
+
+@router.put("/training_runs/{run_id}/checkpoints/{type_seg}/{name}/ttl")
+async def set_checkpoint_ttl(run_id: str, type_seg: str, name: str, request: Request) -> dict:
+    path = _path(run_id, type_seg, name)
+    try:
+        body = json.loads(await read_body(request) or b"{}")
+    except ValueError as e:
+        raise UserError(f"invalid JSON body: {e}") from e
+    if not isinstance(body, dict) or "ttl_seconds" not in body:
+        raise UserError('send {"ttl_seconds": <seconds> or null}')
+    row = state(request).runs.set_ttl(path, body["ttl_seconds"])
+    return checkpoint_json(row)
+
+
+@router.delete("/training_runs/{run_id}/checkpoints/{type_seg}/{name}")
+async def delete_checkpoint(run_id: str, type_seg: str, name: str, request: Request) -> Response:
+    state(request).runs.delete_checkpoint(_path(run_id, type_seg, name))
+    return empty()
+
+
+@router.post("/weights_info")
+async def weights_info(request: Request) -> dict:
+    try:
+        body = json.loads(await read_body(request) or b"{}")
+    except ValueError as e:
+        raise UserError(f"invalid JSON body: {e}") from e
+    tinker_path = body.get("tinker_path") if isinstance(body, dict) else None
+    if not isinstance(tinker_path, str):
+        raise UserError('send {"tinker_path": "tinker://<run_id>/<type>/<name>"}')
+    runs = state(request).runs
+    ckpt = runs.checkpoint(parse_tinker_path(tinker_path))
+    run = runs.run(ckpt.model_id)
+    cfg = run.lora_config or {}
+    return {
+        "base_model": run.base_model,
+        "is_lora": True,
+        "lora_rank": run.lora_rank,
+        "train_unembed": bool(cfg.get("train_unembed", True)),
+        "train_mlp": bool(cfg.get("train_mlp", True)),
+        "train_attn": bool(cfg.get("train_attn", True)),
+        "optimizer_config": {"type": "adamw"},
+    }
+
+
+# -- the catch-all (keep last) ------------------------------------------------------------------
+
+
+@router.api_route("/training_runs/{run_id}/checkpoints", methods=["POST", "PUT", "DELETE"])
+@router.api_route("/training_runs/{run_id}/checkpoints/{rest:path}", methods=["GET", "POST", "PUT", "DELETE"])
+async def no_such_checkpoint_endpoint(request: Request) -> Response:
+    raise NotFoundError(
+        f"{request.method} {request.url.path}: no such checkpoint endpoint. A checkpoint id is "
+        "<weights|sampler_weights|external_weights>/<name>, and a name is 1-128 letters, digits, "
+        "'.', '_' or '-' (no '/', not '.' or '..')"
+    )
