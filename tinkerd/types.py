@@ -73,6 +73,9 @@ class ForwardBackwardResult:
 class OptimStepOp:
     model_id: str
     adam_params: AdamParams
+    # Set by control's snapshot policy: after the step, write the adapter with its optimizer state
+    # here (and drop older snapshots beside it), so recovery replays only the ops after this one.
+    snapshot_dir: str | None = None
 
 
 @dataclass
@@ -89,6 +92,16 @@ class SaveWeightsOp:
     model_id: str
     dir_path: str
     with_optimizer: bool
+
+
+@dataclass
+class ExportWeightsOp:
+    """Write the adapter to `dir_path` as a plain PEFT adapter (save_weights_external); every file
+    encrypted to `age_encryption_recipients` (age or SSH public keys) and suffixed `.age` when given."""
+
+    model_id: str
+    dir_path: str
+    age_encryption_recipients: list[str] | None = None
 
 
 @dataclass
@@ -130,6 +143,10 @@ class SampleOp:
     num_samples: int = 1
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = 0
+    # Score only the last N prompt positions (earlier ones NaN / empty); None scores them all.
+    prompt_logprobs_last_n: int | None = None
+    # K > 0: the top-K (id, logprob) of the model's distribution at every sampled position.
+    topk_sample_logprobs: int = 0
 
 
 @dataclass
@@ -137,6 +154,8 @@ class SampledSequence:
     tokens: list[int]
     logprobs: list[float]
     stop_reason: Literal["stop", "length"]
+    # ([N, K] ids, [N, K] logprobs) best-first for N generated tokens; when topk_sample_logprobs > 0.
+    topk_logprobs: tuple[np.ndarray, np.ndarray] | None = None
 
 
 @dataclass
@@ -148,7 +167,36 @@ class SampleResult:
     topk_prompt_logprobs: tuple[np.ndarray, np.ndarray] | None = None
 
 
-EngineOp = ForwardBackwardOp | OptimStepOp | CreateModelOp | SaveWeightsOp | LoadWeightsOp | UnloadModelOp | SampleOp
+EngineOp = (
+    ForwardBackwardOp | OptimStepOp | CreateModelOp | SaveWeightsOp | ExportWeightsOp | LoadWeightsOp | UnloadModelOp
+    | SampleOp
+)
+
+
+@dataclass
+class StepBatch:
+    """What control hands the engine for one step (picked by control/scheduler.py).
+
+    Each op travels with a ticket (its request_id), so its result can come back in a later step.
+    """
+
+    # Ops that run to completion inside this step, in order: training, checkpoints, adapters.
+    run: list[tuple[str, EngineOp]] = field(default_factory=list)
+    # Sampling requests that join the engine's decode batch; each result comes back when it is done.
+    admit: list[tuple[str, SampleOp]] = field(default_factory=list)
+    # Advance the in-flight sampling requests: one prefill chunk, then one token per decoding row.
+    decode: bool = False
+
+
+@dataclass
+class StepOutput:
+    """What one engine step returns."""
+
+    # (ticket, result or TinkerdError) of every op that finished in this step: this step's `run`
+    # ops, and sampling requests admitted in this or an earlier step.
+    done: list[tuple[str, object]]
+    # Sampling rows still in the engine (prefilling or decoding): control keeps stepping while > 0.
+    active_rows: int
 
 
 @dataclass(frozen=True)
@@ -159,3 +207,5 @@ class ServedModel:
     tokenizer_dir: str
     max_context_length: int
     arch: str
+    # The loss_fn names forward_backward accepts on this model (the engine's loss registry).
+    loss_fns: tuple[str, ...] = ()

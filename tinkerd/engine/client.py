@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from tinkerd.engine.engine import Engine
-from tinkerd.types import ServedModel
+from tinkerd.engine.losses import supported_losses
+from tinkerd.types import ServedModel, StepBatch, StepOutput
 
 
 class InProcessEngineClient:
@@ -12,8 +13,8 @@ class InProcessEngineClient:
     def __init__(self, engine: Engine):
         self.engine = engine
 
-    def step(self, ops: list) -> list:
-        return self.engine.step(ops)
+    def step(self, batch: StepBatch) -> StepOutput:
+        return self.engine.step(batch)
 
     def models(self) -> list[ServedModel]:
         return [
@@ -22,6 +23,7 @@ class InProcessEngineClient:
                 tokenizer_dir=rt.loaded.tokenizer_dir,
                 max_context_length=rt.loaded.max_context_length,
                 arch=type(rt.model).__name__,
+                loss_fns=tuple(supported_losses()),
             )
             for rt in self.engine.runtimes.values()
         ]

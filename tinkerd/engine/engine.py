@@ -1,7 +1,10 @@
 """The compute plane: one Engine per process, owning the loaded base models and their adapters.
 
-`Engine.step(ops)` executes a batch the scheduler picked and returns one result per op: the op's
-result object, or the TinkerdError that failed it. A bad op fails alone; the loop goes on.
+`Engine.step(batch)` executes what control's scheduler picked for one step (a `StepBatch`): ops
+that run to completion (training, checkpoints, adapters), sampling requests that join the decode
+batch, and one decode step of every in-flight sampling row. It returns the results that finished
+in this step (`StepOutput`), each the op's result object or the TinkerdError that failed it, and
+how many sampling rows are still in flight. A bad op fails alone; the loop goes on.
 """
 
 from __future__ import annotations
@@ -16,8 +19,9 @@ import torch
 from tinkerd.engine.lora.layers import LoraContext, MultiLoraLinear, wrap_model, targets_for
 from tinkerd.engine.lora.pool import AdapterPool
 from tinkerd.engine.model.registry import LoadedModel, load_model
+from tinkerd.engine.sampler.sample import Sampler, SamplerConfig
 from tinkerd.errors import NotFoundError, ServerError, TinkerdError, UserError
-from tinkerd.types import EngineOp
+from tinkerd.types import EngineOp, StepBatch, StepOutput
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +56,13 @@ class ModelRuntime:
 
 
 class Engine:
-    def __init__(self, models_dir: Path, max_lora_rank: int = 256):
+    def __init__(self, models_dir: Path, max_lora_rank: int = 256, sampler_config: SamplerConfig = SamplerConfig()):
         self.models_dir = Path(models_dir)
         self.max_lora_rank = max_lora_rank
+        self.sampler_config = sampler_config
         self.runtimes: dict[str, ModelRuntime] = {}
+        # Base model name -> its continuous decode batch, created on the first sampling request.
+        self.samplers: dict[str, Sampler] = {}
         # model_id -> base model name, so ops that name only a model_id find their runtime.
         self.model_of: dict[str, str] = {}
 
@@ -84,18 +91,38 @@ class Engine:
             raise NotFoundError(f"unknown model_id {model_id!r}")
         return self.runtimes[name]
 
-    def step(self, ops: list[EngineOp]) -> list[object]:
-        """Run each op; per-op failures become that op's TinkerdError result."""
-        results: list[object] = []
-        for op in ops:
-            try:
-                results.append(self._run(op))
-            except TinkerdError as e:
-                results.append(e)
-            except Exception as e:  # a bug must fail one future, not the engine loop
-                log.exception("engine op %s failed", type(op).__name__)
-                results.append(ServerError(f"{type(e).__name__}: {e}"))
-        return results
+    def sampler(self, base_model: str) -> Sampler:
+        if base_model not in self.samplers:
+            self.samplers[base_model] = Sampler(self.runtime(base_model), self.sampler_config)
+        return self.samplers[base_model]
+
+    def step(self, batch: StepBatch | list[EngineOp]) -> StepOutput | list[object]:
+        """One step of what the scheduler picked; returns every result that finished in it.
+
+        Given a plain list of ops (the form that predates StepBatch, kept for callers that run
+        ops synchronously), runs each to completion and returns one result per op, in order.
+        """
+        if isinstance(batch, list):
+            return [self._guarded(self._run, op) for op in batch]
+        done = [(ticket, self._guarded(self._run, op)) for ticket, op in batch.run]
+        for ticket, op in batch.admit:
+            error = self._guarded(lambda o: self.sampler(o.base_model).admit(ticket, o), op)
+            if error is not None:  # a bad request fails at once and never enters the batch
+                done.append((ticket, error))
+        if batch.decode:
+            for sampler in self.samplers.values():
+                done.extend(sampler.step())
+        return StepOutput(done, active_rows=sum(s.active_rows for s in self.samplers.values()))
+
+    def _guarded(self, fn, op: EngineOp) -> object:
+        """fn(op), or the error that failed it: a bug must fail one future, not the engine loop."""
+        try:
+            return fn(op)
+        except TinkerdError as e:
+            return e
+        except Exception as e:
+            log.exception("engine op %s failed", type(op).__name__)
+            return ServerError(f"{type(e).__name__}: {e}")
 
     def _run(self, op: EngineOp) -> object:
         from tinkerd.engine import ops as engine_ops

@@ -13,7 +13,7 @@ from tinkerd.engine.engine import Engine
 from tinkerd.engine.sampler import sample as sample_mod
 from tinkerd.engine.sampler.rules import RowRules, _inverse_cdf, choose_tokens, validate
 from tinkerd.engine.sampler.sample import run_sample
-from tinkerd.errors import NotFoundError, UserError
+from tinkerd.errors import NotFoundError, ServerError, UserError
 from tinkerd.types import LoraSpec, SampleOp, SamplingParams
 
 TINY = "tinkerd/tiny-qwen3"
@@ -86,12 +86,12 @@ def run_with_slot(engine, slot_key, o: SampleOp):
     """Sample through an adapter that lives in the pool under slot_key (no checkpoint dir needed)."""
     if slot_key is None:
         return run_sample(engine, o)
-    real = sample_mod.adapter_slot
-    sample_mod.adapter_slot = lambda rt, path: rt.pool.get(slot_key).slot
+    real = sample_mod.acquire_adapter
+    sample_mod.acquire_adapter = lambda rt, path, max_idle: rt.pool.acquire(slot_key)
     try:
         return run_sample(engine, replace(o, adapter_path="unused"))
     finally:
-        sample_mod.adapter_slot = real
+        sample_mod.acquire_adapter = real
 
 
 # --- greedy equals the naive generate ------------------------------------------------------------
@@ -425,6 +425,9 @@ BAD = {
     "temperature inf": op(SamplingParams(max_tokens=2, temperature=float("inf"))),
     "topk prompt > vocab": op(greedy(2), topk_prompt_logprobs=151670),
     "topk prompt < 0": op(greedy(2), topk_prompt_logprobs=-1),
+    "topk sample > vocab": op(greedy(2), topk_sample_logprobs=151670),
+    "topk sample < 0": op(greedy(2), topk_sample_logprobs=-1),
+    "last_n 0": op(greedy(2), prompt_logprobs=True, prompt_logprobs_last_n=0),
     "empty stop seq": op(greedy(2, stop_token_seqs=((),))),
     "empty stop string": op(greedy(2, stop_strings=("",))),
     "unknown base model": replace(op(greedy(2)), base_model="nope/nope"),
@@ -462,6 +465,6 @@ def test_engine_state_is_clean_after_a_failure_mid_decode(sampler_engine, monkey
         raise RuntimeError("boom")
 
     monkeypatch.setattr(sample_mod, "choose_tokens", boom)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(ServerError, match="boom"):
         run_sample(sampler_engine, op(greedy(3)))
-    assert rt.ctx.groups == []
+    assert rt.ctx.groups == [] and rt.ctx.sampling is False

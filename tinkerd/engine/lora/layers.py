@@ -5,14 +5,23 @@ which rows of the batch use which slot. Each wrapped Linear then adds, for each 
     scaling_s * (x[rows] @ A_s^T) @ B_s^T
 to the base output. Adapters of different ranks coexist because each slot keeps its own A [R, in]
 and B [out, R]. Rows whose slot has no adapter on this layer (or slot -1) get the base model.
+
+For sampling on CPU the base weight can also be kept pre-packed for oneDNN (`pack_for_decode`):
+measured on SmolLM2-135M, 1 thread, 8 rows, all 211 linears: 42-87 ms per pass packed against
+78-129 ms through F.linear (MKL's skinny-M sgemm), and each row's output is bit-identical whatever
+the number of rows. Training never uses the packed copy (it has no autograd); logprobs of the two
+paths agree within 2.5e-5 on SmolLM2 (the sampler's tolerance against the trainer is 1e-4).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 # HF module names of the layers tinkerd can adapt, grouped as the SDK's LoraConfig flags name them.
 ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -32,6 +41,10 @@ class LoraContext:
     """Per-forward routing shared by every MultiLoraLinear of one base model."""
 
     groups: list[SlotGroup] = field(default_factory=list)
+    # True while the sampler runs a forward (no autograd): base linears use their packed weight when
+    # they have one, and adapter deltas are added in place. Training never sets it, so its numbers
+    # do not move by even one ulp.
+    sampling: bool = False
 
     def set_single(self, slot: int) -> None:
         self.groups = [SlotGroup(slot, None)]
@@ -65,6 +78,8 @@ class MultiLoraLinear(nn.Module):
         # Not registered as parameters: adapters belong to the pool, not to the base model's
         # state_dict, and come and go at run time.
         self.adapters: dict[int, LoraWeights] = {}
+        # oneDNN-packed copy of base.weight for inference (see pack_for_decode); None = not packed.
+        self.packed_weight: torch.Tensor | None = None
 
     @property
     def in_features(self) -> int:
@@ -79,6 +94,12 @@ class MultiLoraLinear(nn.Module):
         return self.base.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ctx.sampling:
+            if self.packed_weight is not None:
+                out = _packed_linear(x, self.packed_weight, self.base.bias)
+            else:
+                out = self.base(x)
+            return self._add_adapters_inplace(x, out)
         out = self.base(x)
         for group in self.ctx.groups:
             lw = self.adapters.get(group.slot)
@@ -90,6 +111,62 @@ class MultiLoraLinear(nn.Module):
                 delta = ((x[group.rows] @ lw.a.t()) @ lw.b.t()) * lw.scaling
                 out = out.index_add(0, group.rows, delta)
         return out
+
+    def _add_adapters_inplace(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The same sum without autograd: in place, scaling folded into addmm_ / index_add_.
+
+        Decoding 4 adapters' rows through SmolLM2's 211 linears runs this 844 times per token, so
+        the 3 kernels per group instead of 5 are a measurable share of a fused step.
+        """
+        if not self.ctx.groups:
+            return out
+        for group in self.ctx.groups:
+            lw = self.adapters.get(group.slot)
+            if lw is None:
+                continue
+            if group.rows is None:
+                x2 = x.reshape(-1, x.shape[-1])  # [M, in]: every position of every row
+                out.view(-1, out.shape[-1]).addmm_(x2 @ lw.a.t(), lw.b.t(), alpha=lw.scaling)
+            else:  # rows index dim 0 (batch rows), whatever the trailing token dims
+                out.index_add_(0, group.rows, (x[group.rows] @ lw.a.t()) @ lw.b.t(), alpha=lw.scaling)
+        return out
+
+
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])  # [M, in]
+    out = torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "")  # [M, out]
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def pack_for_decode(layers: dict[str, MultiLoraLinear], rows_hint: int = 8) -> bool:
+    """Give every fp32 CPU base linear a oneDNN-packed weight copy for the sampler; True if packed.
+
+    Costs one more copy of the wrapped weights in memory (540 MB for SmolLM2-135M). Skipped (with
+    a log line, results are the same within 1e-4, only slower) where oneDNN or the op is missing.
+    """
+    sample = next(iter(layers.values()), None)
+    if sample is None or sample.weight.device.type != "cpu" or sample.weight.dtype != torch.float32:
+        return False
+    if not torch.backends.mkldnn.is_available():
+        log.info("oneDNN is not available: the sampler uses unpacked linear weights")
+        return False
+    try:
+        for layer in layers.values():
+            if layer.packed_weight is None:
+                w = layer.base.weight.detach()
+                layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w, rows_hint)
+        # One check that the private op still computes a linear (it is inductor's, not public API).
+        x = torch.randn(3, sample.in_features, generator=torch.Generator().manual_seed(0))
+        want = torch.nn.functional.linear(x, sample.base.weight.detach(), sample.base.bias)
+        got = _packed_linear(x, sample.packed_weight, sample.base.bias)
+        if not torch.allclose(got, want, rtol=1e-4, atol=1e-4):
+            raise RuntimeError(f"packed linear differs by {(got - want).abs().max().item():.3g}")
+    except (RuntimeError, AttributeError) as e:
+        log.warning("packing linear weights for decode failed (%s): the sampler uses unpacked weights", e)
+        for layer in layers.values():
+            layer.packed_weight = None
+        return False
+    return True
 
 
 def wrap_model(model: nn.Module, ctx: LoraContext, targets: tuple[str, ...]) -> dict[str, MultiLoraLinear]:

@@ -2,6 +2,12 @@
 
 Only the pool knows slots. Each adapter owns its LoRA tensors, its AdamW state and its step count;
 attaching it registers its tensors with the MultiLoraLinear layers it targets.
+
+Sampler adapters (non-trainable, loaded from a checkpoint path) are a cache: an RL loop makes a
+new ephemeral sampler every step, so without a bound they pile up forever (a rank-32 adapter on
+SmolLM2-135M, all linears and the LM head, is 45 MB in fp32). `evict_idle` drops the least
+recently used ones that no in-flight request holds (`acquire`/`release` count the holders);
+training adapters are never evicted.
 """
 
 from __future__ import annotations
@@ -30,6 +36,10 @@ class Adapter:
     # Number of forward_backward calls accumulated into .grad since the last optim_step.
     pending_grads: int = 0
     extra: dict = field(default_factory=dict)
+    # In-flight sampling requests using this adapter; an adapter with users is never evicted.
+    users: int = 0
+    # Pool tick of the last acquire: the least recently used idle sampler adapter is evicted first.
+    last_used: int = 0
 
     def parameters(self) -> list[torch.Tensor]:
         return [t for ab in self.weights.values() for t in ab]
@@ -41,6 +51,7 @@ class AdapterPool:
         self.max_rank = max_rank
         self.adapters: dict[str, Adapter] = {}
         self._next_slot = 0
+        self._tick = 0
 
     def __contains__(self, key: str) -> bool:
         return key in self.adapters
@@ -111,3 +122,55 @@ class AdapterPool:
             return
         for name in adapter.weights:
             self.layers[name].adapters.pop(adapter.slot, None)
+
+    # -- sampler adapters: use counts and LRU eviction ----------------------------------------------
+
+    def acquire(self, key: str) -> Adapter:
+        """Mark `key` in use by one more in-flight request (and most recently used)."""
+        adapter = self.get(key)
+        self._tick += 1
+        adapter.users += 1
+        adapter.last_used = self._tick
+        return adapter
+
+    def release(self, adapter: Adapter) -> None:
+        adapter.users = max(0, adapter.users - 1)
+
+    def retire(self, key: str) -> None:
+        """Move a stale sampler adapter (its files were re-saved) out of the way of its key.
+
+        It stays attached, under a key no lookup uses, while requests still decode with it, and is
+        the first to go once idle.
+        """
+        adapter = self.adapters.pop(key, None)
+        if adapter is None:
+            return
+        if adapter.users == 0:
+            self._detach(adapter)
+            return
+        adapter.key = f"{key}\0retired-slot-{adapter.slot}"
+        adapter.last_used = -1
+        self.adapters[adapter.key] = adapter
+
+    def evict_idle(self, keep: int) -> list[str]:
+        """Remove idle sampler adapters, least recently used first, until at most `keep` remain.
+
+        Adapters with users stay even when that leaves more than `keep`: the bound is soft, and
+        the next call catches up. Returns the evicted keys.
+        """
+        samplers = [a for a in self.adapters.values() if not a.trainable]
+        excess = len(samplers) - keep
+        evicted = []
+        for adapter in sorted((a for a in samplers if a.users == 0), key=lambda a: a.last_used):
+            if excess <= 0:
+                break
+            self.adapters.pop(adapter.key)
+            self._detach(adapter)
+            evicted.append(adapter.key)
+            excess -= 1
+        return evicted
+
+    def _detach(self, adapter: Adapter) -> None:
+        for name in adapter.weights:
+            self.layers[name].adapters.pop(adapter.slot, None)
+

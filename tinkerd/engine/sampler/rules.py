@@ -67,6 +67,11 @@ def validate(op: SampleOp, vocab_size: int, max_context_length: int) -> None:
         raise UserError("a stop string is empty")
     if op.topk_prompt_logprobs < 0 or op.topk_prompt_logprobs > vocab_size:
         raise UserError(f"topk_prompt_logprobs must be in [0, {vocab_size}], got {op.topk_prompt_logprobs}")
+    if op.topk_sample_logprobs < 0 or op.topk_sample_logprobs > vocab_size:
+        raise UserError(f"topk_sample_logprobs must be in [0, {vocab_size}], got {op.topk_sample_logprobs}")
+    # N >= len(prompt) is accepted and scores every position that can be scored (all but the first).
+    if op.prompt_logprobs_last_n is not None and op.prompt_logprobs_last_n < 1:
+        raise UserError(f"prompt_logprobs_last_n must be >= 1, got {op.prompt_logprobs_last_n}")
 
 
 def row_generators(seed: int | None, n_rows: int) -> list[torch.Generator]:
@@ -106,6 +111,16 @@ class RowRules:
     def select(self, rows: list[int]) -> RowRules:
         idx = torch.tensor(rows, dtype=torch.long)
         return RowRules(self.temperature[idx], self.top_k[idx], self.top_p[idx], [self.generators[i] for i in rows])
+
+    @staticmethod
+    def stack(rules: list[RowRules]) -> RowRules:
+        """One RowRules for the rows of several (a decode batch fusing many requests)."""
+        return RowRules(
+            torch.cat([r.temperature for r in rules]),
+            torch.cat([r.top_k for r in rules]),
+            torch.cat([r.top_p for r in rules]),
+            [g for r in rules for g in r.generators],
+        )
 
 
 def choose_tokens(logits: torch.Tensor, rules: RowRules) -> torch.Tensor:

@@ -1,17 +1,20 @@
-"""Sampling: `run_sample(engine, op)` prefills the prompt once and decodes `num_samples` rows.
+"""The sampler engine: one continuous decode batch per base model.
 
-Flow: validate (a bad request fails alone, before any state is touched) -> resolve the adapter slot
-(a sampler checkpoint is loaded into the pool once, keyed by its path) -> prefill the prompt into a
-KV cache -> optional prompt scoring -> repeat the cache per row -> decode all rows together, each
-with its own slot, rules and stop rule -> one SampledSequence per row.
+Requests are admitted at any step (`Sampler.admit`) and finish at any step (`Sampler.step` returns
+them). Each step: (1) joining requests advance their prefill by a shared token budget; a request
+whose prompt is done joins the decode batch as `num_samples` rows sharing that one prefill;
+(2) every row in the batch gets one token: the (multi-LoRA) head on each row's last hidden state,
+token choice by the row's own rules and random stream, stop checks; finished rows leave the batch
+and the KV cache; the others run one body forward together, each row with its own adapter slot,
+position and attention mask (kv.py). Rows of any request, adapter and prompt length share the batch.
 
-The decode loop works on `Row`s, not on a request, so fusing several requests' rows into one batch
-(the scheduler's job, later) reuses it unchanged. Shapes: B rows, P prompt tokens, H hidden,
-V vocab, K top-k.
+A bad request fails alone at `admit`, before any state is touched; an unexpected error inside a
+step fails the requests in that batch, never the engine. Shapes: B rows, H hidden, V vocab, K top-k.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -22,32 +25,50 @@ import numpy as np
 import torch
 from torch import nn
 
-from tinkerd.engine.sampler.kv import KVBatch
-from tinkerd.engine.sampler.rules import EMPTY_LOGPROB, RowRules, StopRule, choose_tokens, row_generators, validate
-from tinkerd.errors import NotFoundError, ServerError
+from tinkerd.engine.lora.layers import pack_for_decode
+from tinkerd.engine.sampler.kv import BatchCache
+from tinkerd.engine.sampler.prefill import Prefill
+from tinkerd.engine.sampler.rules import RowRules, StopRule, choose_tokens, row_generators, validate
+from tinkerd.errors import NotFoundError, ServerError, TinkerdError
 from tinkerd.types import SampledSequence, SampleOp, SampleResult
 
 if TYPE_CHECKING:
     from tinkerd.engine.engine import Engine, ModelRuntime
+    from tinkerd.engine.lora.pool import Adapter
 
 log = logging.getLogger(__name__)
 
 BASE_SLOT = -1
 
-# Prompt positions scored per lm_head call: 128 x 151,669 fp32 logits = 78 MB at a time, instead
-# of P x V at once.
-_SCORE_CHUNK = 128
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    # Prompt tokens prefilled per step over all joining requests. A step (and so every decoding
+    # row's next token) waits for at most this much prefill: 128 tokens of SmolLM2-135M are ~0.4 s
+    # on one core, against ~70 ms for a decode step of 8 rows. Prefill is already compute-bound
+    # from ~20 tokens a forward on CPU, so smaller chunks cost little throughput.
+    prefill_tokens_per_step: int = 128
+    # Sampler adapters (loaded from checkpoint paths) kept in the pool; idle ones beyond are evicted,
+    # least recently used first. 8 rank-32 SmolLM2-135M adapters are 360 MB; an RL loop needs one.
+    max_sampler_adapters: int = 8
+    # Pack the base linears for oneDNN on CPU (layers.pack_for_decode): an 8-row step's linears take
+    # ~45 ms instead of ~80 ms on SmolLM2-135M, for one more copy of the weights.
+    pack_weights: bool = True
 
 
 @dataclass
 class Row:
     """One completion being generated; rows of any request can share a decode batch."""
 
+    request: Request
     slot: int  # adapter slot, BASE_SLOT for the base model
     max_tokens: int
     stop: StopRule
+    topk: int = 0  # top-k alternatives recorded per generated token
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    topk_ids: list[np.ndarray] = field(default_factory=list)  # each [K]
+    topk_logprobs: list[np.ndarray] = field(default_factory=list)  # each [K]
     stop_reason: Literal["stop", "length"] | None = None
 
     def append(self, token: int, logprob: float) -> bool:
@@ -62,104 +83,247 @@ class Row:
 
     def result(self) -> SampledSequence:
         assert self.stop_reason is not None
-        return SampledSequence(tokens=self.tokens, logprobs=self.logprobs, stop_reason=self.stop_reason)
+        topk = (np.stack(self.topk_ids), np.stack(self.topk_logprobs)) if self.topk else None
+        return SampledSequence(tokens=self.tokens, logprobs=self.logprobs, stop_reason=self.stop_reason, topk_logprobs=topk)
 
 
-def run_sample(engine: Engine, op: SampleOp) -> SampleResult:
-    t0 = time.perf_counter()
-    runtime = engine.runtime(op.base_model)
-    validate(op, runtime.vocab_size, runtime.loaded.max_context_length)
-    slot = adapter_slot(runtime, op.adapter_path)
-    body, head = split_model(runtime.model)
-    params = op.params
-    stop = StopRule(
-        eos_ids=frozenset(runtime.loaded.eos_token_ids) if params.stop_at_eos else frozenset(),
-        token_seqs=tuple(tuple(int(t) for t in seq) for seq in params.stop_token_seqs),
-        strings=params.stop_strings,
-        decode=_decoder(runtime) if params.stop_strings else None,
-    )
-    rows = [Row(slot=slot, max_tokens=params.max_tokens, stop=stop) for _ in range(op.num_samples)]
-    rules = RowRules.repeat(params.temperature, params.top_k, params.top_p, row_generators(params.seed, len(rows)))
-    prompt = torch.as_tensor(op.prompt, dtype=torch.long)[None, :]  # [1, P]
+@dataclass
+class Request:
+    ticket: str
+    op: SampleOp
+    adapter: Adapter | None  # the pool entry held while in flight; None for the base model
+    prefill: Prefill
+    rows: list[Row] = field(default_factory=list)
+    rules: RowRules | None = None
+    unfinished: int = 0
+    admitted_at: float = field(default_factory=time.perf_counter)
 
-    result = SampleResult(sequences=[])
-    try:
-        with torch.inference_mode():
-            kv = KVBatch(body, runtime.model.config)
-            runtime.ctx.set_single(slot)
-            hidden = kv.prefill(prompt)[0]  # [P, H]
-            if op.prompt_logprobs or op.topk_prompt_logprobs > 0:
-                lp, topk = score_prompt(head, hidden, prompt[0], op.prompt_logprobs, op.topk_prompt_logprobs)
-                result.prompt_logprobs, result.topk_prompt_logprobs = lp, topk
-            kv.repeat(len(rows))
-            decode(runtime, kv, rows, rules, hidden[-1:].expand(len(rows), -1))
-    finally:
-        runtime.ctx.clear()
-    result.sequences = [row.result() for row in rows]
-    log.debug(
-        "sample: %d prompt tokens, %d rows, %d generated tokens in %.3f s",
-        prompt.shape[1], len(rows), sum(len(r.tokens) for r in rows), time.perf_counter() - t0,
-    )
-    return result
+    @property
+    def slot(self) -> int:
+        return self.adapter.slot if self.adapter is not None else BASE_SLOT
+
+    def result(self) -> SampleResult:
+        pf = self.prefill
+        return SampleResult(
+            sequences=[row.result() for row in self.rows], prompt_logprobs=pf.logprobs, topk_prompt_logprobs=pf.topk
+        )
 
 
-def decode(runtime: ModelRuntime, kv: KVBatch, rows: list[Row], rules: RowRules, hidden: torch.Tensor) -> None:
-    """Generate until every row is finished. hidden [B, H]: each row's last position so far.
+class Sampler:
+    """The in-flight sampling state of one base model: joining requests and the decode batch."""
 
-    Finished rows leave the batch (and the KV cache) at once, so a long row does not carry the
-    dead rows' attention cost through the rest of its decode.
-    """
-    _, head = split_model(runtime.model)
-    active = list(range(len(rows)))  # indices into `rows` of the current batch rows, in order
-    while True:
-        runtime.ctx.set_rows([rows[i].slot for i in active])
-        logits = head(hidden).float()  # [B, V]
+    def __init__(self, runtime: ModelRuntime, config: SamplerConfig = SamplerConfig()):
+        self.rt = runtime
+        self.config = config
+        self.body, self.head = split_model(runtime.model)
+        self.device = next(runtime.model.parameters()).device
+        self.joining: list[Request] = []  # admitted, prefill not finished, in admission order
+        self.rows: list[Row] = []  # the decode batch, in KV cache row order
+        self.rules: RowRules | None = None  # aligned with self.rows
+        self.hidden: torch.Tensor | None = None  # [B, H] each row's last hidden state, awaiting the head
+        self.cache = BatchCache(len(self.body.layers))
+        self._routing: tuple[tuple[int, ...], list] | None = None  # (slots, ctx.groups) memo
+        if config.pack_weights:
+            pack_for_decode(runtime.layers)
+
+    @property
+    def active_rows(self) -> int:
+        return len(self.rows) + sum(r.op.num_samples for r in self.joining)
+
+    # -- admission -------------------------------------------------------------------------------
+
+    def admit(self, ticket: str, op: SampleOp) -> None:
+        """Queue a request for prefill; raises (a UserError for bad input) with nothing changed."""
+        validate(op, self.rt.vocab_size, self.rt.loaded.max_context_length)
+        adapter = acquire_adapter(self.rt, op.adapter_path, self.config.max_sampler_adapters)
+        try:
+            prefill = Prefill.start(
+                op.prompt, self.rt.model.config, self.device, op.prompt_logprobs,
+                op.topk_prompt_logprobs, op.prompt_logprobs_last_n,
+            )
+            req = Request(ticket, op, adapter, prefill)
+            p = op.params
+            stop = StopRule(
+                eos_ids=frozenset(self.rt.loaded.eos_token_ids) if p.stop_at_eos else frozenset(),
+                token_seqs=tuple(tuple(int(t) for t in seq) for seq in p.stop_token_seqs),
+                strings=p.stop_strings,
+                decode=_decoder(self.rt) if p.stop_strings else None,
+            )
+            req.rows = [Row(req, req.slot, p.max_tokens, stop, op.topk_sample_logprobs) for _ in range(op.num_samples)]
+            req.rules = RowRules.repeat(p.temperature, p.top_k, p.top_p, row_generators(p.seed, op.num_samples))
+            req.unfinished = op.num_samples
+        except BaseException:
+            self._release(adapter)
+            raise
+        self.joining.append(req)
+
+    # -- one step --------------------------------------------------------------------------------
+
+    def step(self) -> list[tuple[str, object]]:
+        """Advance prefills by one budget and every decoding row by one token; returns what finished."""
+        done: list[tuple[str, object]] = []
+        with torch.inference_mode(), self._sampling_mode():
+            self._prefill(done)
+            if self.rows:
+                try:
+                    self._decode(done)
+                except Exception as e:  # a bug fails this batch's requests, not the engine loop
+                    log.exception("decode step failed")
+                    self._fail_batch(done, ServerError(f"{type(e).__name__}: {e}"))
+        return done
+
+    def _prefill(self, done: list) -> None:
+        budget = self.config.prefill_tokens_per_step
+        ready: list[Request] = []
+        for req in list(self.joining):
+            if budget <= 0:
+                break
+            try:
+                self._set_routing([req.slot])
+                budget -= req.prefill.advance(self.body, self.head, budget)
+            except Exception as e:
+                log.exception("prefill failed")
+                self.joining.remove(req)
+                self._finish(req, done, e if isinstance(e, TinkerdError) else ServerError(f"{type(e).__name__}: {e}"))
+                continue
+            if req.prefill.finished:
+                self.joining.remove(req)
+                ready.append(req)
+        if ready:
+            try:
+                self._join(ready)
+            except Exception as e:  # the batch's cache may be half rebuilt: fail it with the joiners
+                log.exception("joining the decode batch failed")
+                error = ServerError(f"{type(e).__name__}: {e}")
+                in_batch = {id(r.request) for r in self.rows}  # those _fail_batch fails
+                for req in ready:
+                    if id(req) not in in_batch:
+                        req.unfinished = 0
+                        self._finish(req, done, error)
+                self._fail_batch(done, error)
+
+    def _join(self, ready: list[Request]) -> None:
+        """Move prefilled requests' rows into the decode batch (cache, hidden, rules, rows) at once."""
+        self.cache.join([(req.prefill.cache, len(req.rows)) for req in ready])
+        hidden = [] if self.hidden is None else [self.hidden]
+        rules = [] if self.rules is None else [self.rules]
+        for req in ready:
+            req.prefill.cache = None  # its keys/values now live in the batch cache
+            hidden.append(req.prefill.last_hidden.expand(len(req.rows), -1))  # [n, H]: samples start alike
+            rules.append(req.rules)
+            self.rows.extend(req.rows)
+        self.hidden = torch.cat(hidden)  # [B, H]
+        self.rules = RowRules.stack(rules)
+
+    def _decode(self, done: list) -> None:
+        rows = self.rows
+        self._set_routing([r.slot for r in rows])
+        logits = self.head(self.hidden).float()  # [B, V]
         # The logprob reported for a sampled token is the log-softmax of the raw logits
         # (temperature 1, no top-k/top-p truncation): exactly what the trainer's forward computes
         # for that token, so RL importance ratios exp(learner - sampler) start at 1 and
         # kl_sample_train measures only real policy drift. The rules only decide which token.
-        tokens = choose_tokens(logits, rules)  # [B]
-        # logit - logsumexp = log_softmax at the chosen token, without a second [B, V] tensor.
-        token_lp = logits.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)  # [B]
-        still = [
-            b for b, i in enumerate(active) if not rows[i].append(int(tokens[b]), float(token_lp[b]))
-        ]  # batch positions of rows that go on
-        if not still:
-            return
-        if len(still) < len(active):
-            kv.keep(still)
-            rules = rules.select(still)
-            active = [active[b] for b in still]
+        tokens = choose_tokens(logits, self.rules)  # [B]
+        lse = torch.logsumexp(logits, dim=-1)  # [B]
+        token_lp = (logits.gather(1, tokens[:, None]).squeeze(1) - lse).tolist()
+        self._record_topk(rows, logits, lse)
+        still = []  # batch positions of rows that go on
+        for b, (row, token) in enumerate(zip(rows, tokens.tolist())):
+            if not row.append(token, token_lp[b]):
+                still.append(b)
+            else:
+                row.request.unfinished -= 1
+                if row.request.unfinished == 0:
+                    self._finish(row.request, done, None)
+        if len(still) < len(rows):
+            self.cache.keep(still)
+            self.rows = [rows[b] for b in still]
+            self.rules = self.rules.select(still) if still else None
             tokens = tokens[still]
-        runtime.ctx.set_rows([rows[i].slot for i in active])
-        hidden = kv.step(tokens)  # [B, H]
+        if not self.rows:
+            self.hidden = None
+            return
+        positions, mask = self.cache.step_inputs()
+        self._set_routing([r.slot for r in self.rows])
+        out = self.body(
+            input_ids=tokens[:, None], attention_mask=mask, position_ids=positions, cache=self.cache, use_cache=True
+        )
+        self.cache.advance()
+        self.hidden = out.last_hidden_state[:, -1]  # [B, H]
+
+    def _record_topk(self, rows: list[Row], logits: torch.Tensor, lse: torch.Tensor) -> None:
+        want = [b for b, r in enumerate(rows) if r.topk > 0]
+        if not want:
+            return
+        idx = torch.tensor(want, device=logits.device)
+        k = max(rows[b].topk for b in want)
+        vals, ids = torch.topk(logits[idx], k, dim=-1)  # [b, K] best-first
+        vals = (vals - lse[idx, None]).cpu().numpy()
+        ids = ids.cpu().numpy()
+        for j, b in enumerate(want):
+            kk = rows[b].topk
+            rows[b].topk_ids.append(ids[j, :kk])
+            rows[b].topk_logprobs.append(vals[j, :kk])
+
+    # -- completion ------------------------------------------------------------------------------
+
+    def _finish(self, req: Request, done: list, error: TinkerdError | None) -> None:
+        self._release(req.adapter)
+        req.adapter = None
+        done.append((req.ticket, error if error is not None else req.result()))
+        log.debug(
+            "sample %s: %d prompt tokens, %d rows, %d generated tokens in %.3f s", req.ticket,
+            req.prefill.prompt.shape[0], len(req.rows), sum(len(r.tokens) for r in req.rows),
+            time.perf_counter() - req.admitted_at,
+        )
+
+    def _fail_batch(self, done: list, error: TinkerdError) -> None:
+        """Fail every request with rows in the decode batch and start an empty batch."""
+        failed = {id(r.request): r.request for r in self.rows if r.request.unfinished > 0}
+        for req in failed.values():
+            req.unfinished = 0
+            self._finish(req, done, error)
+        self.rows, self.rules, self.hidden = [], None, None
+        self.cache = BatchCache(len(self.body.layers))
+
+    def _release(self, adapter: Adapter | None) -> None:
+        if adapter is not None:
+            self.rt.pool.release(adapter)
+
+    # -- adapter routing -------------------------------------------------------------------------
+
+    def _set_routing(self, slots: list[int]) -> None:
+        """Route batch row i to adapter slot slots[i]; memoised while the batch does not change."""
+        key = tuple(slots)
+        if self._routing is None or self._routing[0] != key:
+            self.rt.ctx.set_rows(slots)
+            self._routing = (key, self.rt.ctx.groups)
+        self.rt.ctx.groups = self._routing[1]
+
+    @contextlib.contextmanager
+    def _sampling_mode(self):
+        self.rt.ctx.sampling = True
+        try:
+            yield
+        finally:
+            self.rt.ctx.sampling = False
+            self.rt.ctx.clear()
 
 
-def score_prompt(
-    head: nn.Module, hidden: torch.Tensor, prompt: torch.Tensor, want_logprobs: bool, k: int
-) -> tuple[np.ndarray | None, tuple[np.ndarray, np.ndarray] | None]:
-    """Logprob of prompt[i] given prompt[:i] for every i, and the top-k alternatives per position.
+def run_sample(engine: Engine, op: SampleOp, config: SamplerConfig | None = None) -> SampleResult:
+    """One request alone, start to finish, through a fresh decode batch: the synchronous form.
 
-    hidden [P, H] (the prefill's final hidden states), prompt [P]. Returns (logprobs [P] float32
-    with NaN at 0, (ids [P, K] int64, logprobs [P, K] float32) best-first with row 0 empty).
+    The reference the fused batch is tested against, and what `Engine.step(list)` runs for a
+    SampleOp. Raises what the request failed with.
     """
-    n = prompt.shape[0]
-    lp = np.full(n, np.nan, dtype=np.float32) if want_logprobs else None
-    topk = None
-    if k > 0:
-        topk = (np.zeros((n, k), dtype=np.int64), np.full((n, k), EMPTY_LOGPROB, dtype=np.float32))
-    # Position i's logits predict token i + 1; chunks bound the [chunk, V] logits in memory.
-    for start in range(0, n - 1, _SCORE_CHUNK):
-        end = min(n - 1, start + _SCORE_CHUNK)
-        chunk_lp = torch.log_softmax(head(hidden[start:end]).float(), dim=-1)  # [c, V]
-        if lp is not None:
-            targets = prompt[start + 1 : end + 1, None]
-            lp[start + 1 : end + 1] = chunk_lp.gather(1, targets).squeeze(1).numpy()
-        if topk is not None:
-            vals, ids = torch.topk(chunk_lp, k, dim=-1)  # [c, K], sorted best-first
-            topk[0][start + 1 : end + 1] = ids.numpy()
-            topk[1][start + 1 : end + 1] = vals.numpy()
-    return lp, topk
+    runtime = engine.runtime(op.base_model)
+    sampler = Sampler(runtime, config or engine.sampler_config)
+    sampler.admit("run_sample", op)
+    while True:
+        for _, result in sampler.step():
+            if isinstance(result, TinkerdError):
+                raise result
+            return result
 
 
 def split_model(model: nn.Module) -> tuple[nn.Module, nn.Module]:
@@ -167,21 +331,27 @@ def split_model(model: nn.Module) -> tuple[nn.Module, nn.Module]:
 
     Logits are computed as head(body(x)), which is what the HF forward does for Qwen3 / Llama.
     Models that post-process logits (Gemma 2's soft-capping) would silently sample from the wrong
-    distribution, so they are refused instead.
+    distribution, and sliding-window layers would get the full-attention mask the decode batch
+    builds, so both are refused instead.
     """
     if getattr(model.config, "final_logit_softcapping", None):
         raise ServerError(f"{type(model).__name__} soft-caps its logits; the sampler does not support that")
+    layer_types = getattr(model.config, "layer_types", None) or ()
+    if any(t != "full_attention" for t in layer_types):
+        raise ServerError(f"{type(model).__name__} has {set(layer_types)} layers; the sampler supports full attention only")
     return model.get_decoder(), model.get_output_embeddings()
 
 
-def adapter_slot(runtime: ModelRuntime, adapter_path: str | None) -> int:
-    """The slot serving `adapter_path`: loaded into the pool once, reused while the files stand.
+def acquire_adapter(runtime: ModelRuntime, adapter_path: str | None, max_idle: int) -> Adapter | None:
+    """The pool entry serving `adapter_path`, held for one request (None: the base model).
 
-    Keyed by the path; the directory's (inode, mtime) is remembered so a checkpoint re-saved under
-    the same path (written to a temporary name and renamed in place) is reloaded, not served stale.
+    Loaded once per path and reused while the files stand: the directory's (inode, mtime) is
+    remembered, so a checkpoint re-saved under the same path (written to a temporary name and
+    renamed in place) is reloaded, while requests already decoding keep the old weights. Loading
+    evicts idle sampler adapters beyond `max_idle`, least recently used first.
     """
     if adapter_path is None:
-        return BASE_SLOT
+        return None
     try:
         st = os.stat(adapter_path)
     except OSError:
@@ -189,14 +359,14 @@ def adapter_slot(runtime: ModelRuntime, adapter_path: str | None) -> int:
     fingerprint = (st.st_ino, st.st_mtime_ns)
     pool = runtime.pool
     if adapter_path in pool:
-        adapter = pool.get(adapter_path)
-        if adapter.extra.get("fingerprint") == fingerprint:
-            return adapter.slot
-        pool.remove(adapter_path)
+        if pool.get(adapter_path).extra.get("fingerprint") == fingerprint:
+            return pool.acquire(adapter_path)
+        pool.retire(adapter_path)
     files = _read_adapter(adapter_path)
+    pool.evict_idle(keep=max(0, max_idle - 1))
     adapter = pool.create_from_tensors(adapter_path, files.spec, files.weights, trainable=False)
     adapter.extra["fingerprint"] = fingerprint
-    return adapter.slot
+    return pool.acquire(adapter_path)
 
 
 def _read_adapter(path: str):

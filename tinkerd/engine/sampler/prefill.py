@@ -1,0 +1,96 @@
+"""Prefill: one request's prompt through the decoder body, chunk by chunk, scored as it goes.
+
+A prompt is prefilled in chunks of at most the step's prefill budget, so a 4k-token prompt joining
+the batch delays the other rows' next token by one chunk, not by the whole prompt. Each chunk's
+final hidden states [c, H] are scored for prompt logprobs right away and then dropped; only the
+last position's hidden state is kept, to pick the first generated token.
+
+Shapes: P prompt tokens, c chunk, H hidden, V vocab, K top-k.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from tinkerd.engine.sampler.rules import EMPTY_LOGPROB
+
+# Prompt positions scored per lm_head call: 128 x 151,669 fp32 logits = 78 MB at a time, instead
+# of P x V at once.
+_SCORE_CHUNK = 128
+
+
+@dataclass
+class Prefill:
+    prompt: torch.Tensor  # [P] int64
+    cache: DynamicCache
+    want_logprobs: bool
+    k: int  # top-k alternatives per scored position; 0 = none
+    # First position whose logits are scored: position i predicts prompt[i + 1], so scoring the
+    # last N prompt tokens starts at P - 1 - N (0 = score everything).
+    score_from: int
+    done: int = 0  # prompt tokens through the body so far
+    last_hidden: torch.Tensor | None = None  # [1, H] of position done - 1
+    logprobs: np.ndarray | None = None  # [P] float32, NaN where not scored
+    topk: tuple[np.ndarray, np.ndarray] | None = None  # ([P, K] ids, [P, K] logprobs), empty rows
+    chunk_calls: list[int] = field(default_factory=list)  # tokens per body call, for tests and logs
+
+    @staticmethod
+    def start(
+        prompt: np.ndarray, config, device: torch.device, want_logprobs: bool, k: int, last_n: int | None
+    ) -> Prefill:
+        n = int(prompt.shape[0])
+        scored = n - 1 if last_n is None else min(last_n, n - 1)
+        pf = Prefill(
+            prompt=torch.as_tensor(prompt, dtype=torch.long, device=device),
+            cache=DynamicCache(config=config),
+            want_logprobs=want_logprobs,
+            k=k,
+            score_from=n - 1 - scored,
+        )
+        if want_logprobs:
+            pf.logprobs = np.full(n, np.nan, dtype=np.float32)
+        if k > 0:
+            pf.topk = (np.zeros((n, k), dtype=np.int64), np.full((n, k), EMPTY_LOGPROB, dtype=np.float32))
+        return pf
+
+    @property
+    def finished(self) -> bool:
+        return self.done == self.prompt.shape[0]
+
+    @property
+    def remaining(self) -> int:
+        return int(self.prompt.shape[0]) - self.done
+
+    def advance(self, body: nn.Module, head: nn.Module, budget: int) -> int:
+        """Run up to `budget` more prompt tokens through the body; returns how many ran."""
+        start = self.done
+        end = min(int(self.prompt.shape[0]), start + budget)
+        out = body(input_ids=self.prompt[None, start:end], cache=self.cache, use_cache=True)
+        hidden = out.last_hidden_state[0]  # [c, H]
+        if self.want_logprobs or self.k > 0:
+            self._score(head, hidden, start)
+        self.last_hidden = hidden[-1:]
+        self.done = end
+        self.chunk_calls.append(end - start)
+        return end - start
+
+    def _score(self, head: nn.Module, hidden: torch.Tensor, offset: int) -> None:
+        """Score the positions of this chunk (hidden [c, H] at offset) that predict a prompt token."""
+        n = int(self.prompt.shape[0])
+        lo = max(offset, self.score_from)
+        hi = min(offset + hidden.shape[0], n - 1)  # the last position predicts a generated token
+        for a in range(lo, hi, _SCORE_CHUNK):
+            b = min(hi, a + _SCORE_CHUNK)
+            lp = torch.log_softmax(head(hidden[a - offset : b - offset]).float(), dim=-1)  # [c, V]
+            if self.logprobs is not None:
+                targets = self.prompt[a + 1 : b + 1, None]
+                self.logprobs[a + 1 : b + 1] = lp.gather(1, targets).squeeze(1).cpu().numpy()
+            if self.topk is not None:
+                vals, ids = torch.topk(lp, self.k, dim=-1)  # [c, K] sorted best-first
+                self.topk[0][a + 1 : b + 1] = ids.cpu().numpy()
+                self.topk[1][a + 1 : b + 1] = vals.cpu().numpy()
