@@ -31,9 +31,9 @@ class ServerProcess:
 
 
 def start_server(data_dir: Path, base_models: list[str], extra_args: list[str] = (), timeout_s: float = 300,
-                 env: dict | None = None) -> ServerProcess:
+                 env: dict | None = None, api_key: str | None = API_KEY) -> ServerProcess:
     cmd = [sys.executable, "-m", "tinkerd.cli.main", "--log-level", "WARNING", "serve", "--port", "0",
-           "--data-dir", str(data_dir), "--api-key", API_KEY, *extra_args]
+           "--data-dir", str(data_dir), *(["--api-key", api_key] if api_key else []), *extra_args]
     for m in base_models:
         cmd += ["--base-model", m]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -47,6 +47,7 @@ def start_server(data_dir: Path, base_models: list[str], extra_args: list[str] =
             lines.append(line)
             if line.startswith("tinkerd ready at "):
                 url_box.append(line.split()[3])
+            elif url_box and "export TINKER_BASE_URL" in line:  # the ready line's second half
                 ready.set()
 
     threading.Thread(target=pump, daemon=True).start()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 DEFAULT_BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -17,8 +19,9 @@ class ServerConfig(BaseModel):
     port: int = 8000
     data_dir: Path = Field(default_factory=lambda: Path(os.environ.get("TINKERD_DATA_DIR", "~/.tinkerd")).expanduser())
     base_models: list[str] = Field(default_factory=lambda: [DEFAULT_BASE_MODEL])
-    # The API key printed for local use; any `tml-` key is accepted until accounts exist.
-    api_key: str = "tml-tinkerd-local"
+    # A key to register for the local account at start (tests, scripts); None = create one on
+    # first start and keep it in the data directory.
+    api_key: str | None = None
     # LoRA scaling is alpha / rank; 32 is the value Tinker documents and what exports carry.
     lora_alpha: float = 32.0
     max_lora_rank: int = 256
@@ -29,6 +32,12 @@ class ServerConfig(BaseModel):
     max_sample_tokens_default: int = 256
     max_num_samples: int = 128
     torch_threads: int | None = None
+    # "process": the engine runs in a child process that is restarted and rebuilt if it dies;
+    # "thread": in the server process (no crash isolation, no pipe).
+    engine: Literal["process", "thread"] = "process"
+    # Least seconds between two recovery snapshots of a run; 0 snapshots after every optim_step,
+    # so replay after a crash is at most one step's forward_backward calls.
+    snapshot_interval_s: float = 0.0
 
     @property
     def db_path(self) -> Path:

@@ -12,6 +12,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from tinkerd.config import ServerConfig
+from tinkerd.control.accounts import Accounts
 from tinkerd.control.control import Control, Work
 from tinkerd.control.runs import Runs
 from tinkerd.errors import TinkerdError, UserError
@@ -26,6 +27,7 @@ class AppState:
     control: Control
     runs: Runs
     served: dict[str, ServedModel]
+    accounts: Accounts
 
     def served_model(self, name: str) -> ServedModel:
         model = self.served.get(name)
@@ -47,8 +49,10 @@ def authenticate(request: Request) -> None:
     key = request.headers.get("x-api-key")
     if not key:
         raise AuthError("missing X-API-Key header")
-    if key != state(request).config.api_key:
-        raise AuthError("invalid API key")
+    account_id = state(request).accounts.verify(key)
+    if account_id is None:
+        raise AuthError("invalid or revoked API key")
+    request.state.account_id = account_id
 
 
 async def read_body(request: Request) -> bytes:

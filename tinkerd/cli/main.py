@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from tinkerd.cli import serve
+from tinkerd.cli import keys, serve
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -14,6 +14,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
     serve.add_parser(sub)
+    keys.add_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.func(args)

@@ -81,3 +81,24 @@ class FutureRow(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime)
     completed_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
     compute_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class AccountRow(Base):
+    """Who owns sessions, runs, checkpoints and futures; every API key belongs to one account."""
+
+    __tablename__ = "accounts"
+    account_id: Mapped[str] = mapped_column(String, primary_key=True)
+    name: Mapped[str] = mapped_column(String, unique=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime)
+
+
+class ApiKeyRow(Base):
+    """Only a hash of each key is stored; the key itself is shown once, when it is created."""
+
+    __tablename__ = "api_keys"
+    key_id: Mapped[str] = mapped_column(String, primary_key=True)
+    key_hash: Mapped[str] = mapped_column(String, unique=True, index=True)
+    account_id: Mapped[str] = mapped_column(String, index=True)
+    name: Mapped[str] = mapped_column(String)
+    created_at: Mapped[datetime] = mapped_column(DateTime)
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)

@@ -1,0 +1,40 @@
+"""`tinkerd keys`: create, list and revoke API keys in a data directory's store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tinkerd.config import ServerConfig
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("keys", help="manage API keys")
+    p.add_argument("--data-dir", type=Path, default=None, help="default: $TINKERD_DATA_DIR or ~/.tinkerd")
+    keys = p.add_subparsers(dest="keys_command", required=True)
+    c = keys.add_parser("create", help="create a key; it is printed once and only its hash is stored")
+    c.add_argument("--name", required=True)
+    c.add_argument("--account", default="local", help="the account that owns what this key creates")
+    keys.add_parser("list", help="list keys (never the keys themselves)")
+    r = keys.add_parser("revoke", help="revoke a key by its id")
+    r.add_argument("key_id")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from tinkerd.control.accounts import Accounts
+    from tinkerd.control.store.db import Store
+
+    config = ServerConfig(**({"data_dir": args.data_dir.expanduser().resolve()} if args.data_dir else {}))
+    accounts = Accounts(Store.sqlite(config.db_path))
+    if args.keys_command == "create":
+        new = accounts.create_key(args.name, account=args.account)
+        print(f"created {new.key_id} for account {new.account}; this is the only time the key is shown:")
+        print(f"  export TINKER_API_KEY={new.key}")
+    elif args.keys_command == "list":
+        for row, account in accounts.list_keys():
+            state = f"revoked {row.revoked_at:%Y-%m-%d %H:%M}" if row.revoked_at else "active"
+            print(f"{row.key_id}  {account:16s} {row.name:24s} created {row.created_at:%Y-%m-%d %H:%M}  {state}")
+    else:
+        accounts.revoke(args.key_id)
+        print(f"revoked {args.key_id}")
+    return 0

@@ -1,0 +1,78 @@
+"""Accounts and API keys: `tml-` keys, stored as SHA-256 hashes, revocable.
+
+Keys carry 256 random bits, so a fast hash is enough: nobody can brute-force a preimage, and a
+lookup per request stays at one indexed read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from dataclasses import dataclass
+
+from sqlalchemy import select
+
+from tinkerd.control.store.db import Store, utcnow
+from tinkerd.control.store.tables import AccountRow, ApiKeyRow
+from tinkerd.errors import NotFoundError, UserError
+
+LOCAL_ACCOUNT = "local"
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class NewKey:
+    key_id: str
+    key: str  # shown once
+    account: str
+
+
+class Accounts:
+    def __init__(self, store: Store):
+        self.store = store
+
+    def account_id(self, name: str, create: bool = True) -> str:
+        rows = self.store.query(select(AccountRow).where(AccountRow.name == name))
+        if rows:
+            return rows[0].account_id
+        if not create:
+            raise NotFoundError(f"no account named {name!r}")
+        account_id = f"acct-{secrets.token_hex(6)}"
+        if not self.store.add(AccountRow(account_id=account_id, name=name, created_at=utcnow())):
+            return self.account_id(name, create=False)  # created concurrently
+        return account_id
+
+    def create_key(self, name: str, account: str = LOCAL_ACCOUNT, key: str | None = None) -> NewKey:
+        if not name or len(name) > 128:
+            raise UserError("a key needs a name of 1-128 characters")
+        key = key or f"tml-{secrets.token_urlsafe(32)}"
+        if not key.startswith("tml-"):
+            raise UserError("API keys must start with 'tml-' (the SDK refuses others)")
+        key_id = f"key-{secrets.token_hex(6)}"
+        row = ApiKeyRow(key_id=key_id, key_hash=hash_key(key), account_id=self.account_id(account), name=name,
+                        created_at=utcnow())
+        if not self.store.add(row):
+            raise UserError("that key already exists")
+        return NewKey(key_id, key, account)
+
+    def verify(self, key: str) -> str | None:
+        """The account of a valid, unrevoked key; None otherwise."""
+        rows = self.store.query(select(ApiKeyRow).where(ApiKeyRow.key_hash == hash_key(key)))
+        if not rows or rows[0].revoked_at is not None:
+            return None
+        return rows[0].account_id
+
+    def list_keys(self) -> list[tuple[ApiKeyRow, str]]:
+        names = {a.account_id: a.name for a in self.store.query(select(AccountRow))}
+        return [(k, names.get(k.account_id, "?")) for k in self.store.query(select(ApiKeyRow).order_by(ApiKeyRow.created_at))]
+
+    def revoke(self, key_id: str) -> None:
+        if self.store.get(ApiKeyRow, key_id) is None:
+            raise NotFoundError(f"no key {key_id!r}")
+        self.store.update(ApiKeyRow, key_id, revoked_at=utcnow())
+
+    def has_keys(self) -> bool:
+        return bool(self.store.query(select(ApiKeyRow).limit(1)))
