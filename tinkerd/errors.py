@@ -32,3 +32,8 @@ class ServerError(TinkerdError):
 
     category = "server"
     status_code = 500
+
+
+class EngineCrashed(RuntimeError):
+    """The engine process died mid-step; nothing of that step was stored. Not a request's error:
+    control restarts the engine, rebuilds its adapters and runs the step's ops again."""

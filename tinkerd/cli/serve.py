@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import socket
@@ -21,9 +22,24 @@ def add_parser(sub) -> None:
     p.add_argument("--data-dir", type=Path, default=None, help="default: $TINKERD_DATA_DIR or ~/.tinkerd")
     p.add_argument("--base-model", action="append", dest="base_models", default=None,
                    help=f"a model to serve; repeatable (default: {DEFAULT_BASE_MODEL})")
-    p.add_argument("--api-key", default=None, help="the key clients send (default: tml-tinkerd-local)")
+    p.add_argument("--api-key", default=None,
+                   help="register this tml- key for the local account (default: a random key is created on first start)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--engine", choices=["process", "thread"], default=None,
+                   help="process (default): the engine in its own process, restarted and rebuilt if it dies; "
+                        "thread: in the server process")
+    p.add_argument("--snapshot-interval-s", type=float, default=None,
+                   help="least seconds between a run's recovery snapshots (default 0: after every optim_step)")
+    p.add_argument("--checkpoint-sweep-interval-s", type=_positive_s, default=60.0,
+                   help="how often files of expired checkpoints are deleted (default: 60)")
     p.set_defaults(func=run)
+
+
+def _positive_s(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
 
 
 def build_config(args) -> ServerConfig:
@@ -36,34 +52,73 @@ def build_config(args) -> ServerConfig:
         values["api_key"] = args.api_key
     if args.threads:
         values["torch_threads"] = args.threads
+    if args.engine:
+        values["engine"] = args.engine
+    if args.snapshot_interval_s is not None:
+        values["snapshot_interval_s"] = args.snapshot_interval_s
     return ServerConfig(**values)
 
 
 def build_app(config: ServerConfig):
     """Wire store, engine, control plane and API from one config."""
-    import torch
-
     from tinkerd.api.app import create_app
     from tinkerd.api.deps import AppState
+    from tinkerd.api.replay import make_rebuild
+    from tinkerd.control.accounts import Accounts
     from tinkerd.control.control import Control
+    from tinkerd.control.recovery import Recovery
     from tinkerd.control.runs import Runs
     from tinkerd.control.store.db import Store
+
+    config.data_dir.mkdir(parents=True, exist_ok=True)
+    client = build_engine_client(config)
+    store = Store.sqlite(config.db_path)
+    # rebuild needs the app state, which needs control: wired right below.
+    recovery = Recovery(store, config.data_dir / "snapshots", rebuild=None, snapshot_interval_s=config.snapshot_interval_s)
+    control = Control(store, client, recovery)
+    runs = Runs(store, config.checkpoints_dir)
+    served = {m.name: m for m in client.models()}
+    accounts = Accounts(store)
+    app_state = AppState(config=config, control=control, runs=runs, served=served, accounts=accounts)
+    recovery.rebuild = make_rebuild(app_state)
+    return create_app(app_state), control
+
+
+def build_engine_client(config: ServerConfig):
+    if config.engine == "process":
+        from tinkerd.engine.process import EngineSpec, ProcessEngineClient
+
+        log.info("starting the engine process for %s", ", ".join(config.base_models))
+        return ProcessEngineClient(EngineSpec(config.models_dir, tuple(config.base_models), config.max_lora_rank,
+                                              config.torch_threads))
+    import torch
+
     from tinkerd.engine.client import InProcessEngineClient
     from tinkerd.engine.engine import Engine
 
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
-    config.data_dir.mkdir(parents=True, exist_ok=True)
     engine = Engine(config.models_dir, config.max_lora_rank)
     for name in config.base_models:
         log.info("loading base model %s", name)
         engine.load_base_model(name)
-    client = InProcessEngineClient(engine)
-    store = Store.sqlite(config.db_path)
-    control = Control(store, client)
-    runs = Runs(store, config.checkpoints_dir)
-    served = {m.name: m for m in client.models()}
-    return create_app(AppState(config=config, control=control, runs=runs, served=served)), control
+    return InProcessEngineClient(engine)
+
+
+def local_key(config: ServerConfig, accounts) -> str | None:
+    """The key to print in the ready line. No server starts open: on a first start with no keys,
+    one is created for the local account and kept (mode 0600) in the data directory."""
+    path = config.data_dir / "local_api_key"
+    if config.api_key:
+        if accounts.verify(config.api_key) is None:
+            accounts.create_key("serve --api-key", key=config.api_key)
+        return config.api_key
+    if not accounts.has_keys():
+        key = accounts.create_key("local").key
+        path.write_text(key + "\n")
+        path.chmod(0o600)
+        return key
+    return path.read_text().strip() if path.exists() else None
 
 
 def run(args) -> int:
@@ -74,6 +129,7 @@ def run(args) -> int:
     sock.bind((config.host, config.port))
     host, port = sock.getsockname()[:2]
     url = f"http://{host}:{port}"
+    key = local_key(config, app.state.tinkerd.accounts)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_keep_alive=75))
 
     async def announce() -> None:
@@ -81,17 +137,25 @@ def run(args) -> int:
             await asyncio.sleep(0.05)
         print(
             f"tinkerd ready at {url} serving {', '.join(config.base_models)}\n"
-            f"  export TINKER_BASE_URL={url} TINKER_API_KEY={config.api_key}",
+            f"  export TINKER_BASE_URL={url} TINKER_API_KEY={key or '<a key from: tinkerd keys create --name NAME>'}",
             flush=True,
         )
 
+    from tinkerd.control.runs import CheckpointSweeper
+
+    runs = app.state.tinkerd.runs
+    runs.sweep_stale_temp(older_than_s=0)  # before any save can run: debris of a crash, restored or removed
+    sweeper = CheckpointSweeper(runs, args.checkpoint_sweep_interval_s)
+
     async def main() -> None:
         control.start()
+        sweeper.start()
         task = asyncio.create_task(announce())
         try:
             await server.serve(sockets=[sock])
         finally:
             task.cancel()
+            sweeper.stop()
             control.stop()
 
     asyncio.run(main())

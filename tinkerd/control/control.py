@@ -1,9 +1,12 @@
 """The control plane facade: accept ops durably, queue them, run them through the engine, store results.
 
 Flow of one op: `submit` stores the wire request (write-ahead) and returns a request_id; the op
-waits in the in-memory OpQueue; the worker thread hands it to the EngineClient; `finalize` (supplied
-by the caller with the op) does the op's bookkeeping and encodes the wire result; the result is
-stored and long-polling `retrieve_future` callers wake up.
+waits in the in-memory OpQueue; the worker thread loops over engine steps, each picked by the
+Scheduler (one training op, or sampling admissions plus one decode step) and handed to the
+EngineClient; a step returns the ops that finished in it, which may have been admitted steps
+earlier (sampling). For each, `finalize` (supplied by the caller with the op) does the op's
+bookkeeping and encodes the wire result; the result is stored and long-polling `retrieve_future`
+callers wake up. The worker blocks only while the engine has no rows in flight and nothing waits.
 """
 
 from __future__ import annotations
@@ -17,10 +20,12 @@ from typing import Any, Callable, Protocol
 
 from tinkerd.control.futures import FutureHub
 from tinkerd.control.queue import OpQueue, QueuedOp
+from tinkerd.control.recovery import Recovery
+from tinkerd.control.scheduler import Picked, Scheduler
 from tinkerd.control.store.db import Store, utcnow
 from tinkerd.control.store.tables import FutureRow
-from tinkerd.errors import ServerError, TinkerdError
-from tinkerd.types import ServedModel
+from tinkerd.errors import EngineCrashed, ServerError, TinkerdError
+from tinkerd.types import ServedModel, StepBatch, StepOutput
 
 log = logging.getLogger(__name__)
 
@@ -29,9 +34,13 @@ Finalize = Callable[[Any], tuple[bytes, str]]
 
 
 class EngineClient(Protocol):
-    """The seam between control and compute: run a batch, one result (or TinkerdError) per op."""
+    """The seam between control and compute.
 
-    def step(self, ops: list[Any]) -> list[Any]: ...
+    `step` runs one scheduler-picked StepBatch and returns (ticket, result or TinkerdError) for
+    every op that finished in it, plus the sampling rows still in flight (step again while > 0).
+    """
+
+    def step(self, batch: StepBatch) -> StepOutput: ...
 
     def models(self) -> list[ServedModel]: ...
 
@@ -52,18 +61,47 @@ class Accepted:
 
 
 class Control:
-    def __init__(self, store: Store, engine: EngineClient):
+    def __init__(self, store: Store, engine: EngineClient, recovery: Recovery | None = None):
         self.store = store
         self.engine = engine
-        self.queue = OpQueue()
+        # Snapshots and replay; None runs without (unit tests of the queue, say).
+        self.recovery = recovery
+        self.queue = OpQueue(lane_of=lambda work: Scheduler.lane_of(work.op))
+        self.scheduler = Scheduler(self.queue)
         self.hub = FutureHub()
         self._worker: threading.Thread | None = None
+        # Ops handed to the engine and not finished yet: request_id -> (op, monotonic admit time).
+        self._inflight: dict[str, tuple[QueuedOp, float]] = {}
 
     # -- lifecycle -------------------------------------------------------------------------------
 
     def start(self) -> None:
+        """Recover what a previous server process left (adapters, pending ops), then serve."""
+        if self.recovery is not None:
+            self._recover_from_store()
         self._worker = threading.Thread(target=self._run, name="tinkerd-engine", daemon=True)
         self._worker.start()
+
+    def _recover_from_store(self) -> None:
+        report = self.recovery.rebuild_engine(self.engine)
+        requeued = 0
+        for row in self.recovery.pending():
+            try:
+                work = self.recovery.rebuild(row)
+            except TinkerdError as e:  # no longer valid (e.g. its checkpoint was deleted meanwhile)
+                self.store.update(FutureRow, row.request_id, status="failed", error=e.message,
+                                  error_category=e.category, completed_at=utcnow())
+                continue
+            except KeyError:
+                self.store.update(FutureRow, row.request_id, status="failed", error_category="server",
+                                  error=f"{row.request_type} requests cannot be resumed after a restart; send it again",
+                                  completed_at=utcnow())
+                continue
+            self.queue.put(row.request_id, row.target, row.seq_id, row.request_type, work)
+            requeued += 1
+        if report.replayed_ops or requeued:
+            log.warning("server recovered: rebuilt %d adapters from %d ops in %.2f s, re-queued %d pending ops",
+                        report.models, report.replayed_ops, report.seconds, requeued)
 
     def stop(self) -> None:
         self.queue.close()
@@ -138,22 +176,55 @@ class Control:
     # -- the worker ------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        while True:
-            batch = self.queue.take()
-            if batch is None:
-                return
-            self._execute(batch)
+        active_rows = 0
+        while (picked := self.scheduler.next(active_rows)) is not None:
+            active_rows = self._execute(picked)
 
-    def _execute(self, batch: list[QueuedOp]) -> None:
+    def _execute(self, picked: Picked) -> int:
+        """One engine step; completes what finished in it. Returns the sampling rows still in flight."""
         t0 = time.perf_counter()
+        for q in picked.ops:
+            self._inflight[q.request_id] = (q, t0)
+            if self.recovery is not None:
+                self.recovery.maybe_snapshot(q.op.op, q.seq_id)
         try:
-            results = self.engine.step([q.op.op for q in batch])
-        except Exception as e:  # the engine client itself broke: fail this batch, keep serving
+            out = self.engine.step(picked.batch)
+        except EngineCrashed as e:
+            self._recover_engine(e)
+            return 0
+        except Exception as e:  # the engine client itself broke: fail all it holds, keep serving
             log.exception("engine step failed")
-            results = [ServerError(f"engine failure: {e}")] * len(batch)
-        compute_s = (time.perf_counter() - t0) / max(len(batch), 1)
-        for q, result in zip(batch, results):
-            self._complete(q, result, compute_s)
+            out = StepOutput([(rid, ServerError(f"engine failure: {e}")) for rid in self._inflight], active_rows=0)
+        now = time.perf_counter()
+        self.scheduler.charge(picked, now - t0)
+        for request_id, result in out.done:
+            entry = self._inflight.pop(request_id, None)
+            if entry is None:  # failed above when the engine broke, finished by it later
+                log.warning("engine returned a result for %s, which is not in flight", request_id)
+                continue
+            q, admitted_at = entry
+            # Wall time in the engine: one step for a training op, admission to last token for a sample.
+            self._complete(q, result, now - admitted_at)
+        return out.active_rows
+
+    def _recover_engine(self, crash: Exception) -> None:
+        """The engine process died mid-step: start a new one, rebuild every adapter from snapshots
+        and the log, and queue again everything it held (nothing of it was stored)."""
+        t0 = time.perf_counter()
+        while True:
+            try:
+                restart_s = self.engine.restart()
+                report = self.recovery.rebuild_engine(self.engine) if self.recovery is not None else None
+                break
+            except EngineCrashed:  # died again while rebuilding: start over
+                continue
+        inflight = [q for q, _ in self._inflight.values()]
+        self._inflight.clear()
+        for q in inflight:
+            self.queue.put(q.request_id, q.target, q.seq_id, q.request_type, q.op)
+        replayed = report.replayed_ops if report else 0
+        log.warning("engine recovered in %.2f s (restart %.2f s) after %s; replayed %d ops, re-queued %d",
+                    time.perf_counter() - t0, restart_s, crash, replayed, len(inflight))
 
     def _complete(self, q: QueuedOp, result: Any, compute_s: float) -> None:
         values: dict[str, Any] = {"completed_at": utcnow(), "compute_s": compute_s}

@@ -10,14 +10,16 @@ Shapes: B datums (rows), T longest datum, M total real positions, V vocab, H hid
 from __future__ import annotations
 
 import logging
+import shutil
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from tinkerd.engine import checkpoints
-from tinkerd.engine.losses import LossFn, get_loss
+from tinkerd.engine.losses import DATUM_INDEX, LossFn, get_loss
 from tinkerd.errors import UserError
 from tinkerd.types import (
     AdamParams,
@@ -240,6 +242,8 @@ def forward_backward(engine: "Engine", op: ForwardBackwardOp) -> ForwardBackward
         input_ids[row, : lengths[row]] = torch.from_numpy(np.array(d.tokens, dtype=np.int64))
         mask[row, : lengths[row]] = 1
     inputs = {k: torch.from_numpy(np.concatenate([x[k] for x in per_datum])) for k in per_datum[0]}  # [M] / [M, K]
+    # Which datum each position came from, for losses that aggregate per sequence (gspo).
+    inputs[DATUM_INDEX] = torch.repeat_interleave(torch.arange(batch), torch.tensor(lengths))  # [M]
 
     params = adapter.parameters()
     rt.ctx.set_single(adapter.slot)
@@ -310,7 +314,18 @@ def optim_step(engine: "Engine", op: OptimStepOp) -> dict[str, float]:
     optimizer.zero_grad(set_to_none=True)
     adapter.step += 1
     adapter.pending_grads = 0
+    if op.snapshot_dir is not None:
+        _snapshot(engine, adapter, op.snapshot_dir)
     return {}
+
+
+def _snapshot(engine: "Engine", adapter: "Adapter", dir_path: str) -> None:
+    """A recovery point right after a step (no pending grads). The two newest are kept: this step's
+    result may not be stored yet when the process dies, and then recovery needs the one before."""
+    target = Path(dir_path)
+    checkpoints.save_adapter(adapter, engine.runtime_of(adapter.key).name, target, with_optimizer=True)
+    for old in sorted(p for p in target.parent.iterdir() if p.name.startswith("seq-"))[:-2]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from fastapi.responses import JSONResponse
 from tinker import types as t
 
 from tinkerd.api import codec
-from tinkerd.api.deps import AppState, authenticate, future_response, parse, read_body, state
+from tinkerd.api.deps import AppState, Prepared, authenticate, future_response, parse, read_body, state
 from tinkerd.control.control import Work
 from tinkerd.control.runs import parse_tinker_path
 from tinkerd.errors import UserError
@@ -81,10 +81,7 @@ def _sampling_params(st: AppState, p: t.SamplingParams) -> SamplingParams:
     )
 
 
-@router.post("/asample")
-async def asample(request: Request) -> JSONResponse:
-    st = state(request)
-    body = await read_body(request)
+def prepare_asample(st: AppState, body: bytes) -> Prepared:
     req = parse(t.SampleRequest, body)
     if req.sampling_session_id is not None:
         row = st.runs.sampling_session(req.sampling_session_id)
@@ -99,10 +96,12 @@ async def asample(request: Request) -> JSONResponse:
     st.served_model(base_model)
     if not 1 <= req.num_samples <= st.config.max_num_samples:
         raise UserError(f"num_samples must be between 1 and {st.config.max_num_samples}, got {req.num_samples}")
-    if req.prompt_logprobs_last_n is not None or req.prompt_alt_tokens_k or req.target_prompt_logprobs is not None:
-        raise UserError("prompt_logprobs_last_n, prompt_alt_tokens_k and target_prompt_logprobs are not supported yet")
-    if req.topk_sample_logprobs:
-        raise UserError("topk_sample_logprobs is not supported yet")
+    # Refused, not ignored: the SDK raises when prompt_alt_tokens are missing from the result, and
+    # a silently unscored target tensor would read as zeros.
+    if req.prompt_alt_tokens_k or req.target_prompt_logprobs is not None:
+        raise UserError("prompt_alt_tokens_k and target_prompt_logprobs are not supported by tinkerd yet")
+    if req.prompt_logprobs_last_n is not None and not req.prompt_logprobs:
+        raise UserError("prompt_logprobs_last_n applies to prompt logprobs: set prompt_logprobs (include_prompt_logprobs)")
     op = SampleOp(
         base_model=base_model,
         adapter_path=adapter_dir,
@@ -111,8 +110,21 @@ async def asample(request: Request) -> JSONResponse:
         num_samples=req.num_samples,
         prompt_logprobs=bool(req.prompt_logprobs),
         topk_prompt_logprobs=int(req.topk_prompt_logprobs),
+        prompt_logprobs_last_n=req.prompt_logprobs_last_n,
+        topk_sample_logprobs=int(req.topk_sample_logprobs),
     )
     work = Work(op, lambda res: (codec.encode_sample_response(res), codec.PROTO_MEDIA_TYPE))
-    accepted = st.control.submit("Sample", target, req.seq_id, body, work)
-    ids = [f"{accepted.request_id}:{i}" for i in range(req.num_samples)]
+    return Prepared("Sample", target, req.seq_id, work)
+
+
+@router.post("/asample")
+async def asample(request: Request) -> JSONResponse:
+    st = state(request)
+    body = await read_body(request)
+    prepared = prepare_asample(st, body)
+    accepted = st.control.submit(prepared.request_type, prepared.target, prepared.seq_id, body, prepared.work)
+    ids = [f"{accepted.request_id}:{i}" for i in range(prepared.work.op.num_samples)]
     return future_response(accepted.request_id, sample_sequence_ids=ids)
+
+
+PREPARERS = {"Sample": prepare_asample}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from tinker import types as t
@@ -44,6 +46,11 @@ def prepare_create_model(st: AppState, body: bytes) -> Prepared:
     if not 1 <= req.lora_config.rank <= st.config.max_lora_rank:
         raise UserError(f"LoRA rank must be between 1 and {st.config.max_lora_rank}, got {req.lora_config.rank}")
     lora_config = req.lora_config.model_dump() | {"alpha": st.config.lora_alpha}
+    if lora_config.get("seed") is None:
+        # A fixed seed per run: recovery re-creates the adapter from its log and must get the same
+        # initial weights, and distinct runs still start from distinct ones.
+        model_id = f"{req.session_id}:train:{req.model_seq_id}"
+        lora_config["seed"] = int.from_bytes(hashlib.sha256(model_id.encode()).digest()[:8], "big") >> 1
     run, _ = st.runs.create_run(req.session_id, req.model_seq_id, req.base_model, lora_config, req.user_metadata)
     op = CreateModelOp(model_id=run.model_id, base_model=run.base_model, lora=_lora_spec(st, run.lora_config))
     work = Work(op, lambda _: json_bytes({"model_id": run.model_id, "type": "create_model"}))

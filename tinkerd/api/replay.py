@@ -1,0 +1,21 @@
+"""Rebuild an accepted op from its stored wire request, for recovery after a crash or restart.
+
+The same prepare_* functions the routes use decode the body, so a replayed op is exactly the op
+that was accepted; ops of kinds that cannot be rebuilt raise KeyError and fail with a clear note.
+"""
+
+from __future__ import annotations
+
+from tinkerd.api.deps import AppState
+from tinkerd.api.routes import sampling, training
+from tinkerd.control.control import Work
+from tinkerd.control.store.tables import FutureRow
+
+PREPARERS = {**training.PREPARERS, **sampling.PREPARERS}
+
+
+def make_rebuild(st: AppState):
+    def rebuild(row: FutureRow) -> Work:
+        return PREPARERS[row.request_type](st, row.body).work
+
+    return rebuild

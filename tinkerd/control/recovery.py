@@ -1,0 +1,127 @@
+"""Recovery: rebuild every training adapter after an engine crash or a server restart.
+
+An adapter's state is a pure function of its ops in seq_id order, so it is rebuilt from its last
+snapshot plus the write-ahead log of the state-changing ops that completed after it. Failed ops
+changed nothing (the engine validates before mutating), and forward-only ops, saves and samples
+change no adapter, so none of those are replayed. Ops still pending are queued again and run as if
+nothing happened; their clients were long-polling all along.
+
+Snapshot policy: after an optim_step, when `snapshot_interval_s` has passed since the run's last
+snapshot (default 0: after every step), the engine writes the adapter and its AdamW state into
+`snapshots/<model_id>/seq-<seq_id>` and drops the older one. Replay is then at most the
+forward_backward calls of one step plus the steps of one interval.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from sqlalchemy import select
+
+from tinkerd.control.store.db import Store
+from tinkerd.control.store.tables import FutureRow, TrainingRunRow
+from tinkerd.errors import TinkerdError
+from tinkerd.types import LoadWeightsOp, OptimStepOp
+
+log = logging.getLogger(__name__)
+
+# Request types whose completion changed an adapter's state.
+STATE_CHANGING = ("CreateModel", "LoadWeights", "ForwardBackward", "OptimStep")
+
+
+@dataclass
+class RecoveryReport:
+    models: int
+    replayed_ops: int
+    seconds: float
+
+
+class Recovery:
+    def __init__(self, store: Store, snapshots_dir: Path, rebuild: Callable[[FutureRow], Any],
+                 snapshot_interval_s: float = 0.0):
+        self.store = store
+        self.snapshots_dir = Path(snapshots_dir)
+        # rebuild(row) -> Work: the api layer decodes a stored wire request back into its op.
+        self.rebuild = rebuild
+        self.snapshot_interval_s = snapshot_interval_s
+        self._last_snapshot: dict[str, float] = {}
+
+    # -- snapshots -------------------------------------------------------------------------------
+
+    def maybe_snapshot(self, op: Any, seq_id: int | None) -> None:
+        """Attach a snapshot directory to an optim_step when the run's snapshot is due."""
+        if not isinstance(op, OptimStepOp) or seq_id is None:
+            return
+        now = time.monotonic()
+        if now - self._last_snapshot.get(op.model_id, float("-inf")) < self.snapshot_interval_s:
+            return
+        self._last_snapshot[op.model_id] = now
+        op.snapshot_dir = str(self.snapshots_dir / op.model_id / f"seq-{seq_id:012d}")
+
+    def latest_snapshot(self, model_id: str) -> tuple[int, Path] | None:
+        """The newest snapshot whose optim_step result is stored. A snapshot written in the step
+        the process died in belongs to an op that will run again, so it must not be used."""
+        root = self.snapshots_dir / model_id
+        if not root.is_dir():
+            return None
+        # Only whole snapshots carry the seq- name: they are written to a temp name and renamed.
+        seqs = sorted(int(p.name[4:]) for p in root.iterdir() if p.name.startswith("seq-") and p.name[4:].isdigit())
+        for seq in reversed(seqs):
+            done = self.store.query(select(FutureRow.request_id).where(
+                FutureRow.target == model_id, FutureRow.seq_id == seq,
+                FutureRow.request_type == "OptimStep", FutureRow.status == "complete"))
+            if done:
+                return seq, root / f"seq-{seq:012d}"
+        return None
+
+    # -- rebuilding ------------------------------------------------------------------------------
+
+    def replay_plan(self) -> list[Any]:
+        """Engine ops that rebuild every adapter: per run, its snapshot then the logged ops after it."""
+        rows = self.store.query(
+            select(FutureRow)
+            .where(FutureRow.status == "complete", FutureRow.request_type.in_(STATE_CHANGING))
+            .order_by(FutureRow.target, FutureRow.seq_id)
+        )
+        by_model: dict[str, list[FutureRow]] = {}
+        for row in rows:
+            by_model.setdefault(row.target, []).append(row)
+        plan: list[Any] = []
+        for model_id, ops in by_model.items():
+            snap = self.latest_snapshot(model_id)
+            if snap is not None:
+                run = self.store.get(TrainingRunRow, model_id)
+                if run is None:
+                    continue
+                seq, path = snap
+                plan.append(LoadWeightsOp(model_id, run.base_model, str(path), with_optimizer=True))
+                ops = [r for r in ops if r.seq_id is not None and r.seq_id > seq]
+            for row in ops:
+                try:
+                    plan.append(self.rebuild(row).op)
+                except TinkerdError as e:  # e.g. a loaded checkpoint deleted since: state is lost
+                    log.error("cannot replay %s %s of %s: %s", row.request_type, row.request_id, model_id, e.message)
+        return plan
+
+    def rebuild_engine(self, engine) -> RecoveryReport:
+        """Run the replay plan on a fresh engine (synchronously, before any new work)."""
+        t0 = time.perf_counter()
+        plan = self.replay_plan()
+        models = len({op.model_id for op in plan})
+        if plan:
+            for op, result in zip(plan, engine.step(plan)):
+                if isinstance(result, TinkerdError):
+                    log.error("replay of %s for %s failed: %s", type(op).__name__, op.model_id, result.message)
+        report = RecoveryReport(models, len(plan), time.perf_counter() - t0)
+        log.info("rebuilt %d adapters from %d ops in %.2f s", report.models, report.replayed_ops, report.seconds)
+        return report
+
+    def pending(self) -> list[FutureRow]:
+        """Accepted ops that never finished, in the order they must run again."""
+        return self.store.query(
+            select(FutureRow).where(FutureRow.status == "pending").order_by(FutureRow.created_at, FutureRow.seq_id)
+        )

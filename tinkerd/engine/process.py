@@ -1,0 +1,138 @@
+"""The engine in its own process: crash isolation behind the same EngineClient seam.
+
+The API, the store and every acknowledged request live in the server process; the engine (models,
+adapters, sampler) lives in a child process that talks over a pipe. If the child dies (OOM kill,
+segfault, SIGKILL), `step` raises EngineCrashed, and control restarts it and rebuilds its adapters
+from snapshots plus the write-ahead log (control/recovery.py). Ops and results cross the pipe
+pickled; they are numpy arrays and small dataclasses, so a step's transfer costs about a
+millisecond against the seconds of compute it carries.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tinkerd.errors import EngineCrashed
+from tinkerd.types import ServedModel
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Everything a fresh engine process needs to build the same engine again."""
+
+    models_dir: Path
+    base_models: tuple[str, ...]
+    max_lora_rank: int
+    torch_threads: int | None
+
+
+def _worker_main(conn, spec: EngineSpec) -> None:
+    # Runs in the child: build the engine, report what it serves, then serve steps until EOF.
+    import torch
+
+    from tinkerd.engine.client import InProcessEngineClient
+    from tinkerd.engine.engine import Engine
+
+    if spec.torch_threads:
+        torch.set_num_threads(spec.torch_threads)
+    engine = Engine(spec.models_dir, spec.max_lora_rank)
+    for name in spec.base_models:
+        engine.load_base_model(name)
+    client = InProcessEngineClient(engine)
+    conn.send(("ready", client.models()))
+    while True:
+        try:
+            method, args = conn.recv()
+        except EOFError:
+            return
+        if method == "close":
+            return
+        try:
+            conn.send(("ok", getattr(client, method)(*args)))
+        except Exception as e:  # the engine guards ops itself; this is a bug in the loop
+            log.exception("engine process: %s failed", method)
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+class ProcessEngineClient:
+    def __init__(self, spec: EngineSpec, start_timeout_s: float = 600.0):
+        self.spec = spec
+        self.start_timeout_s = start_timeout_s
+        self._ctx = mp.get_context("spawn")  # a fork would copy the server's threads and locks
+        self._proc = None
+        self._conn = None
+        self._models: list[ServedModel] = []
+        self.restarts = 0
+        self.start()
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def start(self) -> None:
+        parent, child = self._ctx.Pipe()
+        proc = self._ctx.Process(target=_worker_main, args=(child, self.spec), name="tinkerd-engine", daemon=True)
+        proc.start()
+        child.close()
+        if not parent.poll(self.start_timeout_s):
+            proc.kill()
+            raise RuntimeError("the engine process did not start in time")
+        try:
+            kind, models = parent.recv()
+        except EOFError as e:
+            raise RuntimeError(f"the engine process died while starting (exit code {proc.exitcode})") from e
+        self._proc, self._conn, self._models = proc, parent, models
+
+    def restart(self) -> float:
+        """Replace a dead engine process with a fresh one; returns the seconds it took."""
+        t0 = time.perf_counter()
+        self._reap()
+        self.start()
+        self.restarts += 1
+        return time.perf_counter() - t0
+
+    def _reap(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+        if self._proc is not None:
+            if self._proc.is_alive():
+                self._proc.kill()
+            self._proc.join(timeout=10)
+
+    def _call(self, method: str, *args):
+        try:
+            self._conn.send((method, args))
+            kind, value = self._conn.recv()
+        except (EOFError, BrokenPipeError, ConnectionResetError, OSError) as e:
+            raise EngineCrashed(f"engine process {self.pid} died (exit code {self._proc.exitcode})") from e
+        if kind == "error":
+            raise RuntimeError(value)
+        return value
+
+    def step(self, batch):
+        return self._call("step", batch)
+
+    def models(self) -> list[ServedModel]:
+        return list(self._models)
+
+    def close(self) -> None:
+        if self._conn is not None and self._proc is not None and self._proc.is_alive():
+            try:
+                self._conn.send(("close", ()))
+            except OSError:
+                pass
+            self._proc.join(timeout=10)
+        self._reap()
+
+
+def kill_engine(client: ProcessEngineClient, sig: int = 9) -> None:
+    """SIGKILL the engine process (chaos tests and benchmarks)."""
+    if client.pid is not None:
+        os.kill(client.pid, sig)
