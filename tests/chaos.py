@@ -75,6 +75,9 @@ class Killer:
 
     server_pid: int
     kills: int
+    # The server's output lines: after each kill, wait for its recovery line before the next one, so
+    # every kill lands on a working engine (a kill during start-up is retried, not recovered).
+    server_lines: list[str] | None = None
     min_gap_s: float = 0.3
     max_gap_s: float = 1.5
     seed: int = 0
@@ -90,6 +93,8 @@ class Killer:
         last = None
         while len(self.done) < self.kills:
             time.sleep(rng.uniform(self.min_gap_s, self.max_gap_s))
+            if self.server_lines is not None and len(recoveries(self.server_lines)) < len(self.done):
+                continue
             pid = engine_pid(self.server_pid)
             if pid is None or pid == last:  # restarting: wait for the new engine
                 continue

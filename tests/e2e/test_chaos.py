@@ -50,7 +50,7 @@ def test_engine_sigkilled_ten_times(reference, tmp_path):
     ref_dir, ref = reference
     srv = start_server(tmp_path, [TINY], ARGS)
     try:
-        killer = Killer(srv.proc.pid, kills=10, min_gap_s=0.2, max_gap_s=0.8)
+        killer = Killer(srv.proc.pid, kills=10, server_lines=srv.lines, min_gap_s=0.2, max_gap_s=0.8)
         killer.start()
         result = training_loop(srv.url, STEPS)  # any client-visible failure raises here
         kills = len(killer.done)

@@ -83,11 +83,11 @@ class ProcessEngineClient:
         child.close()
         if not parent.poll(self.start_timeout_s):
             proc.kill()
-            raise RuntimeError("the engine process did not start in time")
+            raise EngineCrashed("the engine process did not start in time")
         try:
             kind, models = parent.recv()
-        except EOFError as e:
-            raise RuntimeError(f"the engine process died while starting (exit code {proc.exitcode})") from e
+        except (EOFError, OSError) as e:
+            raise EngineCrashed(f"the engine process died while starting (exit code {proc.exitcode})") from e
         self._proc, self._conn, self._models = proc, parent, models
 
     def restart(self) -> float:
