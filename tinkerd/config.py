@@ -38,6 +38,18 @@ class ServerConfig(BaseModel):
     # Least seconds between two recovery snapshots of a run; 0 snapshots after every optim_step,
     # so replay after a crash is at most one step's forward_backward calls.
     snapshot_interval_s: float = 0.0
+    # Prices for billing estimates (GET /api/v1/billing/usage/*, `tinkerd usage`), gross USD. Applied
+    # when usage is read; queue wait is never billed. Forward-only passes are billed as training.
+    price_train_usd_per_mtok: float = 3.0
+    price_forward_usd_per_mtok: float = 1.0
+    price_prefill_usd_per_mtok: float = 0.5
+    price_sample_usd_per_mtok: float = 1.5
+    price_storage_usd_per_gb_month: float = 0.0
+
+    def token_price_usd_per_mtok(self, kind: str) -> float:
+        """The price of a metered token kind (a UsageRow column name)."""
+        return {"trained_tokens": self.price_train_usd_per_mtok, "forward_tokens": self.price_forward_usd_per_mtok,
+                "prefill_tokens": self.price_prefill_usd_per_mtok, "sampled_tokens": self.price_sample_usd_per_mtok}[kind]
 
     @property
     def db_path(self) -> Path:

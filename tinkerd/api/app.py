@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from tinkerd.api.deps import AppState, error_response
-from tinkerd.api.routes import export, futures, rest, sampling, service, training
+from tinkerd.api.routes import admin, export, futures, rest, sampling, service, training
 from tinkerd.errors import TinkerdError, UserError
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ def create_app(app_state: AppState) -> FastAPI:
         return JSONResponse({"error": f"internal error: {type(e).__name__}", "category": "server"}, status_code=500)
 
     # rest last: its catch-all under /training_runs/{id}/checkpoints/ must not shadow export's routes.
-    for module in (service, training, sampling, futures, export, rest):
+    for module in (service, training, sampling, futures, export, admin, rest):
         for name in ("router", "authed"):
             router = getattr(module, name, None)
             if router is not None:

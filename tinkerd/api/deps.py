@@ -55,6 +55,11 @@ def authenticate(request: Request) -> None:
     request.state.account_id = account_id
 
 
+def account(request: Request) -> str:
+    """The authenticated caller's account (routes run behind `authenticate`)."""
+    return request.state.account_id
+
+
 async def read_body(request: Request) -> bytes:
     """The request body, zstd-decoded when the SDK compressed it, within the configured size limit."""
     limit = state(request).config.max_body_bytes
@@ -122,8 +127,9 @@ class Prepared:
     response: dict | None = None  # extra fields of the future response (e.g. sample_sequence_ids)
 
 
-def submit(st: AppState, prepared: Prepared, body: bytes) -> JSONResponse:
-    accepted = st.control.submit(prepared.request_type, prepared.target, prepared.seq_id, body, prepared.work)
+def submit(st: AppState, prepared: Prepared, body: bytes, account_id: str) -> JSONResponse:
+    accepted = st.control.submit(prepared.request_type, prepared.target, prepared.seq_id, body, prepared.work,
+                                 account_id=account_id)
     st.runs.touch(prepared.target)  # a training run's last_request_time; no-op for other targets
     return future_response(accepted.request_id, model_id=prepared.target, **(prepared.response or {}))
 

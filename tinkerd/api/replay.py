@@ -16,6 +16,7 @@ PREPARERS = {**training.PREPARERS, **sampling.PREPARERS}
 
 def make_rebuild(st: AppState):
     def rebuild(row: FutureRow) -> Work:
-        return PREPARERS[row.request_type](st, row.body).work
+        # As the account that submitted it: ownership checks and billing are the original ones.
+        return PREPARERS[row.request_type](st, row.body, row.account_id).work
 
     return rebuild

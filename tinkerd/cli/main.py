@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from tinkerd.cli import keys, serve
+from tinkerd.cli import keys, serve, usage
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -15,6 +15,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     serve.add_parser(sub)
     keys.add_parser(sub)
+    usage.add_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.func(args)

@@ -15,10 +15,11 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from tinkerd.control.futures import FutureHub
+from tinkerd.control.metering import Billing, Meter
 from tinkerd.control.queue import OpQueue, QueuedOp
 from tinkerd.control.recovery import Recovery
 from tinkerd.control.scheduler import Picked, Scheduler
@@ -28,6 +29,9 @@ from tinkerd.errors import EngineCrashed, ServerError, TinkerdError
 from tinkerd.types import ServedModel, StepBatch, StepOutput
 
 log = logging.getLogger(__name__)
+
+# Consecutive failed engine starts after a crash before its in-flight ops are failed (~1 min of backoff).
+_MAX_ENGINE_RESTARTS = 20
 
 # finalize(result) -> (payload bytes, media type); runs on the worker after the engine succeeded.
 Finalize = Callable[[Any], tuple[bytes, str]]
@@ -51,6 +55,10 @@ class EngineClient(Protocol):
 class Work:
     op: Any
     finalize: Finalize
+    # Who pays and what it consumed; None records nothing (internal and test ops).
+    billing: Billing | None = None
+    # When the op was accepted (perf_counter): its queue wait ends when the engine gets it.
+    accepted_at: float = field(default_factory=time.perf_counter)
 
 
 @dataclass
@@ -69,6 +77,7 @@ class Control:
         self.queue = OpQueue(lane_of=lambda work: Scheduler.lane_of(work.op))
         self.scheduler = Scheduler(self.queue)
         self.hub = FutureHub()
+        self.meter = Meter(store)
         self._worker: threading.Thread | None = None
         # Ops handed to the engine and not finished yet: request_id -> (op, monotonic admit time).
         self._inflight: dict[str, tuple[QueuedOp, float]] = {}
@@ -118,6 +127,7 @@ class Control:
         seq_id: int | None,
         body: bytes,
         work: Work,
+        account_id: str | None = None,
     ) -> Accepted:
         """Store the op, then queue it. Idempotent on (target, seq_id) when seq_id is given."""
         dedupe_key = f"{request_type}|{target}|{seq_id}" if seq_id is not None else None
@@ -132,6 +142,7 @@ class Control:
             target=target,
             seq_id=seq_id,
             dedupe_key=dedupe_key,
+            account_id=account_id,
             body=body,
             status="pending",
             created_at=utcnow(),
@@ -145,13 +156,15 @@ class Control:
         self.queue.put(request_id, target, seq_id, request_type, work)
         return Accepted(request_id, new=True)
 
-    def complete_now(self, request_type: str, target: str, payload: bytes, media_type: str) -> str:
+    def complete_now(self, request_type: str, target: str, payload: bytes, media_type: str,
+                     account_id: str | None = None) -> str:
         """A future that is already done (ops with no engine work), so the SDK can poll it as usual."""
         request_id = f"req-{uuid.uuid4().hex}"
         now = utcnow()
         self.store.add(
             FutureRow(
-                request_id=request_id, request_type=request_type, target=target, body=b"", status="complete",
+                request_id=request_id, request_type=request_type, target=target, account_id=account_id,
+                body=b"", status="complete",
                 result=payload, result_media_type=media_type, created_at=now, completed_at=now,
             )
         )
@@ -178,7 +191,11 @@ class Control:
     def _run(self) -> None:
         active_rows = 0
         while (picked := self.scheduler.next(active_rows)) is not None:
-            active_rows = self._execute(picked)
+            try:
+                active_rows = self._execute(picked)
+            except Exception:  # the worker must outlive any bug: log it, keep serving
+                log.exception("engine worker step failed")
+                active_rows = 0
 
     def _execute(self, picked: Picked) -> int:
         """One engine step; completes what finished in it. Returns the sampling rows still in flight."""
@@ -204,29 +221,35 @@ class Control:
                 continue
             q, admitted_at = entry
             # Wall time in the engine: one step for a training op, admission to last token for a sample.
-            self._complete(q, result, now - admitted_at)
+            self._complete(q, result, now - admitted_at, admitted_at - q.op.accepted_at)
         return out.active_rows
 
     def _recover_engine(self, crash: Exception) -> None:
         """The engine process died mid-step: start a new one, rebuild every adapter from snapshots
         and the log, and queue again everything it held (nothing of it was stored)."""
         t0 = time.perf_counter()
-        while True:
+        inflight = [q for q, _ in self._inflight.values()]
+        self._inflight.clear()
+        for attempt in range(_MAX_ENGINE_RESTARTS):
             try:
                 restart_s = self.engine.restart()
                 report = self.recovery.rebuild_engine(self.engine) if self.recovery is not None else None
                 break
-            except EngineCrashed:  # died again while rebuilding: start over
-                continue
-        inflight = [q for q, _ in self._inflight.values()]
-        self._inflight.clear()
+            except EngineCrashed as e:  # died again while starting or rebuilding: start over
+                log.warning("engine restart %d failed: %s", attempt + 1, e)
+                time.sleep(min(0.1 * 2**attempt, 5.0))
+        else:
+            # It cannot come back (a model that no longer loads, say): fail what it held, keep serving.
+            for q in inflight:
+                self._complete(q, ServerError(f"the engine crashed and could not restart: {crash}"), 0.0)
+            return
         for q in inflight:
             self.queue.put(q.request_id, q.target, q.seq_id, q.request_type, q.op)
         replayed = report.replayed_ops if report else 0
         log.warning("engine recovered in %.2f s (restart %.2f s) after %s; replayed %d ops, re-queued %d",
                     time.perf_counter() - t0, restart_s, crash, replayed, len(inflight))
 
-    def _complete(self, q: QueuedOp, result: Any, compute_s: float) -> None:
+    def _complete(self, q: QueuedOp, result: Any, compute_s: float, queue_wait_s: float = 0.0) -> None:
         values: dict[str, Any] = {"completed_at": utcnow(), "compute_s": compute_s}
         if not isinstance(result, TinkerdError):
             try:
@@ -239,5 +262,11 @@ class Control:
                 result = ServerError(f"{type(e).__name__}: {e}")
         if isinstance(result, TinkerdError):
             values.update(status="failed", error=result.message, error_category=result.category)
+        if values.get("status") == "complete" and q.op.billing is not None:
+            # Recorded before the result is visible, so a caller that saw the result sees its usage.
+            try:
+                self.meter.record(q.request_id, q.request_type, q.target, q.op.billing, result, queue_wait_s, compute_s)
+            except Exception:  # metering must never fail or lose a finished op
+                log.exception("recording usage of %s failed", q.request_id)
         self.store.update(FutureRow, q.request_id, **values)
         self.hub.notify(q.request_id)

@@ -1,5 +1,10 @@
 """Sessions, training runs, sampling sessions and the checkpoint registry.
 
+Ownership: a session belongs to the account of the key that created it; its runs, their checkpoints
+and its sampling sessions belong to the same account. The `owned_*` lookups answer another
+account's ids exactly like missing ones (NotFoundError, same message), so nothing leaks that an id
+exists. `account_id=None` means an internal caller (recovery, tests) and skips the check.
+
 Ids follow the SDK: model_id = `{session_id}:train:{model_seq_id}` (the SDK computes it itself for
 create-via-load), sampler id = `{session_id}:sample:{n}`, checkpoint paths
 `tinker://<model_id>/<weights|sampler_weights|external_weights>/<name>`.
@@ -29,8 +34,7 @@ log = logging.getLogger(__name__)
 SEGMENT_TYPES = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
 TYPE_SEGMENTS = {v: k for k, v in SEGMENT_TYPES.items()}
 _NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
-# Runs are not yet tagged with the account whose key created them, so every run reports the local
-# account (control/accounts.py) as its TrainingRun.model_owner, a field the SDK requires.
+# TrainingRun.model_owner (a field the SDK requires) of runs whose session has no account.
 LOCAL_OWNER = "local"
 # The protocol's upper bound for checkpoint TTLs. Its lower bound (3600 s on the hosted service) is
 # not enforced: the SDK does not check it either, and short TTLs are useful on a self-hosted server.
@@ -92,11 +96,12 @@ class Runs:
 
     # -- sessions --------------------------------------------------------------------------------
 
-    def create_session(self, tags: list[str], user_metadata: dict, sdk_version: str | None) -> str:
+    def create_session(self, tags: list[str], user_metadata: dict, sdk_version: str | None,
+                       account_id: str | None = None) -> str:
         session_id = f"sess-{secrets.token_hex(8)}"
         now = utcnow()
         self.store.add(
-            SessionRow(session_id=session_id, created_at=now, last_heartbeat_at=now, tags=list(tags or []),
+            SessionRow(session_id=session_id, account_id=account_id, created_at=now, last_heartbeat_at=now, tags=list(tags or []),
                        user_metadata=dict(user_metadata or {}), sdk_version=sdk_version)
         )
         return session_id
@@ -107,20 +112,30 @@ class Runs:
             raise NotFoundError(f"unknown session_id {session_id!r}")
         return row
 
-    def heartbeat(self, session_id: str) -> None:
-        self.session(session_id)
+    def owned_session(self, session_id: str, account_id: str | None) -> SessionRow:
+        row = self.session(session_id)
+        if account_id is not None and row.account_id != account_id:
+            raise NotFoundError(f"unknown session_id {session_id!r}")
+        return row
+
+    def account_of(self, session_id: str) -> str | None:
+        row = self.store.get(SessionRow, session_id)
+        return row.account_id if row is not None else None
+
+    def heartbeat(self, session_id: str, account_id: str | None = None) -> None:
+        self.owned_session(session_id, account_id)
         self.store.update(SessionRow, session_id, last_heartbeat_at=utcnow())
 
-    def finish_session(self, session_id: str, reason: str | None) -> None:
-        self.session(session_id)
+    def finish_session(self, session_id: str, reason: str | None, account_id: str | None = None) -> None:
+        self.owned_session(session_id, account_id)
         self.store.update(SessionRow, session_id, finished_reason=reason or "unknown")
 
     # -- training runs ---------------------------------------------------------------------------
 
     def create_run(self, session_id: str, model_seq_id: int, base_model: str, lora_config: dict,
-                   user_metadata: dict | None) -> tuple[TrainingRunRow, bool]:
+                   user_metadata: dict | None, account_id: str | None = None) -> tuple[TrainingRunRow, bool]:
         """The run for `{session_id}:train:{model_seq_id}`; (row, created) — re-sends get the same row."""
-        self.session(session_id)
+        self.owned_session(session_id, account_id)
         model_id = f"{session_id}:train:{model_seq_id}"
         now = utcnow()
         row = TrainingRunRow(model_id=model_id, session_id=session_id, base_model=base_model,
@@ -136,17 +151,26 @@ class Runs:
             raise NotFoundError(f"unknown model_id {model_id!r}")
         return row
 
+    def owned_run(self, model_id: str, account_id: str | None) -> TrainingRunRow:
+        row = self.run(model_id)
+        if account_id is not None and self.account_of(row.session_id) != account_id:
+            raise NotFoundError(f"unknown model_id {model_id!r}")
+        return row
+
     def touch(self, model_id: str) -> None:
         self.store.update(TrainingRunRow, model_id, last_request_at=utcnow())
 
-    def list_runs(self, limit: int | None = None, offset: int = 0) -> tuple[list[TrainingRunRow], int]:
-        """A page of runs, newest first, and the total number of runs."""
+    def list_runs(self, limit: int | None = None, offset: int = 0,
+                  account_id: str | None = None) -> tuple[list[TrainingRunRow], int]:
+        """A page of runs (of one account, or all), newest first, and how many there are in all."""
         stmt = select(TrainingRunRow).order_by(TrainingRunRow.created_at.desc(), TrainingRunRow.model_id)
+        count = select(func.count()).select_from(TrainingRunRow)
+        if account_id is not None:
+            stmt, count = _of_account(stmt, account_id), _of_account(count, account_id)
         if limit is not None:
             stmt = stmt.limit(limit)
         rows = self.store.query(stmt.offset(offset))
-        total = self.store.query(select(func.count()).select_from(TrainingRunRow))[0]
-        return rows, total
+        return rows, self.store.query(count)[0]
 
     # -- checkpoints -----------------------------------------------------------------------------
     #
@@ -164,6 +188,16 @@ class Runs:
             self._remove(row)
             row = None
         if row is None:
+            raise NotFoundError(f"checkpoint {path} does not exist")
+        return row
+
+    def owned_checkpoint(self, path: TinkerPath, account_id: str | None, public_ok: bool = False) -> CheckpointRow:
+        """The checkpoint if the account owns it (or, with public_ok, if it is published)."""
+        row = self.checkpoint(path)
+        if account_id is None or (public_ok and row.public):
+            return row
+        run = self.store.get(TrainingRunRow, row.model_id)
+        if run is None or self.account_of(run.session_id) != account_id:
             raise NotFoundError(f"checkpoint {path} does not exist")
         return row
 
@@ -193,11 +227,16 @@ class Runs:
             return False
 
     def list_checkpoints(self, model_id: str | None = None, checkpoint_type: str | None = None,
-                         limit: int | None = None, offset: int = 0) -> tuple[list[CheckpointRow], int]:
-        """A page of live checkpoints, newest first, and how many there are in all."""
+                         limit: int | None = None, offset: int = 0,
+                         account_id: str | None = None) -> tuple[list[CheckpointRow], int]:
+        """A page of live checkpoints (of one account, or all), newest first, and how many there are in all."""
         self.sweep_expired()  # so that a page and its total count only live rows
         stmt = select(CheckpointRow)
         count = select(func.count()).select_from(CheckpointRow)
+        if account_id is not None:
+            own = select(TrainingRunRow.model_id).join(SessionRow, SessionRow.session_id == TrainingRunRow.session_id)
+            own = own.where(SessionRow.account_id == account_id)
+            stmt, count = stmt.where(CheckpointRow.model_id.in_(own)), count.where(CheckpointRow.model_id.in_(own))
         if model_id is not None:
             stmt, count = stmt.where(CheckpointRow.model_id == model_id), count.where(CheckpointRow.model_id == model_id)
         if checkpoint_type is not None:
@@ -220,19 +259,19 @@ class Runs:
         rows = self.store.query(stmt)
         return rows[0] if rows else None
 
-    def delete_checkpoint(self, path: TinkerPath) -> None:
-        self._remove(self.checkpoint(path))
+    def delete_checkpoint(self, path: TinkerPath, account_id: str | None = None) -> None:
+        self._remove(self.owned_checkpoint(path, account_id))
 
-    def set_ttl(self, path: TinkerPath, ttl_seconds: int | None) -> CheckpointRow:
+    def set_ttl(self, path: TinkerPath, ttl_seconds: int | None, account_id: str | None = None) -> CheckpointRow:
         """Expire `ttl_seconds` from now; None removes the expiry."""
-        row = self.checkpoint(path)
+        row = self.owned_checkpoint(path, account_id)
         ttl = check_ttl(ttl_seconds)
         expires_at = utcnow() + timedelta(seconds=ttl) if ttl is not None else None
         self.store.update(CheckpointRow, row.tinker_path, expires_at=expires_at)
         return self.checkpoint(path)
 
-    def set_public(self, path: TinkerPath, public: bool) -> None:
-        row = self.checkpoint(path)
+    def set_public(self, path: TinkerPath, public: bool, account_id: str | None = None) -> None:
+        row = self.owned_checkpoint(path, account_id)
         self.store.update(CheckpointRow, row.tinker_path, public=public)
 
     def sweep_expired(self) -> int:
@@ -291,8 +330,8 @@ class Runs:
     # -- sampling sessions -----------------------------------------------------------------------
 
     def create_sampling_session(self, session_id: str, seq_id: int, base_model: str, model_path: str | None,
-                                adapter_dir: str | None) -> SamplingSessionRow:
-        self.session(session_id)
+                                adapter_dir: str | None, account_id: str | None = None) -> SamplingSessionRow:
+        self.owned_session(session_id, account_id)
         sid = f"{session_id}:sample:{seq_id}"
         row = SamplingSessionRow(sampling_session_id=sid, session_id=session_id, base_model=base_model,
                                  model_path=model_path, adapter_dir=adapter_dir, created_at=utcnow())
@@ -306,8 +345,19 @@ class Runs:
             raise NotFoundError(f"unknown sampling_session_id {sampling_session_id!r}")
         return row
 
+    def owned_sampling_session(self, sampling_session_id: str, account_id: str | None) -> SamplingSessionRow:
+        row = self.sampling_session(sampling_session_id)
+        if account_id is not None and self.account_of(row.session_id) != account_id:
+            raise NotFoundError(f"unknown sampling_session_id {sampling_session_id!r}")
+        return row
+
     def ephemeral_dir(self, sampling_session_id: str) -> Path:
         return self.checkpoints_dir / "_ephemeral" / sampling_session_id
+
+
+def _of_account(stmt, account_id: str):
+    """Restrict a select over TrainingRunRow to runs whose session belongs to the account."""
+    return stmt.join(SessionRow, SessionRow.session_id == TrainingRunRow.session_id).where(SessionRow.account_id == account_id)
 
 
 def _expired(row: CheckpointRow, now: datetime) -> bool:

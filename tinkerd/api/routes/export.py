@@ -25,8 +25,9 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import FileResponse, JSONResponse
 from tinker import types as t
 
-from tinkerd.api.deps import authenticate, future_response, json_bytes, parse, read_body, state
+from tinkerd.api.deps import account, authenticate, future_response, json_bytes, parse, read_body, state
 from tinkerd.control.control import Work
+from tinkerd.control.metering import Billing, Usage
 from tinkerd.control.runs import TinkerPath, check_name, check_ttl, iso
 from tinkerd.errors import NotFoundError, UserError
 from tinkerd.types import ExportWeightsOp
@@ -92,7 +93,8 @@ async def save_weights_external(request: Request) -> JSONResponse:
     st = state(request)
     body = await read_body(request)
     req = parse(t.SaveWeightsExternalRequest, body)
-    st.runs.run(req.model_id)
+    account_id = account(request)
+    run = st.runs.owned_run(req.model_id, account_id)
     path = TinkerPath(req.model_id, "external_weights", check_name(req.path))
     ttl = check_ttl(req.ttl_seconds)
     # The request has no overwrite flag; like save_weights' default, an existing name is refused.
@@ -104,14 +106,16 @@ async def save_weights_external(request: Request) -> JSONResponse:
         row = st.runs.register_checkpoint(path, ttl, None)
         return json_bytes({"path": str(path), "size_bytes": row.size_bytes, "type": "save_weights_external"})
 
-    accepted = st.control.submit("SaveWeightsExternal", req.model_id, req.seq_id, body, Work(op, finalize))
+    billing = Billing(account_id, run.session_id, run.base_model, lambda _: Usage(checkpoints=1))
+    accepted = st.control.submit("SaveWeightsExternal", req.model_id, req.seq_id, body, Work(op, finalize, billing),
+                                 account_id=account_id)
     return future_response(accepted.request_id, model_id=req.model_id)
 
 
 @authed.get("/training_runs/{run_id}/checkpoints/external_weights/{name}/external_weights_urls")
 async def external_weights_urls(run_id: str, name: str, request: Request) -> dict:
     st = state(request)
-    row = st.runs.checkpoint(TinkerPath(run_id, "external_weights", check_name(name)))
+    row = st.runs.owned_checkpoint(TinkerPath(run_id, "external_weights", check_name(name)), account(request))
     signer = _signer(request)
     expires = int(time.time()) + DOWNLOAD_URL_TTL_S
     # request.base_url carries the scheme, host and port the client used, so the URLs work from

@@ -8,7 +8,8 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from tinker import types as t
 
-from tinkerd.api.deps import authenticate, parse, read_body, state
+from tinkerd.api.deps import account, authenticate, parse, read_body, state
+from tinkerd.control.store.tables import FutureRow
 from tinkerd.errors import NotFoundError
 
 router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
@@ -18,6 +19,10 @@ router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
 async def retrieve_future(request: Request) -> Response:
     st = state(request)
     req = parse(t.FutureRetrieveRequest, await read_body(request))
+    owner = st.control.store.get(FutureRow, req.request_id)
+    # Another account's request id answers exactly like an unknown one.
+    if owner is None or (owner.account_id is not None and owner.account_id != account(request)):
+        raise NotFoundError(f"unknown request_id {req.request_id!r}")
     row = await st.control.retrieve(req.request_id, st.config.retrieve_future_timeout_s)
     if row is None:
         raise NotFoundError(f"unknown request_id {req.request_id!r}")

@@ -16,14 +16,15 @@ import json
 
 from fastapi import APIRouter, Depends, Request, Response
 
-from tinkerd.api.deps import authenticate, empty, read_body, state
+from tinkerd.api.deps import account, authenticate, empty, read_body, state
 from tinkerd.control.runs import LOCAL_OWNER, TYPE_SEGMENTS, Runs, TinkerPath, check_name, iso, parse_tinker_path
 from tinkerd.control.store.tables import CheckpointRow, TrainingRunRow
 from tinkerd.errors import NotFoundError, UserError
 
 router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
 
-# Runs carry no owning account yet (see LOCAL_OWNER), so both scopes see every run.
+# Both scopes list the caller's own runs: tinkerd has no sharing of runs between accounts (published
+# checkpoints are loadable by path, not listed).
 ACCESS_SCOPES = ("owned", "accessible")
 # The SDK CLI pages checkpoints 1000 at a time; a bound keeps one request's response small.
 MAX_PAGE = 10_000
@@ -49,7 +50,7 @@ def run_json(runs: Runs, row: TrainingRunRow) -> dict:
     return {
         "training_run_id": row.model_id,
         "base_model": row.base_model,
-        "model_owner": LOCAL_OWNER,
+        "model_owner": runs.account_of(row.session_id) or LOCAL_OWNER,
         "is_lora": True,
         "corrupted": False,
         "lora_rank": row.lora_rank,
@@ -88,7 +89,7 @@ async def list_training_runs(request: Request, limit: int = 20, offset: int = 0,
         raise UserError("tinkerd has no projects: list training runs without project_id")
     limit, offset = _page(limit, offset)
     runs = state(request).runs
-    rows, total = runs.list_runs(limit, offset)
+    rows, total = runs.list_runs(limit, offset, account_id=account(request))
     return {
         "training_runs": [run_json(runs, r) for r in rows],
         "cursor": {"offset": offset, "limit": limit, "total_count": total},
@@ -99,7 +100,7 @@ async def list_training_runs(request: Request, limit: int = 20, offset: int = 0,
 async def get_training_run(run_id: str, request: Request, access_scope: str = "owned") -> dict:
     _scope(access_scope)
     runs = state(request).runs
-    return run_json(runs, runs.run(run_id))
+    return run_json(runs, runs.owned_run(run_id, account(request)))
 
 
 # -- checkpoints --------------------------------------------------------------------------------
@@ -108,7 +109,7 @@ async def get_training_run(run_id: str, request: Request, access_scope: str = "o
 @router.get("/training_runs/{run_id}/checkpoints")
 async def list_run_checkpoints(run_id: str, request: Request) -> dict:
     runs = state(request).runs
-    runs.run(run_id)
+    runs.owned_run(run_id, account(request))
     rows, total = runs.list_checkpoints(run_id)
     return {"checkpoints": [checkpoint_json(r) for r in rows], "cursor": {"offset": 0, "limit": total, "total_count": total}}
 
@@ -116,7 +117,7 @@ async def list_run_checkpoints(run_id: str, request: Request) -> dict:
 @router.get("/checkpoints")
 async def list_user_checkpoints(request: Request, limit: int = 100, offset: int = 0) -> dict:
     limit, offset = _page(limit, offset)
-    rows, total = state(request).runs.list_checkpoints(limit=limit, offset=offset)
+    rows, total = state(request).runs.list_checkpoints(limit=limit, offset=offset, account_id=account(request))
     return {
         "checkpoints": [checkpoint_json(r) for r in rows],
         "cursor": {"offset": offset, "limit": limit, "total_count": total},
@@ -125,14 +126,14 @@ async def list_user_checkpoints(request: Request, limit: int = 100, offset: int 
 
 @router.delete("/training_runs/{run_id}/checkpoints/{type_seg}/{name}/publish")
 async def unpublish_checkpoint(run_id: str, type_seg: str, name: str, request: Request) -> Response:
-    state(request).runs.set_public(_path(run_id, type_seg, name), False)
+    state(request).runs.set_public(_path(run_id, type_seg, name), False, account(request))
     return empty()
 
 
 @router.post("/training_runs/{run_id}/checkpoints/{type_seg}/{name}/publish")
 async def publish_checkpoint(run_id: str, type_seg: str, name: str, request: Request) -> Response:
     # The SDK posts an empty body with a JSON content type: nothing to parse.
-    state(request).runs.set_public(_path(run_id, type_seg, name), True)
+    state(request).runs.set_public(_path(run_id, type_seg, name), True, account(request))
     return empty()
 
 
@@ -145,13 +146,13 @@ async def set_checkpoint_ttl(run_id: str, type_seg: str, name: str, request: Req
         raise UserError(f"invalid JSON body: {e}") from e
     if not isinstance(body, dict) or "ttl_seconds" not in body:
         raise UserError('send {"ttl_seconds": <seconds> or null}')
-    row = state(request).runs.set_ttl(path, body["ttl_seconds"])
+    row = state(request).runs.set_ttl(path, body["ttl_seconds"], account(request))
     return checkpoint_json(row)
 
 
 @router.delete("/training_runs/{run_id}/checkpoints/{type_seg}/{name}")
 async def delete_checkpoint(run_id: str, type_seg: str, name: str, request: Request) -> Response:
-    state(request).runs.delete_checkpoint(_path(run_id, type_seg, name))
+    state(request).runs.delete_checkpoint(_path(run_id, type_seg, name), account(request))
     return empty()
 
 
@@ -165,7 +166,7 @@ async def weights_info(request: Request) -> dict:
     if not isinstance(tinker_path, str):
         raise UserError('send {"tinker_path": "tinker://<run_id>/<type>/<name>"}')
     runs = state(request).runs
-    ckpt = runs.checkpoint(parse_tinker_path(tinker_path))
+    ckpt = runs.owned_checkpoint(parse_tinker_path(tinker_path), account(request), public_ok=True)
     run = runs.run(ckpt.model_id)
     cfg = run.lora_config or {}
     return {

@@ -8,8 +8,9 @@ from fastapi.responses import JSONResponse
 from tinker import types as t
 
 from tinkerd.api import codec
-from tinkerd.api.deps import AppState, Prepared, authenticate, future_response, parse, read_body, state
+from tinkerd.api.deps import AppState, Prepared, account, authenticate, future_response, parse, read_body, state
 from tinkerd.control.control import Work
+from tinkerd.control.metering import Billing, Usage
 from tinkerd.control.runs import parse_tinker_path
 from tinkerd.errors import UserError
 from tinkerd.types import SampleOp, SamplingParams
@@ -25,7 +26,7 @@ async def create_sampling_session(request: Request) -> dict:
         path = parse_tinker_path(req.model_path)
         if path.segment not in ("sampler_weights", "weights"):
             raise UserError(f"cannot sample from {req.model_path}: use a sampler_weights or weights path")
-        ckpt = st.runs.checkpoint(path)
+        ckpt = st.runs.owned_checkpoint(path, account(request), public_ok=True)
         base_model = st.runs.run(ckpt.model_id).base_model
         if req.base_model is not None and req.base_model != base_model:
             raise UserError(f"{req.model_path} was trained on {base_model}, not {req.base_model}")
@@ -35,13 +36,14 @@ async def create_sampling_session(request: Request) -> dict:
     else:
         raise UserError("create_sampling_session needs a base_model or a model_path")
     st.served_model(base_model)
-    row = st.runs.create_sampling_session(req.session_id, req.sampling_session_seq_id, base_model, req.model_path, adapter_dir)
+    row = st.runs.create_sampling_session(req.session_id, req.sampling_session_seq_id, base_model, req.model_path,
+                                          adapter_dir, account(request))
     return {"sampling_session_id": row.sampling_session_id, "type": "create_sampling_session"}
 
 
 @router.get("/samplers/{sampler_id}")
 async def get_sampler(sampler_id: str, request: Request) -> dict:
-    row = state(request).runs.sampling_session(sampler_id)
+    row = state(request).runs.owned_sampling_session(sampler_id, account(request))
     return {"sampler_id": row.sampling_session_id, "base_model": row.base_model, "model_path": row.model_path}
 
 
@@ -81,13 +83,15 @@ def _sampling_params(st: AppState, p: t.SamplingParams) -> SamplingParams:
     )
 
 
-def prepare_asample(st: AppState, body: bytes) -> Prepared:
+def prepare_asample(st: AppState, body: bytes, account_id: str | None = None) -> Prepared:
     req = parse(t.SampleRequest, body)
+    session_id = None
     if req.sampling_session_id is not None:
-        row = st.runs.sampling_session(req.sampling_session_id)
+        row = st.runs.owned_sampling_session(req.sampling_session_id, account_id)
         base_model, adapter_dir, target = row.base_model, row.adapter_dir, row.sampling_session_id
+        session_id = row.session_id
     elif req.model_path is not None:
-        ckpt = st.runs.checkpoint(parse_tinker_path(req.model_path))
+        ckpt = st.runs.owned_checkpoint(parse_tinker_path(req.model_path), account_id, public_ok=True)
         base_model, adapter_dir, target = st.runs.run(ckpt.model_id).base_model, ckpt.dir_path, req.model_path
     elif req.base_model is not None:
         base_model, adapter_dir, target = req.base_model, None, req.base_model
@@ -113,7 +117,12 @@ def prepare_asample(st: AppState, body: bytes) -> Prepared:
         prompt_logprobs_last_n=req.prompt_logprobs_last_n,
         topk_sample_logprobs=int(req.topk_sample_logprobs),
     )
-    work = Work(op, lambda res: (codec.encode_sample_response(res), codec.PROTO_MEDIA_TYPE))
+    # Prefill is billed once per request (the prompt is encoded once for all num_samples).
+    prefill = len(op.prompt)
+    billing = Billing(account_id if account_id is not None else (st.runs.account_of(session_id) if session_id else None),
+                      session_id, base_model,
+                      lambda res: Usage(prefill_tokens=prefill, sampled_tokens=sum(len(s.tokens) for s in res.sequences)))
+    work = Work(op, lambda res: (codec.encode_sample_response(res), codec.PROTO_MEDIA_TYPE), billing)
     return Prepared("Sample", target, req.seq_id, work)
 
 
@@ -121,8 +130,10 @@ def prepare_asample(st: AppState, body: bytes) -> Prepared:
 async def asample(request: Request) -> JSONResponse:
     st = state(request)
     body = await read_body(request)
-    prepared = prepare_asample(st, body)
-    accepted = st.control.submit(prepared.request_type, prepared.target, prepared.seq_id, body, prepared.work)
+    account_id = account(request)
+    prepared = prepare_asample(st, body, account_id)
+    accepted = st.control.submit(prepared.request_type, prepared.target, prepared.seq_id, body, prepared.work,
+                                 account_id=account_id)
     ids = [f"{accepted.request_id}:{i}" for i in range(prepared.work.op.num_samples)]
     return future_response(accepted.request_id, sample_sequence_ids=ids)
 

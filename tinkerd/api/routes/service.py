@@ -6,7 +6,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from tinker import types as t
 
-from tinkerd.api.deps import authenticate, empty, parse, read_body, state
+from tinkerd.api.deps import account, authenticate, empty, parse, read_body, state
 
 router = APIRouter(prefix="/api/v1")
 authed = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
@@ -37,14 +37,15 @@ async def dynamic_config() -> dict:
 @authed.post("/create_session")
 async def create_session(request: Request) -> dict:
     req = parse(t.CreateSessionRequest, await read_body(request))
-    session_id = state(request).runs.create_session(req.tags, req.user_metadata or {}, req.sdk_version)
+    session_id = state(request).runs.create_session(req.tags, req.user_metadata or {}, req.sdk_version,
+                                                    account(request))
     return {"session_id": session_id, "type": "create_session"}
 
 
 @authed.post("/session_heartbeat")
 async def session_heartbeat(request: Request) -> dict:
     req = parse(t.SessionHeartbeatRequest, await read_body(request))
-    state(request).runs.heartbeat(req.session_id)
+    state(request).runs.heartbeat(req.session_id, account(request))
     return {"type": "session_heartbeat"}
 
 
@@ -58,7 +59,7 @@ async def finish_session(session_id: str, request: Request):
         reason = (json.loads(body or b"{}").get("reason") or {}).get("type")
     except (ValueError, AttributeError):
         pass
-    state(request).runs.finish_session(session_id, reason)
+    state(request).runs.finish_session(session_id, reason, account(request))
     return empty()
 
 

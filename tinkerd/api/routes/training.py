@@ -9,8 +9,10 @@ from fastapi.responses import JSONResponse
 from tinker import types as t
 
 from tinkerd.api import codec
-from tinkerd.api.deps import AppState, Prepared, authenticate, json_bytes, parse, read_body, state, submit
+from tinkerd.api.deps import AppState, Prepared, account, authenticate, json_bytes, parse, read_body, state, submit
 from tinkerd.control.control import Work
+from tinkerd.control.metering import Billing, Usage
+from tinkerd.control.store.tables import TrainingRunRow
 from tinkerd.control.runs import TinkerPath, check_name, parse_tinker_path
 from tinkerd.errors import UserError
 from tinkerd.types import (
@@ -36,7 +38,23 @@ def _lora_spec(st: AppState, cfg: dict) -> LoraSpec:
     )
 
 
-def prepare_create_model(st: AppState, body: bytes) -> Prepared:
+def _billing(st: AppState, run: TrainingRunRow, account_id: str | None, usage=lambda _: Usage()) -> Billing:
+    """Training ops are billed to the run's owner (the caller, who must own it)."""
+    owner = account_id if account_id is not None else st.runs.account_of(run.session_id)
+    return Billing(owner, run.session_id, run.base_model, usage)
+
+
+def _target_tokens(op) -> int:
+    """Target positions of a forward(_backward): what training is billed by."""
+    return sum(len(d.loss_fn_inputs["target_tokens"]) if "target_tokens" in d.loss_fn_inputs else len(d.tokens)
+               for d in op.data)
+
+
+def _saved(_) -> Usage:
+    return Usage(checkpoints=1)
+
+
+def prepare_create_model(st: AppState, body: bytes, account_id: str | None = None) -> Prepared:
     req = parse(t.CreateModelRequest, body)
     st.served_model(req.base_model)
     if req.lora_config is None:
@@ -51,9 +69,10 @@ def prepare_create_model(st: AppState, body: bytes) -> Prepared:
         # initial weights, and distinct runs still start from distinct ones.
         model_id = f"{req.session_id}:train:{req.model_seq_id}"
         lora_config["seed"] = int.from_bytes(hashlib.sha256(model_id.encode()).digest()[:8], "big") >> 1
-    run, _ = st.runs.create_run(req.session_id, req.model_seq_id, req.base_model, lora_config, req.user_metadata)
+    run, _ = st.runs.create_run(req.session_id, req.model_seq_id, req.base_model, lora_config, req.user_metadata,
+                                account_id)
     op = CreateModelOp(model_id=run.model_id, base_model=run.base_model, lora=_lora_spec(st, run.lora_config))
-    work = Work(op, lambda _: json_bytes({"model_id": run.model_id, "type": "create_model"}))
+    work = Work(op, lambda _: json_bytes({"model_id": run.model_id, "type": "create_model"}), _billing(st, run, account_id))
     return Prepared("CreateModel", run.model_id, 0, work)
 
 
@@ -61,7 +80,7 @@ def prepare_create_model(st: AppState, body: bytes) -> Prepared:
 async def get_info(request: Request) -> dict:
     st = state(request)
     req = parse(t.GetInfoRequest, await read_body(request))
-    run = st.runs.run(req.model_id)
+    run = st.runs.owned_run(req.model_id, account(request))
     served = st.served_model(run.base_model)
     return {
         "type": "get_info",
@@ -74,23 +93,27 @@ async def get_info(request: Request) -> dict:
     }
 
 
-def prepare_forward_backward(st: AppState, body: bytes) -> Prepared:
+def prepare_forward_backward(st: AppState, body: bytes, account_id: str | None = None) -> Prepared:
     op = codec.decode_forward_backward(body)
-    st.runs.run(op.model_id)
+    run = st.runs.owned_run(op.model_id, account_id)
     seq_id = codec.forward_backward_seq_id(body)[1]
-    work = Work(op, lambda res: (codec.encode_forward_backward_output(res), codec.PROTO_MEDIA_TYPE))
+    n = _target_tokens(op)
+    usage = (lambda _: Usage(forward_tokens=n)) if op.forward_only else (lambda _: Usage(trained_tokens=n))
+    work = Work(op, lambda res: (codec.encode_forward_backward_output(res), codec.PROTO_MEDIA_TYPE),
+                _billing(st, run, account_id, usage))
     kind = "Forward" if op.forward_only else "ForwardBackward"
     return Prepared(kind, op.model_id, seq_id, work)
 
 
-def prepare_optim_step(st: AppState, body: bytes) -> Prepared:
+def prepare_optim_step(st: AppState, body: bytes, account_id: str | None = None) -> Prepared:
     req = parse(t.OptimStepRequest, body)
-    st.runs.run(req.model_id)
+    run = st.runs.owned_run(req.model_id, account_id)
     if not isinstance(req.optim_params, t.AdamParams):
         raise UserError(f"optimizer {req.optim_params.type!r} is not supported; send adam_params")
     p = req.optim_params
     op = OptimStepOp(req.model_id, AdamParams(p.learning_rate, p.beta1, p.beta2, p.eps, p.weight_decay, p.grad_clip_norm))
-    work = Work(op, lambda metrics: json_bytes({"metrics": dict(metrics or {}), "type": "optim_step"}))
+    work = Work(op, lambda metrics: json_bytes({"metrics": dict(metrics or {}), "type": "optim_step"}),
+                _billing(st, run, account_id))
     return Prepared("OptimStep", req.model_id, req.seq_id, work)
 
 
@@ -100,9 +123,9 @@ def _ttl(ttl_seconds: int | None) -> int | None:
     return ttl_seconds
 
 
-def prepare_save_weights(st: AppState, body: bytes) -> Prepared:
+def prepare_save_weights(st: AppState, body: bytes, account_id: str | None = None) -> Prepared:
     req = parse(t.SaveWeightsRequest, body)
-    st.runs.run(req.model_id)
+    run = st.runs.owned_run(req.model_id, account_id)
     path = TinkerPath(req.model_id, "weights", check_name(req.path or f"step-{req.seq_id}"))
     ttl = _ttl(req.ttl_seconds)
     if not req.overwrite and st.runs.checkpoint_exists(path):
@@ -113,12 +136,12 @@ def prepare_save_weights(st: AppState, body: bytes) -> Prepared:
         st.runs.register_checkpoint(path, ttl, req.user_metadata)
         return json_bytes({"path": str(path), "type": "save_weights"})
 
-    return Prepared("SaveWeights", req.model_id, req.seq_id, Work(op, finalize))
+    return Prepared("SaveWeights", req.model_id, req.seq_id, Work(op, finalize, _billing(st, run, account_id, _saved)))
 
 
-def prepare_save_weights_for_sampler(st: AppState, body: bytes) -> Prepared:
+def prepare_save_weights_for_sampler(st: AppState, body: bytes, account_id: str | None = None) -> Prepared:
     req = parse(t.SaveWeightsForSamplerRequest, body)
-    run = st.runs.run(req.model_id)
+    run = st.runs.owned_run(req.model_id, account_id)
     if req.path is not None:
         path = TinkerPath(req.model_id, "sampler_weights", check_name(req.path))
         ttl = _ttl(req.ttl_seconds)
@@ -141,19 +164,20 @@ def prepare_save_weights_for_sampler(st: AppState, body: bytes) -> Prepared:
 
     else:
         raise UserError("save_weights_for_sampler needs a path or a sampling_session_seq_id")
-    return Prepared("SaveWeightsForSampler", req.model_id, req.seq_id, Work(op, finalize))
+    usage = _saved if req.path is not None else (lambda _: Usage())  # an ephemeral sampler is no checkpoint
+    return Prepared("SaveWeightsForSampler", req.model_id, req.seq_id, Work(op, finalize, _billing(st, run, account_id, usage)))
 
 
-def prepare_load_weights(st: AppState, body: bytes) -> Prepared:
+def prepare_load_weights(st: AppState, body: bytes, account_id: str | None = None) -> Prepared:
     req = parse(t.LoadWeightsRequest, body)
     path = parse_tinker_path(req.path)
     if path.segment != "weights":
         raise UserError(f"load_weights needs a training checkpoint (tinker://.../weights/<name>), got {req.path}")
-    ckpt = st.runs.checkpoint(path)
+    ckpt = st.runs.owned_checkpoint(path, account_id, public_ok=True)
     source = st.runs.run(ckpt.model_id)
     if req.model_id is not None:
         # Legacy in-place load into an existing model, ordered with its other ops.
-        run = st.runs.run(req.model_id)
+        run = st.runs.owned_run(req.model_id, account_id)
         if run.base_model != source.base_model:
             raise UserError(f"checkpoint {path} was trained on {source.base_model}, not {run.base_model}")
         target, seq_id = run.model_id, req.seq_id
@@ -162,12 +186,14 @@ def prepare_load_weights(st: AppState, body: bytes) -> Prepared:
         if req.base_model is not None and req.base_model != source.base_model:
             raise UserError(f"checkpoint {path} was trained on {source.base_model}, not {req.base_model}")
         run, _ = st.runs.create_run(req.session_id, req.model_seq_id, source.base_model, source.lora_config,
-                                    req.user_metadata if req.user_metadata is not None else source.user_metadata)
+                                    req.user_metadata if req.user_metadata is not None else source.user_metadata,
+                                    account_id)
         target, seq_id = run.model_id, 0
     else:
         raise UserError("load_weights needs model_id and seq_id, or session_id and model_seq_id")
     op = LoadWeightsOp(target, source.base_model, ckpt.dir_path, with_optimizer=req.optimizer)
-    work = Work(op, lambda _: json_bytes({"path": str(path), "model_id": target, "type": "load_weights"}))
+    work = Work(op, lambda _: json_bytes({"path": str(path), "model_id": target, "type": "load_weights"}),
+                _billing(st, run, account_id))
     return Prepared("LoadWeights", target, seq_id, work)
 
 
@@ -195,6 +221,7 @@ for _path, _prepare in (
     async def _route(request: Request, _prepare=_prepare) -> JSONResponse:
         st = state(request)
         body = await read_body(request)
-        return submit(st, _prepare(st, body), body)
+        account_id = account(request)
+        return submit(st, _prepare(st, body, account_id), body, account_id)
 
     router.add_api_route(_path, _route, methods=["POST"], name=_path.strip("/"))

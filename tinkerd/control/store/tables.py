@@ -15,6 +15,9 @@ class Base(DeclarativeBase):
 class SessionRow(Base):
     __tablename__ = "sessions"
     session_id: Mapped[str] = mapped_column(String, primary_key=True)
+    # The account of the key that created the session; its runs, checkpoints and sampling sessions
+    # belong to the same account (derived, not stored again). None only for internal callers.
+    account_id: Mapped[str | None] = mapped_column(String, index=True, nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime)
     last_heartbeat_at: Mapped[datetime] = mapped_column(DateTime)
     tags: Mapped[list] = mapped_column(JSON, default=list)
@@ -72,6 +75,8 @@ class FutureRow(Base):
     target: Mapped[str] = mapped_column(String, index=True)
     seq_id: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     dedupe_key: Mapped[str | None] = mapped_column(String, unique=True, nullable=True)
+    # Who submitted it: only that account may retrieve it, and recovery rebuilds it as that account.
+    account_id: Mapped[str | None] = mapped_column(String, index=True, nullable=True)
     body: Mapped[bytes] = mapped_column(LargeBinary)
     status: Mapped[str] = mapped_column(String, index=True)  # pending | complete | failed
     result: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
@@ -81,6 +86,27 @@ class FutureRow(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime)
     completed_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
     compute_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class UsageRow(Base):
+    """What one completed operation consumed. Quantities are raw (tokens, seconds); prices are applied
+    when usage is read, so a price change re-prices history. Queue wait is recorded, never billed."""
+
+    __tablename__ = "usage"
+    request_id: Mapped[str] = mapped_column(String, primary_key=True)
+    account_id: Mapped[str | None] = mapped_column(String, index=True, nullable=True)
+    session_id: Mapped[str | None] = mapped_column(String, nullable=True)
+    target: Mapped[str] = mapped_column(String)  # model_id, sampling_session_id, model_path or base model
+    base_model: Mapped[str | None] = mapped_column(String, nullable=True)
+    request_type: Mapped[str] = mapped_column(String)
+    prefill_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    sampled_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    trained_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    forward_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    checkpoints: Mapped[int] = mapped_column(Integer, default=0)
+    queue_wait_s: Mapped[float] = mapped_column(Float, default=0.0)  # accepted -> handed to the engine
+    compute_s: Mapped[float] = mapped_column(Float, default=0.0)  # in the engine
+    completed_at: Mapped[datetime] = mapped_column(DateTime, index=True)
 
 
 class AccountRow(Base):
