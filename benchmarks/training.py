@@ -38,6 +38,15 @@ def proc_jiffies(pid: int) -> int:
     return int(parts[11]) + int(parts[12])  # utime + stime
 
 
+def tree_jiffies(pid: int) -> int:
+    """CPU jiffies of a process and its children (the engine runs in a child of the server)."""
+    total = proc_jiffies(pid)
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        for child in open(f"/proc/{pid}/task/{tid}/children").read().split():
+            total += tree_jiffies(int(child))
+    return total
+
+
 def make_batch(vocab: int, rows: int, tokens: int, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
     return rng.integers(0, vocab, size=(rows, tokens + 1))
@@ -94,11 +103,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=4, help="A B rounds; each side runs --steps steps per round")
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--engine", choices=["process", "thread"], default="process")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
     os.environ.setdefault("TINKER_TELEMETRY", "0")
-    server = start_server(Path(args.data_dir), [args.model], ["--threads", str(args.threads)])
+    server = start_server(Path(args.data_dir), [args.model], ["--threads", str(args.threads), "--engine", args.engine])
     try:
         from tinkerd.engine.model.registry import cache_dir_for
 
@@ -114,7 +124,7 @@ def main() -> None:
             side.step()
         times: dict[str, list[float]] = {k: [] for k in sides}
         busy0, total0 = cpu_jiffies()
-        own0 = proc_jiffies(os.getpid()) + proc_jiffies(server.proc.pid)
+        own0 = proc_jiffies(os.getpid()) + tree_jiffies(server.proc.pid)
         for _ in range(args.rounds):
             for name, side in sides.items():
                 for _ in range(args.steps):
@@ -122,14 +132,14 @@ def main() -> None:
                     side.step()
                     times[name].append(time.perf_counter() - t0)
         busy1, total1 = cpu_jiffies()
-        own1 = proc_jiffies(os.getpid()) + proc_jiffies(server.proc.pid)
+        own1 = proc_jiffies(os.getpid()) + tree_jiffies(server.proc.pid)
     finally:
         server.stop()
 
     tokens = args.rows * args.tokens
     wall_s = (total1 - total0) / os.cpu_count() / os.sysconf("SC_CLK_TCK")
     other_cpu_s = max(0, (busy1 - busy0) - (own1 - own0)) / os.sysconf("SC_CLK_TCK")
-    print(f"model={args.model} batch={args.rows}x{args.tokens} rank={args.rank} threads={args.threads} "
+    print(f"model={args.model} engine={args.engine} batch={args.rows}x{args.tokens} rank={args.rank} threads={args.threads} "
           f"steps/side={args.rounds * args.steps} cpus={os.cpu_count()}")
     print(f"CPU used by other processes during the run: {other_cpu_s:.1f} s over {wall_s:.1f} s wall")
     rates = {}

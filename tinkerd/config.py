@@ -35,9 +35,10 @@ class ServerConfig(BaseModel):
     # "process": the engine runs in a child process that is restarted and rebuilt if it dies;
     # "thread": in the server process (no crash isolation, no pipe).
     engine: Literal["process", "thread"] = "process"
-    # Least seconds between two recovery snapshots of a run; 0 snapshots after every optim_step,
-    # so replay after a crash is at most one step's forward_backward calls.
-    snapshot_interval_s: float = 0.0
+    # Least seconds between two recovery snapshots of a run (taken after an optim_step). A rank-32
+    # SmolLM2 adapter with its AdamW state is ~120 MB: after every 5 s step that cost ~7% of
+    # throughput (benchmarks/training.py); every 10 s bounds replay to ~10 s of recompute.
+    snapshot_interval_s: float = 10.0
     # Prices for billing estimates (GET /api/v1/billing/usage/*, `tinkerd usage`), gross USD. Applied
     # when usage is read; queue wait is never billed. Forward-only passes are billed as training.
     price_train_usd_per_mtok: float = 3.0

@@ -29,7 +29,7 @@ def add_parser(sub) -> None:
                    help="process (default): the engine in its own process, restarted and rebuilt if it dies; "
                         "thread: in the server process")
     p.add_argument("--snapshot-interval-s", type=float, default=None,
-                   help="least seconds between a run's recovery snapshots (default 0: after every optim_step)")
+                   help="least seconds between a run's recovery snapshots, taken after an optim_step (default 10)")
     p.add_argument("--checkpoint-sweep-interval-s", type=_positive_s, default=60.0,
                    help="how often files of expired checkpoints are deleted (default: 60)")
     p.set_defaults(func=run)

@@ -7,9 +7,9 @@ change no adapter, so none of those are replayed. Ops still pending are queued a
 nothing happened; their clients were long-polling all along.
 
 Snapshot policy: after an optim_step, when `snapshot_interval_s` has passed since the run's last
-snapshot (default 0: after every step), the engine writes the adapter and its AdamW state into
+snapshot (default 10 s; the first step always snapshots), the engine writes the adapter and its AdamW state into
 `snapshots/<model_id>/seq-<seq_id>` and drops the older one. Replay is then at most the
-forward_backward calls of one step plus the steps of one interval.
+ops of one interval plus the forward_backward calls of the step in flight.
 """
 
 from __future__ import annotations
