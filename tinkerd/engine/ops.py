@@ -22,21 +22,20 @@ if TYPE_CHECKING:
     from tinkerd.engine.engine import Engine
 
 
+_HANDLERS = {
+    ForwardBackwardOp: training.forward_backward,
+    OptimStepOp: training.optim_step,
+    CreateModelOp: training.create_model,
+    SaveWeightsOp: training.save_weights,
+    ExportWeightsOp: export.export_weights,
+    LoadWeightsOp: training.load_weights,
+    UnloadModelOp: training.unload_model,
+    SampleOp: sample.run_sample,
+}
+
+
 def run(engine: "Engine", op: EngineOp) -> object:
-    if isinstance(op, ForwardBackwardOp):
-        return training.forward_backward(engine, op)
-    if isinstance(op, OptimStepOp):
-        return training.optim_step(engine, op)
-    if isinstance(op, CreateModelOp):
-        return training.create_model(engine, op)
-    if isinstance(op, SaveWeightsOp):
-        return training.save_weights(engine, op)
-    if isinstance(op, ExportWeightsOp):
-        return export.export_weights(engine, op)
-    if isinstance(op, LoadWeightsOp):
-        return training.load_weights(engine, op)
-    if isinstance(op, UnloadModelOp):
-        return training.unload_model(engine, op)
-    if isinstance(op, SampleOp):
-        return sample.run_sample(engine, op)
-    raise TypeError(f"unknown engine op {type(op).__name__}")
+    handler = _HANDLERS.get(type(op))
+    if handler is None:
+        raise TypeError(f"unknown engine op {type(op).__name__}")
+    return handler(engine, op)
