@@ -106,17 +106,23 @@ class Runs:
         )
         return session_id
 
-    def session(self, session_id: str) -> SessionRow:
-        row = self.store.get(SessionRow, session_id)
+    def _lookup(self, row_type: type, key: str, what: str, account_id: str | None = None):
+        """The row, or NotFoundError; with an account, another account's row is missing too
+        (same message, so existence never leaks). Non-session rows are owned through their session."""
+        row = self.store.get(row_type, key)
+        if row is not None and account_id is not None:
+            owner = row.account_id if isinstance(row, SessionRow) else self.account_of(row.session_id)
+            if owner != account_id:
+                row = None
         if row is None:
-            raise NotFoundError(f"unknown session_id {session_id!r}")
+            raise NotFoundError(f"unknown {what} {key!r}")
         return row
 
+    def session(self, session_id: str) -> SessionRow:
+        return self._lookup(SessionRow, session_id, "session_id")
+
     def owned_session(self, session_id: str, account_id: str | None) -> SessionRow:
-        row = self.session(session_id)
-        if account_id is not None and row.account_id != account_id:
-            raise NotFoundError(f"unknown session_id {session_id!r}")
-        return row
+        return self._lookup(SessionRow, session_id, "session_id", account_id)
 
     def account_of(self, session_id: str) -> str | None:
         row = self.store.get(SessionRow, session_id)
@@ -146,16 +152,10 @@ class Runs:
         return (row if created else self.run(model_id)), created
 
     def run(self, model_id: str) -> TrainingRunRow:
-        row = self.store.get(TrainingRunRow, model_id)
-        if row is None:
-            raise NotFoundError(f"unknown model_id {model_id!r}")
-        return row
+        return self._lookup(TrainingRunRow, model_id, "model_id")
 
     def owned_run(self, model_id: str, account_id: str | None) -> TrainingRunRow:
-        row = self.run(model_id)
-        if account_id is not None and self.account_of(row.session_id) != account_id:
-            raise NotFoundError(f"unknown model_id {model_id!r}")
-        return row
+        return self._lookup(TrainingRunRow, model_id, "model_id", account_id)
 
     def touch(self, model_id: str) -> None:
         self.store.update(TrainingRunRow, model_id, last_request_at=utcnow())
@@ -340,16 +340,10 @@ class Runs:
         return row
 
     def sampling_session(self, sampling_session_id: str) -> SamplingSessionRow:
-        row = self.store.get(SamplingSessionRow, sampling_session_id)
-        if row is None:
-            raise NotFoundError(f"unknown sampling_session_id {sampling_session_id!r}")
-        return row
+        return self._lookup(SamplingSessionRow, sampling_session_id, "sampling_session_id")
 
     def owned_sampling_session(self, sampling_session_id: str, account_id: str | None) -> SamplingSessionRow:
-        row = self.sampling_session(sampling_session_id)
-        if account_id is not None and self.account_of(row.session_id) != account_id:
-            raise NotFoundError(f"unknown sampling_session_id {sampling_session_id!r}")
-        return row
+        return self._lookup(SamplingSessionRow, sampling_session_id, "sampling_session_id", account_id)
 
     def ephemeral_dir(self, sampling_session_id: str) -> Path:
         return self.checkpoints_dir / "_ephemeral" / sampling_session_id
