@@ -162,9 +162,11 @@ def test_same_seed_same_tokens_different_seed_different(sampler_engine):
 
 def test_rows_are_independent_and_share_one_prefill(sampler_engine):
     rt = sampler_engine.runtime(TINY)
-    calls: list[tuple[int, int]] = []  # (rows, tokens) of every decoder-body forward
-    hook = rt.model.get_decoder().register_forward_pre_hook(
-        lambda mod, args, kwargs: calls.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    calls: list[tuple[int, int]] = []  # (rows, tokens per row) of every pass through the decoder
+    # Hooked on the embedding, which every pass starts with: the HF body gets [rows, tokens], the
+    # fused decode step (decode.py) [rows].
+    hook = rt.model.get_decoder().embed_tokens.register_forward_pre_hook(
+        lambda mod, args: calls.append(tuple(args[0].shape) if args[0].dim() == 2 else (args[0].shape[0], 1))
     )
     try:
         res = run_sample(sampler_engine, op(SamplingParams(max_tokens=5, seed=9, stop_at_eos=False), num_samples=4))

@@ -112,10 +112,12 @@ def test_requests_joining_mid_flight_compute_what_they_compute_alone(eng, adapte
     assert alone["rand2-stops"].sequences[0].stop_reason == "stop"
 
     rt = eng.runtime(TINY)
-    seen: list[tuple[int, int]] = []  # (rows, distinct adapter groups) of every one-token body forward
-    hook = rt.model.get_decoder().register_forward_pre_hook(
-        lambda m, a, kw: seen.append((kw["input_ids"].shape[0], len(rt.ctx.groups))) if kw["input_ids"].shape[1] == 1
-        else None, with_kwargs=True,
+    seen: list[tuple[int, int]] = []  # (rows, distinct adapter groups) of every one-token decoder pass
+    # On the embedding, which every pass starts with: [rows, 1] through the HF body, [rows] through
+    # the fused decode step (decode.py); prefills here are longer than one token.
+    hook = rt.model.get_decoder().embed_tokens.register_forward_pre_hook(
+        lambda m, a: seen.append((a[0].shape[0], len(rt.ctx.groups))) if a[0].dim() == 1 or a[0].shape[1] == 1
+        else None
     )
     try:
         schedule = {0: [("base-greedy", requests["base-greedy"]), ("rand1-seeded", requests["rand1-seeded"])],

@@ -94,3 +94,38 @@ class Prefill:
                 vals, ids = torch.topk(lp, self.k, dim=-1)  # [c, K] sorted best-first
                 self.topk[0][a + 1 : b + 1] = ids.cpu().numpy()
                 self.topk[1][a + 1 : b + 1] = vals.cpu().numpy()
+
+
+def advance_packed(prefills: list[Prefill], body: nn.Module, head: nn.Module) -> None:
+    """Whole prompts of several fresh requests through the body in one forward, packed end to end.
+
+    Eight short prompts prefilled one by one stream the weights eight times with a few rows each;
+    packed into one [1, T] sequence they stream them once, the step's matmuls become compute-bound
+    and it costs about what the longest alone would. A block-diagonal causal mask and per-prompt
+    positions keep each prompt seeing only itself, so its cache and hidden states are those of a
+    prefill alone (within float rounding). All must be unstarted and share one adapter slot (the
+    multi-LoRA routing is per batch row, and this is one row).
+    """
+    lengths = [pf.remaining for pf in prefills]
+    assert all(pf.done == 0 for pf in prefills)
+    device = prefills[0].prompt.device
+    ids = torch.cat([pf.prompt for pf in prefills])[None]  # [1, T]
+    positions = torch.cat([torch.arange(n, device=device) for n in lengths])[None]  # [1, T]
+    owner = torch.repeat_interleave(torch.arange(len(prefills), device=device), torch.tensor(lengths, device=device))
+    col = torch.arange(ids.shape[1], device=device)
+    mask = (owner[:, None] == owner[None, :]) & (col[None, :] <= col[:, None])  # [T, T] True = attend
+    packed = DynamicCache(config=body.config)
+    out = body(input_ids=ids, attention_mask=mask[None, None], position_ids=positions, cache=packed, use_cache=True)
+    hidden = out.last_hidden_state[0]  # [T, H]
+    start = 0
+    for pf, n in zip(prefills, lengths):
+        for i, layer in enumerate(packed.layers):
+            # DynamicCache.update concatenates onto an empty layer: each prompt gets its own copy.
+            pf.cache.update(layer.keys[:, :, start : start + n], layer.values[:, :, start : start + n], i)
+        own = hidden[start : start + n]
+        if pf.want_logprobs or pf.k > 0:
+            pf._score(head, own, 0)
+        pf.last_hidden = own[-1:]
+        pf.done = n
+        pf.chunk_calls.append(n)
+        start += n

@@ -26,8 +26,9 @@ import torch
 from torch import nn
 
 from tinkerd.engine.lora.layers import pack_for_decode
+from tinkerd.engine.sampler.decode import FusedDecode
 from tinkerd.engine.sampler.kv import BatchCache
-from tinkerd.engine.sampler.prefill import Prefill
+from tinkerd.engine.sampler.prefill import Prefill, advance_packed
 from tinkerd.engine.sampler.rules import RowRules, StopRule, choose_tokens, row_generators, validate
 from tinkerd.errors import NotFoundError, ServerError, TinkerdError
 from tinkerd.types import SampledSequence, SampleOp, SampleResult
@@ -54,6 +55,9 @@ class SamplerConfig:
     # Pack the base linears for oneDNN on CPU (layers.pack_for_decode): an 8-row step's linears take
     # ~45 ms instead of ~80 ms on SmolLM2-135M, for one more copy of the weights.
     pack_weights: bool = True
+    # Decode steps of Llama-family models through decode.FusedDecode instead of the HF layer
+    # classes: the same modules and math with ~1/3 fewer ops per layer (SmolLM2-135M, 8 rows).
+    fused_decode: bool = True
 
 
 @dataclass
@@ -122,6 +126,7 @@ class Sampler:
         self.rules: RowRules | None = None  # aligned with self.rows
         self.hidden: torch.Tensor | None = None  # [B, H] each row's last hidden state, awaiting the head
         self.cache = BatchCache(len(self.body.layers))
+        self.fused = FusedDecode.build(self.body) if config.fused_decode else None
         self._routing: tuple[tuple[int, ...], list] | None = None  # (slots, ctx.groups) memo
         if config.pack_weights:
             pack_for_decode(runtime.layers)
@@ -175,20 +180,37 @@ class Sampler:
     def _prefill(self, done: list) -> None:
         budget = self.config.prefill_tokens_per_step
         ready: list[Request] = []
+        packed: dict[int, list[Request]] = {}  # unstarted prompts that fit whole, by adapter slot
         for req in list(self.joining):
             if budget <= 0:
                 break
+            if req.prefill.done == 0 and req.prefill.remaining <= budget:
+                packed.setdefault(req.slot, []).append(req)
+                budget -= req.prefill.remaining
+                continue
             try:
                 self._set_routing([req.slot])
                 budget -= req.prefill.advance(self.body, self.head, budget)
             except Exception as e:
-                log.exception("prefill failed")
-                self.joining.remove(req)
-                self._finish(req, done, e if isinstance(e, TinkerdError) else ServerError(f"{type(e).__name__}: {e}"))
+                self._fail_prefill([req], done, e)
                 continue
             if req.prefill.finished:
-                self.joining.remove(req)
                 ready.append(req)
+        for slot, reqs in packed.items():
+            try:
+                self._set_routing([slot])
+                if len(reqs) == 1:
+                    reqs[0].prefill.advance(self.body, self.head, reqs[0].prefill.remaining)
+                else:
+                    advance_packed([r.prefill for r in reqs], self.body, self.head)
+            except Exception as e:
+                self._fail_prefill(reqs, done, e)
+                continue
+            ready.extend(reqs)
+        order = {id(r): i for i, r in enumerate(self.joining)}
+        ready.sort(key=lambda r: order[id(r)])  # batch rows in admission order, however prefilled
+        for req in ready:
+            self.joining.remove(req)
         if ready:
             try:
                 self._join(ready)
@@ -201,6 +223,13 @@ class Sampler:
                         req.unfinished = 0
                         self._finish(req, done, error)
                 self._fail_batch(done, error)
+
+    def _fail_prefill(self, reqs: list[Request], done: list, e: Exception) -> None:
+        log.exception("prefill failed")
+        error = e if isinstance(e, TinkerdError) else ServerError(f"{type(e).__name__}: {e}")
+        for req in reqs:
+            self.joining.remove(req)
+            self._finish(req, done, error)
 
     def _join(self, ready: list[Request]) -> None:
         """Move prefilled requests' rows into the decode batch (cache, hidden, rules, rows) at once."""
@@ -245,11 +274,15 @@ class Sampler:
             return
         positions, mask = self.cache.step_inputs()
         self._set_routing([r.slot for r in self.rows])
-        out = self.body(
-            input_ids=tokens[:, None], attention_mask=mask, position_ids=positions, cache=self.cache, use_cache=True
-        )
+        if self.fused is not None:
+            hidden = self.fused(tokens, positions, mask, self.cache)
+        else:
+            out = self.body(
+                input_ids=tokens[:, None], attention_mask=mask, position_ids=positions, cache=self.cache, use_cache=True
+            )
+            hidden = out.last_hidden_state[:, -1]
         self.cache.advance()
-        self.hidden = out.last_hidden_state[:, -1]  # [B, H]
+        self.hidden = hidden  # [B, H]
 
     def _record_topk(self, rows: list[Row], logits: torch.Tensor, lse: torch.Tensor) -> None:
         want = [b for b, r in enumerate(rows) if r.topk > 0]
