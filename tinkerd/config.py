@@ -39,6 +39,15 @@ class ServerConfig(BaseModel):
     # SmolLM2 adapter with its AdamW state is ~120 MB: after every 5 s step that cost ~7% of
     # throughput (benchmarks/training.py); every 10 s bounds replay to ~10 s of recompute.
     snapshot_interval_s: float = 10.0
+    # A session whose last heartbeat (the SDK sends one every 10 s) and whose runs' last requests
+    # are all older than this has its adapters released from the engine: training adapters are
+    # snapshotted first and rebuilt, bit-exact, on the run's next op. 300 s is 30 missed
+    # heartbeats, well past the SDK's own 120 s warning. 0 never releases.
+    session_expiry_s: float = Field(default=300.0, ge=0)
+    # save_weights_and_get_sampling_client writes a sampler per call (an RL loop: one per step).
+    # The newest this many per session are kept; older ones are deleted once no queued or decoding
+    # request uses them, and asking for one later is a 404.
+    ephemeral_samplers_kept: int = Field(default=4, ge=1)
     # Prices for billing estimates (GET /api/v1/billing/usage/*, `tinkerd usage`), gross USD. Applied
     # when usage is read; queue wait is never billed. Forward-only passes are billed as training.
     price_train_usd_per_mtok: float = 3.0
@@ -46,6 +55,17 @@ class ServerConfig(BaseModel):
     price_prefill_usd_per_mtok: float = 0.5
     price_sample_usd_per_mtok: float = 1.5
     price_storage_usd_per_gb_month: float = 0.0
+    # Per-account quotas, the server-wide defaults (an account's own values, set with
+    # `tinkerd accounts set-quota`, replace them); None = unlimited. An op over a quota is never
+    # failed: it waits in the queue and its retrieve_future answers try_again "paused_rate_limit".
+    # Concurrent runs: training runs of the account's open sessions still in the engine (a session's
+    # end, or its release after it stopped heart-beating, frees its runs' places).
+    max_concurrent_runs: int | None = Field(default=None, ge=1)
+    # Trained + forward + prefill + sampled tokens per minute, over a sliding window.
+    max_tokens_per_minute: int | None = Field(default=None, ge=1)
+    # The sliding window's length; the budget in it is max_tokens_per_minute * window / 60. 60 s
+    # except in tests, where a short window lets a paused op resume in seconds.
+    quota_window_s: float = Field(default=60.0, gt=0)
 
     def token_price_usd_per_mtok(self, kind: str) -> float:
         """The price of a metered token kind (a UsageRow column name)."""

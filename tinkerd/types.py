@@ -112,11 +112,29 @@ class LoadWeightsOp:
     base_model: str
     dir_path: str
     with_optimizer: bool
+    # Set by control's snapshot policy: after the load, write the adapter with its optimizer state
+    # here, so recovery never needs the loaded checkpoint again (it may be deleted meanwhile).
+    snapshot_dir: str | None = None
 
 
 @dataclass
 class UnloadModelOp:
     model_id: str
+
+
+@dataclass
+class ReleaseAdaptersOp:
+    """Unload the adapters of sessions that stopped heart-beating, freeing their slots and memory.
+
+    Each training adapter is first written with its optimizer state to `snapshot_dir` (when given
+    and not written yet): control rebuilds it from there, plus the logged ops after it, on its
+    next op. Sampler adapters are only dropped from memory; their files stay and reload on use.
+    """
+
+    # (model_id, recovery snapshot directory or None)
+    models: list[tuple[str, str | None]] = field(default_factory=list)
+    # Sampler adapter keys (checkpoint directories); ones a decoding request holds are kept.
+    sampler_paths: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -169,7 +187,7 @@ class SampleResult:
 
 EngineOp = (
     ForwardBackwardOp | OptimStepOp | CreateModelOp | SaveWeightsOp | ExportWeightsOp | LoadWeightsOp | UnloadModelOp
-    | SampleOp
+    | ReleaseAdaptersOp | SampleOp
 )
 
 
@@ -197,6 +215,16 @@ class StepOutput:
     done: list[tuple[str, object]]
     # Sampling rows still in the engine (prefilling or decoding): control keeps stepping while > 0.
     active_rows: int
+    # The adapters the engine holds after this step, so control releases only what is loaded.
+    resident: "Resident | None" = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
+class Resident:
+    """The adapters an engine holds: reported with every step (a few dozen bytes over the pipe)."""
+
+    training: int  # training adapters, one per loaded run
+    sampler_paths: tuple[str, ...]  # sampler adapter keys (checkpoint directories) in the pools
 
 
 @dataclass(frozen=True)

@@ -129,3 +129,55 @@ def test_tinkerd_usage_cli(metered):
     assert int(lines["trained_tokens"]) == TRAINED and int(lines["prefill_tokens"]) == PREFILL
     assert int(lines["sampled_tokens"]) == SAMPLED and float(lines["queue_wait_s"]) > 0
     assert "(not billed)" in out
+
+
+def _usage(data_dir, *args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tinkerd.cli.main", "usage", "--data-dir", str(data_dir), *args],
+                          capture_output=True, text=True)
+
+
+def test_tinkerd_usage_time_window_and_errors(metered):
+    data_dir = metered["data_dir"]
+    recent = _usage(data_dir, "--account", ACCOUNT, "--since", "2h")
+    assert recent.returncode == 0 and recent.stdout.startswith("usage from ")
+    lines = {line.split()[0]: line.split()[1] for line in recent.stdout.splitlines() if line.startswith("  ")}
+    assert int(lines["trained_tokens"]) == TRAINED
+    first = min(r.completed_at for r in metered["rows"])
+    # A window that ends before the first op, in ISO form (naive = UTC), holds nothing.
+    before = _usage(data_dir, "--account", ACCOUNT, "--until", (first - timedelta(seconds=1)).isoformat())
+    assert before.returncode == 0 and "no usage recorded" in before.stdout
+    for args, message in ((["--account", "nobody"], "no account named 'nobody'"),
+                          (["--since", "yesterday"], "--since 'yesterday': expected an ISO 8601 time"),
+                          (["--since", "1h", "--until", "2h"], "must be after --since")):
+        proc = _usage(data_dir, *args)
+        assert proc.returncode == 1 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_checkpoint_storage_is_billed_in_gigabyte_hours(server):
+    """A checkpoint stored from `time` until deleted: size_bytes / 1e9 * hours, as storage events."""
+    key = _tinkerd(server.data_dir, "keys", "create", "--name", "storage", "--account", "storage-acct")
+    key = key.split("TINKER_API_KEY=")[1].split()[0]
+    sc = tinker.ServiceClient(base_url=server.url, api_key=key)
+    tc = sc.create_lora_training_client(base_model=TINY, rank=4).result()
+    path = tc.save_state("kept").result().path
+    rest = tinker.RestClient(base_url=server.url, api_key=key)
+    [ckpt] = rest.list_checkpoints(tc.model_id).result().checkpoints
+    deleting = datetime.now(timezone.utc)
+    rest.delete_checkpoint_from_tinker_path(path).result()
+    deleted = datetime.now(timezone.utc)
+    start, end = _window()
+    usage = tinker.AdminClient(base_url=server.url, api_key=key).get_billing_usage(start, end).result()
+    storage = [e for e in usage.data if e.event_info.type == "storage"]
+    gb_hours = sum(e.event_info.gigabyte_hours for e in storage)
+    gb = ckpt.size_bytes / 1e9
+    # Its end lies between the two clocks read around the delete call.
+    lo = gb * (deleting - ckpt.time).total_seconds() / 3600
+    hi = gb * (deleted - ckpt.time).total_seconds() / 3600
+    assert lo * (1 - 1e-9) <= gb_hours <= hi * (1 + 1e-9) and gb_hours > 0
+    rate = ServerConfig().price_storage_usd_per_gb_month
+    for e in storage:
+        assert e.session_id is None and e.base_model == TINY and e.effective_rate_usd_per_gigabyte_month == rate
+        assert e.estimated_cost_usd == pytest.approx(rate * e.event_info.gigabyte_hours / 720)
+    out = _tinkerd(server.data_dir, "usage", "--account", "storage-acct")
+    lines = {line.split()[0]: line.split()[1] for line in out.splitlines() if line.startswith("  ")}
+    assert float(lines["storage_gb_hours"]) == pytest.approx(gb_hours, abs=1e-9)

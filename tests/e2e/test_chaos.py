@@ -6,14 +6,18 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import sqlite3
 import threading
 import time
 
 import pytest
+import tinker
 import torch
+from safetensors.torch import load_file
+from tinker import types
 
-from tests.chaos import TINY, Killer, recoveries, training_loop
-from tests.serverproc import start_server
+from tests.chaos import TINY, Killer, engine_pid, recoveries, training_loop
+from tests.serverproc import API_KEY, start_server
 from tinkerd.engine.checkpoints import read_adapter
 
 STEPS = 40
@@ -97,3 +101,44 @@ def test_whole_server_sigkilled_and_restarted(reference, tmp_path):
     assert result.losses == ref.losses
     assert result.samples == ref.samples
     _assert_same_adapter(_adapter_dir(ref_dir, ref.final_path), _adapter_dir(tmp_path, result.final_path))
+
+
+def _pending(db_path, request_type: str) -> int:
+    with sqlite3.connect(db_path) as db:
+        return db.execute("SELECT count(*) FROM futures WHERE request_type = ? AND status = 'pending'",
+                          (request_type,)).fetchone()[0]
+
+
+@pytest.mark.slow
+def test_save_weights_external_accepted_before_a_server_restart_completes_after_it(tmp_path):
+    port = str(_free_port())
+    srv = start_server(tmp_path, [TINY], ARGS + ["--port", port])
+    restarted = None
+    try:
+        tc = tinker.ServiceClient(base_url=srv.url, api_key=API_KEY).create_lora_training_client(
+            base_model=TINY, rank=4, seed=3).result()
+        toks = list(range(1000, 1020))
+        datum = types.Datum(model_input=types.ModelInput.from_ints(toks[:-1]), loss_fn_inputs={"target_tokens": toks[1:]})
+        tc.forward_backward([datum], "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        # A stopped engine runs nothing: the export is accepted (stored) and certainly still pending
+        # when the server dies.
+        engine = engine_pid(srv.proc.pid)
+        os.kill(engine, signal.SIGSTOP)
+        export = tc.save_weights_external("exported")
+        while _pending(tmp_path / "tinkerd.sqlite", "SaveWeightsExternal") == 0:
+            time.sleep(0.1)
+        os.kill(srv.proc.pid, signal.SIGKILL)
+        srv.proc.wait()
+        os.kill(engine, signal.SIGKILL)
+        restarted = start_server(tmp_path, [TINY], ARGS + ["--port", port])
+        path = export.result().path  # the SDK was polling all along
+        assert path == f"tinker://{tc.model_id}/external_weights/exported"
+        sampler = tc.save_weights_for_sampler("now").result().path
+    finally:
+        (restarted or srv).stop()
+    exported = load_file(_adapter_dir(tmp_path, path) / "adapter_model.safetensors")
+    current = load_file(_adapter_dir(tmp_path, sampler) / "adapter_model.safetensors")
+    assert exported.keys() == current.keys()
+    assert all(torch.equal(exported[k], current[k]) for k in exported)
+    assert not any("cannot be resumed" in line for line in restarted.lines)

@@ -7,11 +7,11 @@ that was accepted; ops of kinds that cannot be rebuilt raise KeyError and fail w
 from __future__ import annotations
 
 from tinkerd.api.deps import AppState
-from tinkerd.api.routes import sampling, training
+from tinkerd.api.routes import export, sampling, training
 from tinkerd.control.control import Work
 from tinkerd.control.store.tables import FutureRow
 
-PREPARERS = {**training.PREPARERS, **sampling.PREPARERS}
+PREPARERS = {**training.PREPARERS, **sampling.PREPARERS, **export.PREPARERS}
 
 
 def make_rebuild(st: AppState):

@@ -6,7 +6,8 @@ import argparse
 import logging
 import sys
 
-from tinkerd.cli import keys, serve, usage
+from tinkerd.cli import accounts, keys, serve, usage
+from tinkerd.errors import TinkerdError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -15,10 +16,15 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     serve.add_parser(sub)
     keys.add_parser(sub)
+    accounts.add_parser(sub)
     usage.add_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return args.func(args)
+    try:
+        return args.func(args)
+    except TinkerdError as e:  # an unknown account or key, a bad value: a message, not a traceback
+        print(f"tinkerd {args.command}: {e.message}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -32,6 +32,22 @@ def add_parser(sub) -> None:
                    help="least seconds between a run's recovery snapshots, taken after an optim_step (default 10)")
     p.add_argument("--checkpoint-sweep-interval-s", type=_positive_s, default=60.0,
                    help="how often files of expired checkpoints are deleted (default: 60)")
+    p.add_argument("--session-expiry-s", type=float, default=None,
+                   help="release the engine adapters of a session silent (no heartbeat, no request) this long; "
+                        "they are rebuilt exactly on its next op (default 300; 0: never)")
+    p.add_argument("--ephemeral-samplers-kept", type=_positive_int, default=None,
+                   help="save_weights_and_get_sampling_client samplers kept per session, newest first; "
+                        "older unused ones are deleted (default 4)")
+    p.add_argument("--max-concurrent-runs", type=_positive_int, default=None,
+                   help="default per-account limit on training runs of open sessions (default: unlimited; "
+                        "per account: tinkerd accounts set-quota)")
+    p.add_argument("--max-tokens-per-minute", type=_positive_int, default=None,
+                   help="default per-account limit on trained+forward+prefill+sampled tokens per minute "
+                        "(default: unlimited); ops over it wait, they never fail")
+    p.add_argument("--quota-window-s", type=_positive_s, default=None,
+                   help="the tokens-per-minute sliding window (default 60; shorter for tests)")
+    p.add_argument("--retrieve-future-timeout-s", type=_positive_s, default=None,
+                   help="how long retrieve_future holds a pending request before try_again (default 20)")
     p.set_defaults(func=run)
 
 
@@ -39,6 +55,13 @@ def _positive_s(text: str) -> float:
     value = float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
     return value
 
 
@@ -56,6 +79,13 @@ def build_config(args) -> ServerConfig:
         values["engine"] = args.engine
     if args.snapshot_interval_s is not None:
         values["snapshot_interval_s"] = args.snapshot_interval_s
+    if args.session_expiry_s is not None:
+        values["session_expiry_s"] = args.session_expiry_s
+    if args.ephemeral_samplers_kept is not None:
+        values["ephemeral_samplers_kept"] = args.ephemeral_samplers_kept
+    for name in ("max_concurrent_runs", "max_tokens_per_minute", "quota_window_s", "retrieve_future_timeout_s"):
+        if getattr(args, name) is not None:
+            values[name] = getattr(args, name)
     return ServerConfig(**values)
 
 
@@ -66,7 +96,9 @@ def build_app(config: ServerConfig):
     from tinkerd.api.replay import make_rebuild
     from tinkerd.control.accounts import Accounts
     from tinkerd.control.control import Control
+    from tinkerd.control.quotas import Quotas
     from tinkerd.control.recovery import Recovery
+    from tinkerd.control.residency import Residency
     from tinkerd.control.runs import Runs
     from tinkerd.control.store.db import Store
 
@@ -75,7 +107,8 @@ def build_app(config: ServerConfig):
     store = Store.sqlite(config.db_path)
     # rebuild needs the app state, which needs control: wired right below.
     recovery = Recovery(store, config.data_dir / "snapshots", rebuild=None, snapshot_interval_s=config.snapshot_interval_s)
-    control = Control(store, client, recovery)
+    control = Control(store, client, recovery, quotas=Quotas(store, config),
+                      residency=Residency(store, recovery, config.session_expiry_s))
     runs = Runs(store, config.checkpoints_dir)
     served = {m.name: m for m in client.models()}
     accounts = Accounts(store)
@@ -95,7 +128,9 @@ def build_engine_client(config: ServerConfig):
 
     from tinkerd.engine.client import InProcessEngineClient
     from tinkerd.engine.engine import Engine
+    from tinkerd.engine.malloc import keep_freed_memory
 
+    keep_freed_memory()  # as the engine process does (engine/malloc.py)
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     engine = Engine(config.models_dir, config.max_lora_rank)

@@ -17,6 +17,8 @@ from tinkerd.control.store.tables import AccountRow, ApiKeyRow
 from tinkerd.errors import NotFoundError, UserError
 
 LOCAL_ACCOUNT = "local"
+# Per-account quota overrides (control/quotas.py reads them).
+QUOTA_COLUMNS = ("max_concurrent_runs", "max_tokens_per_minute")
 
 
 def hash_key(key: str) -> str:
@@ -76,3 +78,18 @@ class Accounts:
 
     def has_keys(self) -> bool:
         return bool(self.store.query(select(ApiKeyRow).limit(1)))
+
+    def list_accounts(self) -> list[AccountRow]:
+        return self.store.query(select(AccountRow).order_by(AccountRow.name))
+
+    def set_quota(self, name: str, **limits: int | None) -> AccountRow:
+        """Set an account's quota overrides (AccountRow columns): None = the server's default,
+        0 = unlimited, n >= 1 = that limit. Limits not named keep their value."""
+        for column, value in limits.items():
+            if column not in QUOTA_COLUMNS:
+                raise UserError(f"unknown quota {column!r}; quotas: {', '.join(QUOTA_COLUMNS)}")
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise UserError(f"{column} must be a whole number >= 1, 0 for unlimited, or None for the default")
+        account_id = self.account_id(name, create=False)
+        self.store.update(AccountRow, account_id, **limits)
+        return self.store.get(AccountRow, account_id)

@@ -21,7 +21,9 @@ from typing import Any, Callable, Protocol
 from tinkerd.control.futures import FutureHub
 from tinkerd.control.metering import Billing, Meter
 from tinkerd.control.queue import OpQueue, QueuedOp
+from tinkerd.control.quotas import Quotas
 from tinkerd.control.recovery import Recovery
+from tinkerd.control.residency import Residency
 from tinkerd.control.scheduler import Picked, Scheduler
 from tinkerd.control.store.db import Store, utcnow
 from tinkerd.control.store.tables import FutureRow
@@ -69,15 +71,22 @@ class Accepted:
 
 
 class Control:
-    def __init__(self, store: Store, engine: EngineClient, recovery: Recovery | None = None):
+    def __init__(self, store: Store, engine: EngineClient, recovery: Recovery | None = None,
+                 quotas: Quotas | None = None, residency: Residency | None = None):
         self.store = store
         self.engine = engine
         # Snapshots and replay; None runs without (unit tests of the queue, say).
         self.recovery = recovery
+        # Releases adapters of sessions that stopped heart-beating and rebuilds them on their next
+        # op; None keeps every adapter loaded.
+        self.residency = residency
         self.queue = OpQueue(lane_of=lambda work: Scheduler.lane_of(work.op))
-        self.scheduler = Scheduler(self.queue)
+        # Per-account quotas: the scheduler passes over paused accounts; metered usage fills their windows.
+        self.scheduler = Scheduler(self.queue, quotas=quotas)
         self.hub = FutureHub()
         self.meter = Meter(store)
+        if quotas is not None:
+            self.meter.listeners.append(quotas.on_usage)
         self._worker: threading.Thread | None = None
         # Ops handed to the engine and not finished yet: request_id -> (op, monotonic admit time).
         self._inflight: dict[str, tuple[QueuedOp, float]] = {}
@@ -90,9 +99,13 @@ class Control:
             self._recover_from_store()
         self._worker = threading.Thread(target=self._run, name="tinkerd-engine", daemon=True)
         self._worker.start()
+        if self.residency is not None:
+            self.residency.start(self._enqueue_internal, self.busy)
 
     def _recover_from_store(self) -> None:
-        report = self.recovery.rebuild_engine(self.engine)
+        # Runs of sessions that went away while the server was down are rebuilt on their next op.
+        released = self.residency.release_idle_at_start() if self.residency is not None else set()
+        report = self.recovery.rebuild_engine(self.engine, skip=released)
         requeued = 0
         for row in self.recovery.pending():
             try:
@@ -113,6 +126,8 @@ class Control:
                         report.models, report.replayed_ops, report.seconds, requeued)
 
     def stop(self) -> None:
+        if self.residency is not None:
+            self.residency.stop()
         self.queue.close()
         if self._worker is not None:
             self._worker.join(timeout=30)
@@ -170,6 +185,14 @@ class Control:
         )
         return request_id
 
+    def _enqueue_internal(self, request_id: str, target: str, op: Any, finalize: Finalize) -> None:
+        """Queue an op of the server's own (no stored future, nobody billed); it runs in turn."""
+        self.queue.put(request_id, target, None, type(op).__name__, Work(op, finalize))
+
+    def busy(self, target: str) -> bool:
+        """Whether `target` has ops queued or in the engine (exact on the worker thread)."""
+        return self.queue.depth(target) > 0 or any(q.target == target for q, _ in list(self._inflight.values()))
+
     # -- results ---------------------------------------------------------------------------------
 
     async def retrieve(self, request_id: str, timeout_s: float) -> FutureRow | None:
@@ -205,6 +228,9 @@ class Control:
             if self.recovery is not None:
                 self.recovery.maybe_snapshot(q.op.op, q.seq_id)
         try:
+            if self.residency is not None:
+                for q in picked.ops:
+                    self.residency.before_step(q.op.op, self.engine, self.busy)
             out = self.engine.step(picked.batch)
         except EngineCrashed as e:
             self._recover_engine(e)
@@ -214,6 +240,8 @@ class Control:
             out = StepOutput([(rid, ServerError(f"engine failure: {e}")) for rid in self._inflight], active_rows=0)
         now = time.perf_counter()
         self.scheduler.charge(picked, now - t0)
+        if self.residency is not None and out.resident is not None:
+            self.residency.resident = out.resident
         for request_id, result in out.done:
             entry = self._inflight.pop(request_id, None)
             if entry is None:  # failed above when the engine broke, finished by it later
@@ -233,7 +261,8 @@ class Control:
         for attempt in range(_MAX_ENGINE_RESTARTS):
             try:
                 restart_s = self.engine.restart()
-                report = self.recovery.rebuild_engine(self.engine) if self.recovery is not None else None
+                released = self.residency.unloaded if self.residency is not None else ()
+                report = self.recovery.rebuild_engine(self.engine, skip=released) if self.recovery is not None else None
                 break
             except EngineCrashed as e:  # died again while starting or rebuilding: start over
                 log.warning("engine restart %d failed: %s", attempt + 1, e)

@@ -49,6 +49,8 @@ class Billing:
 class Meter:
     def __init__(self, store: Store):
         self.store = store
+        # Called with (request_id, account_id, usage) for every recorded op: the quotas' token window.
+        self.listeners: list[Callable[[str, str | None, Usage], None]] = []
 
     def record(self, request_id: str, request_type: str, target: str, billing: Billing, result: Any,
                queue_wait_s: float, compute_s: float) -> None:
@@ -58,6 +60,8 @@ class Meter:
                        queue_wait_s=max(queue_wait_s, 0.0), compute_s=compute_s, completed_at=utcnow(),
                        **{f.name: getattr(usage, f.name) for f in fields(Usage)})
         self.store.add(row)  # a re-run after recovery keeps the first record (same request_id)
+        for listener in self.listeners:
+            listener(request_id, billing.account_id, usage)
 
     def rows(self, account_id: str | None = None, start: datetime | None = None,
              end: datetime | None = None) -> list[UsageRow]:
@@ -76,11 +80,11 @@ class Bucket:
     """One hour of one billed quantity of one (account, session, base model)."""
 
     start: datetime
-    kind: str  # a UsageRow quantity column: trained_tokens, prefill_tokens, ..., checkpoints
+    kind: str  # a UsageRow quantity column (trained_tokens, ..., checkpoints) or "storage_gb_hours"
     account_id: str | None
     session_id: str | None
     base_model: str | None
-    quantity: int = 0
+    quantity: float = 0  # an int for tokens and checkpoints
 
 
 def hourly_buckets(rows: list[UsageRow]) -> list[Bucket]:

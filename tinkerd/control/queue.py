@@ -8,6 +8,10 @@ Lanes separate kinds of work the scheduler weighs against each other (`train`: o
 completion in one engine step; `sample`: requests that join the decode batch). The queue only keeps
 them apart; which lane goes next is the scheduler's policy. Durability is the store's job; this
 queue is rebuilt from pending futures after a restart.
+
+A target whose head may not start yet (its account is over a quota: the scheduler's `eligible`)
+keeps its place and is passed over, so the next target in turn goes; the ops behind that head wait
+with it, as seq_id order requires.
 """
 
 from __future__ import annotations
@@ -37,8 +41,12 @@ class OpQueue:
         self._lane_of = lane_of
         # lane -> target -> heap of its ops; a target's position in the OrderedDict is its turn.
         self._lanes: dict[str, OrderedDict[str, list[QueuedOp]]] = {}
+        # request_id -> (lane, target), for every op still queued (not yet popped).
+        self._queued: dict[str, tuple[str, str]] = {}
         self._cond = threading.Condition()
         self._arrival = itertools.count()
+        # Bumped by every put: a waiter that saw nothing to start sleeps until it changes.
+        self.puts = 0
         self._closed = False
 
     def put(
@@ -50,7 +58,9 @@ class OpQueue:
             n = next(self._arrival)
             item = QueuedOp(seq_id if seq_id is not None else n, n, request_id, target, request_type, op)
             heapq.heappush(self._lanes.setdefault(lane, OrderedDict()).setdefault(target, []), item)
-            self._cond.notify()
+            self._queued[request_id] = (lane, target)
+            self.puts += 1
+            self._cond.notify_all()
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Block until some lane holds an op; False when closed (or on timeout with nothing queued)."""
@@ -60,28 +70,54 @@ class OpQueue:
                     break
             return not self._closed and self._any()
 
-    def pop(self, lane: str, fits: Callable[[QueuedOp], bool] | None = None) -> QueuedOp | None:
+    def wait_for_put(self, seen: int, timeout_s: float) -> None:
+        """Block until an op is put after `puts` was `seen`, the queue closes, or the timeout."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.puts != seen or self._closed, timeout_s)
+
+    def pop(self, lane: str, fits: Callable[[QueuedOp], bool] | None = None,
+            eligible: Callable[[QueuedOp], bool] | None = None) -> QueuedOp | None:
         """The head of the next target in `lane`'s round-robin order, or None; never blocks.
 
-        With `fits`, that head is taken only if fits(head) (checked and taken under one lock).
+        With `eligible`, targets whose head is not eligible are passed over (they keep their turn).
+        With `fits`, the chosen head is taken only if fits(head). Checked and taken under one lock.
         """
         with self._cond:
             targets = self._lanes.get(lane)
             if self._closed or not targets:
                 return None
-            target, heap = next(iter(targets.items()))
+            for target, heap in targets.items():
+                if eligible is None or eligible(heap[0]):
+                    break
+            else:
+                return None
             if fits is not None and not fits(heap[0]):
                 return None
             item = heapq.heappop(heap)
+            del self._queued[item.request_id]
             # Rotate: this target goes to the back of the line.
             del targets[target]
             if heap:
                 targets[target] = heap
             return item
 
-    def has(self, lane: str) -> bool:
+    def has(self, lane: str, eligible: Callable[[QueuedOp], bool] | None = None) -> bool:
+        """Whether `lane` holds an op that may start (with `eligible`: a target's head that passes)."""
         with self._cond:
-            return bool(self._lanes.get(lane))
+            targets = self._lanes.get(lane)
+            if not targets:
+                return False
+            return eligible is None or any(eligible(heap[0]) for heap in targets.values())
+
+    def head_of(self, request_id: str) -> QueuedOp | None:
+        """The op at the head of a still-queued op's target (itself, or the one it waits behind);
+        None once it was popped (or was never queued here)."""
+        with self._cond:
+            where = self._queued.get(request_id)
+            if where is None:
+                return None
+            lane, target = where
+            return self._lanes[lane][target][0]
 
     @property
     def closed(self) -> bool:

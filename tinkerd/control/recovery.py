@@ -9,7 +9,10 @@ nothing happened; their clients were long-polling all along.
 Snapshot policy: after an optim_step, when `snapshot_interval_s` has passed since the run's last
 snapshot (default 10 s; the first step always snapshots), the engine writes the adapter and its AdamW state into
 `snapshots/<model_id>/seq-<seq_id>` and drops the older one. Replay is then at most the
-ops of one interval plus the forward_backward calls of the step in flight.
+ops of one interval plus the forward_backward calls of the step in flight. After every
+load_weights a snapshot is written too, whatever the interval: replay never reads a loaded
+checkpoint again, so deleting it (or its TTL expiring) loses nothing. A run released from the
+engine (control/residency.py) is snapshotted as of its last create, load or optim_step.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Collection, Iterable
 
 from sqlalchemy import select
 
@@ -31,6 +34,9 @@ log = logging.getLogger(__name__)
 
 # Request types whose completion changed an adapter's state.
 STATE_CHANGING = ("CreateModel", "LoadWeights", "ForwardBackward", "OptimStep")
+# Ops after which an adapter has no pending grads, so weights + AdamW state + step are all of it:
+# a snapshot is named after one of them (seq-<its seq_id>).
+SNAPSHOT_POINTS = ("CreateModel", "LoadWeights", "OptimStep")
 
 
 @dataclass
@@ -53,18 +59,35 @@ class Recovery:
     # -- snapshots -------------------------------------------------------------------------------
 
     def maybe_snapshot(self, op: Any, seq_id: int | None) -> None:
-        """Attach a snapshot directory to an optim_step when the run's snapshot is due."""
-        if not isinstance(op, OptimStepOp) or seq_id is None:
+        """Attach a snapshot directory to an optim_step when the run's snapshot is due, and to every
+        load_weights (replaying a load would need the checkpoint, which may be deleted by then)."""
+        if seq_id is None:
+            return
+        if isinstance(op, LoadWeightsOp):
+            op.snapshot_dir = str(self.snapshot_dir(op.model_id, seq_id))
+            return
+        if not isinstance(op, OptimStepOp):
             return
         now = time.monotonic()
         if now - self._last_snapshot.get(op.model_id, float("-inf")) < self.snapshot_interval_s:
             return
         self._last_snapshot[op.model_id] = now
-        op.snapshot_dir = str(self.snapshots_dir / op.model_id / f"seq-{seq_id:012d}")
+        op.snapshot_dir = str(self.snapshot_dir(op.model_id, seq_id))
+
+    def snapshot_dir(self, model_id: str, seq_id: int) -> Path:
+        return self.snapshots_dir / model_id / f"seq-{seq_id:012d}"
+
+    def last_snapshot_point(self, model_id: str) -> int | None:
+        """The seq_id of the run's last completed create, load or optim_step: the adapter's weights
+        and AdamW state now are those it left (forward_backward calls since touch only grads)."""
+        seqs = self.store.query(select(FutureRow.seq_id).where(
+            FutureRow.target == model_id, FutureRow.request_type.in_(SNAPSHOT_POINTS),
+            FutureRow.status == "complete", FutureRow.seq_id.is_not(None)))
+        return max(seqs) if seqs else None
 
     def latest_snapshot(self, model_id: str) -> tuple[int, Path] | None:
-        """The newest snapshot whose optim_step result is stored. A snapshot written in the step
-        the process died in belongs to an op that will run again, so it must not be used."""
+        """The newest snapshot whose op's result is stored. A snapshot written in the step the
+        process died in belongs to an op that will run again, so it must not be used."""
         root = self.snapshots_dir / model_id
         if not root.is_dir():
             return None
@@ -73,23 +96,24 @@ class Recovery:
         for seq in reversed(seqs):
             done = self.store.query(select(FutureRow.request_id).where(
                 FutureRow.target == model_id, FutureRow.seq_id == seq,
-                FutureRow.request_type == "OptimStep", FutureRow.status == "complete"))
+                FutureRow.request_type.in_(SNAPSHOT_POINTS), FutureRow.status == "complete"))
             if done:
                 return seq, root / f"seq-{seq:012d}"
         return None
 
     # -- rebuilding ------------------------------------------------------------------------------
 
-    def replay_plan(self) -> list[Any]:
-        """Engine ops that rebuild every adapter: per run, its snapshot then the logged ops after it."""
-        rows = self.store.query(
-            select(FutureRow)
-            .where(FutureRow.status == "complete", FutureRow.request_type.in_(STATE_CHANGING))
-            .order_by(FutureRow.target, FutureRow.seq_id)
-        )
+    def replay_plan(self, model_ids: Iterable[str] | None = None, skip: Collection[str] = ()) -> list[Any]:
+        """Engine ops that rebuild adapters (every run's, or those of `model_ids`; none of `skip`):
+        per run, its snapshot then the logged ops after it."""
+        stmt = select(FutureRow).where(FutureRow.status == "complete", FutureRow.request_type.in_(STATE_CHANGING))
+        if model_ids is not None:
+            stmt = stmt.where(FutureRow.target.in_(list(model_ids)))
+        rows = self.store.query(stmt.order_by(FutureRow.target, FutureRow.seq_id))
         by_model: dict[str, list[FutureRow]] = {}
         for row in rows:
-            by_model.setdefault(row.target, []).append(row)
+            if row.target not in skip:
+                by_model.setdefault(row.target, []).append(row)
         plan: list[Any] = []
         for model_id, ops in by_model.items():
             snap = self.latest_snapshot(model_id)
@@ -107,10 +131,11 @@ class Recovery:
                     log.error("cannot replay %s %s of %s: %s", row.request_type, row.request_id, model_id, e.message)
         return plan
 
-    def rebuild_engine(self, engine) -> RecoveryReport:
-        """Run the replay plan on a fresh engine (synchronously, before any new work)."""
+    def rebuild_engine(self, engine, skip: Collection[str] = ()) -> RecoveryReport:
+        """Run the replay plan on a fresh engine (synchronously, before any new work); runs in
+        `skip` (released ones) stay out until their next op."""
         t0 = time.perf_counter()
-        plan = self.replay_plan()
+        plan = self.replay_plan(skip=skip)
         models = len({op.model_id for op in plan})
         if plan:
             for op, result in zip(plan, engine.step(plan)):

@@ -22,9 +22,11 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from typing import Callable
 
 from sqlalchemy import func, or_, select
 
+from tinkerd.control.storage import StorageLedger
 from tinkerd.control.store.db import Store, utcnow
 from tinkerd.control.store.tables import CheckpointRow, SamplingSessionRow, SessionRow, TrainingRunRow
 from tinkerd.errors import NotFoundError, ServerError, UserError
@@ -93,6 +95,8 @@ class Runs:
     def __init__(self, store: Store, checkpoints_dir: Path):
         self.store = store
         self.checkpoints_dir = Path(checkpoints_dir)
+        # GB-hour storage billing: told when a checkpoint goes (its storage ends then).
+        self.storage = StorageLedger(store)
 
     # -- sessions --------------------------------------------------------------------------------
 
@@ -215,7 +219,10 @@ class Runs:
             expires_at=now + timedelta(seconds=ttl_seconds) if ttl_seconds else None, size_bytes=size,
             public=False, user_metadata={str(k): str(v) for k, v in (user_metadata or {}).items()},
         )
-        self.store.delete(CheckpointRow, str(path))  # overwrite=True replaces the registration
+        old = self.store.get(CheckpointRow, str(path))
+        if old is not None:  # overwrite=True replaces the registration: the old files' storage ends
+            self.storage.removed(old, now)
+            self.store.delete(CheckpointRow, str(path))
         self.store.add(row)
         return row
 
@@ -313,6 +320,7 @@ class Runs:
         return handled
 
     def _remove(self, row: CheckpointRow) -> None:
+        self.storage.removed(row)
         self.store.delete(CheckpointRow, row.tinker_path)
         d = Path(row.dir_path)
         try:
@@ -347,6 +355,32 @@ class Runs:
 
     def ephemeral_dir(self, sampling_session_id: str) -> Path:
         return self.checkpoints_dir / "_ephemeral" / sampling_session_id
+
+    def prune_ephemeral_samplers(self, session_id: str, keep: int, busy: Callable[[str], bool]) -> list[str]:
+        """Delete the session's ephemeral samplers (save_weights_and_get_sampling_client) older than
+        its newest `keep`, except ones a queued or decoding request uses; returns the deleted ids.
+
+        Run on the control worker after each new one, so `busy` is exact and no request is admitted
+        meanwhile; one spared as busy goes at the next call. The row goes first: from then on a
+        request for it is a 404 rather than a sample from missing files. (A request that read the
+        row just before, and is not queued yet, fails at admission: the files are gone.) A decoding
+        request holds its weights in memory, so deleting files under it is safe.
+        """
+        root = self.checkpoints_dir / "_ephemeral"
+        rows = self.store.query(select(SamplingSessionRow).where(
+            SamplingSessionRow.session_id == session_id, SamplingSessionRow.model_path.is_(None),
+            SamplingSessionRow.adapter_dir.is_not(None)))
+        ephemeral = [r for r in rows if Path(r.adapter_dir).parent == root]
+        # `<session>:sample:<n>`, n counting up in creation order (shared with named samplers).
+        ephemeral.sort(key=lambda r: int(r.sampling_session_id.rsplit(":", 1)[-1]))
+        deleted = []
+        for row in ephemeral[: max(0, len(ephemeral) - keep)]:
+            if busy(row.sampling_session_id):
+                continue
+            self.store.delete(SamplingSessionRow, row.sampling_session_id)
+            shutil.rmtree(row.adapter_dir, ignore_errors=True)
+            deleted.append(row.sampling_session_id)
+        return deleted
 
 
 def _of_account(stmt, account_id: str):

@@ -13,6 +13,10 @@ coming back from idle it cannot hold the engine for long. Both busy: ~half the t
 forward_backward is followed by ~3 s of decode steps, and neither starves; one idle: the other
 gets all of it. A training step carries one op; a sampling step admits every waiting request that
 fits the row budget, round-robin over sampling sessions, then decodes.
+
+Quotas (control/quotas.py): an op whose account is over a quota is passed over, not failed (and
+retrieve_future asks `pause_reason` for its queue_state). When every queued op is paused and no
+rows decode, the scheduler sleeps until a token leaves a window (or a recheck, or new work).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tinkerd.control.queue import OpQueue, QueuedOp
+from tinkerd.control.quotas import Quotas
 from tinkerd.types import SampleOp, StepBatch
 
 LANE_TRAIN = "train"
@@ -38,8 +43,10 @@ class Picked:
 
 
 class Scheduler:
-    def __init__(self, queue: OpQueue, max_rows: int = 64):
+    def __init__(self, queue: OpQueue, max_rows: int = 64, quotas: Quotas | None = None):
         self.queue = queue
+        # None: no account is ever paused (unit tests, internal use).
+        self.quotas = quotas
         # Sampling rows in flight beyond which new requests wait. Decode cost grows about linearly
         # past ~8-16 rows on CPU (matmuls turn compute-bound), and every row holds its KV cache;
         # a request with more samples than this still runs, alone, when the batch is empty.
@@ -51,17 +58,27 @@ class Scheduler:
         return LANE_SAMPLE if isinstance(op, SampleOp) else LANE_TRAIN
 
     def next(self, active_rows: int) -> Picked | None:
-        """The next step. Blocks only while the engine is idle and nothing is queued; None once closed."""
-        if active_rows == 0 and not self.queue.wait():
-            return None
-        if self.queue.closed:
-            return None
-        train = self.queue.has(LANE_TRAIN)
-        sample = active_rows > 0 or self.queue.has(LANE_SAMPLE)
+        """The next step. Blocks only while the engine is idle and nothing queued may start; None once closed."""
+        eligible = self._eligible if self.quotas is not None else None
+        while True:
+            seen = self.queue.puts
+            if active_rows == 0 and not self.queue.wait():
+                return None
+            if self.queue.closed:
+                return None
+            if self.quotas is not None:
+                self.quotas.new_pass()
+            train = self.queue.has(LANE_TRAIN, eligible)
+            sample = active_rows > 0 or self.queue.has(LANE_SAMPLE, eligible)
+            if train or sample:
+                break
+            # Everything queued is paused by a quota: sleep until budget may have come back.
+            self.queue.wait_for_put(seen, self.quotas.recheck_s())
         idle = tuple(lane for lane, busy in ((LANE_TRAIN, train), (LANE_SAMPLE, sample)) if not busy)
         if train and (not sample or self.used_s[LANE_TRAIN] <= self.used_s[LANE_SAMPLE]):
-            q = self.queue.pop(LANE_TRAIN)
+            q = self.queue.pop(LANE_TRAIN, eligible=eligible)
             if q is not None:
+                self._started(q)
                 return Picked(StepBatch(run=[(q.request_id, q.op.op)]), [q], LANE_TRAIN, idle)
         admitted = self._admit(active_rows)
         batch = StepBatch(admit=[(q.request_id, q.op.op) for q in admitted], decode=True)
@@ -73,14 +90,33 @@ class Scheduler:
         for lane in picked.idle:
             self.used_s[lane] = max(self.used_s[lane], self.used_s[picked.lane])
 
+    def pause_reason(self, request_id: str) -> str | None:
+        """Why a queued op waits on a quota now (its own, or that of the op ahead of it in its
+        target's seq_id order), or None: not queued any more, or free to start at its turn."""
+        head = self.queue.head_of(request_id) if self.quotas is not None else None
+        if head is None:
+            return None
+        return self.quotas.pause_reason(head.request_type, head.target, head.seq_id, head.op, fresh=True)
+
+    def _eligible(self, q: QueuedOp) -> bool:
+        return self.quotas.pause_reason(q.request_type, q.target, q.seq_id, q.op) is None
+
+    def _started(self, q: QueuedOp) -> None:
+        if self.quotas is not None:
+            self.quotas.started(q.request_id, q.op)
+
     def _admit(self, active_rows: int) -> list[QueuedOp]:
         rows = active_rows
         admitted: list[QueuedOp] = []
+        eligible = self._eligible if self.quotas is not None else None
 
         def fits(q: QueuedOp) -> bool:
             return rows == 0 or rows + q.op.op.num_samples <= self.max_rows
 
-        while (q := self.queue.pop(LANE_SAMPLE, fits)) is not None:
+        # Each admission is charged before the next is looked at: one account's burst of requests
+        # cannot all start on the budget that one of them fits in.
+        while (q := self.queue.pop(LANE_SAMPLE, fits, eligible)) is not None:
+            self._started(q)
             admitted.append(q)
             rows += q.op.op.num_samples
         return admitted

@@ -21,7 +21,7 @@ from tinkerd.engine.lora.pool import AdapterPool
 from tinkerd.engine.model.registry import LoadedModel, load_model
 from tinkerd.engine.sampler.sample import Sampler, SamplerConfig
 from tinkerd.errors import NotFoundError, ServerError, TinkerdError, UserError
-from tinkerd.types import EngineOp, StepBatch, StepOutput
+from tinkerd.types import EngineOp, Resident, StepBatch, StepOutput
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,13 @@ class Engine:
         if batch.decode:
             for sampler in self.samplers.values():
                 done.extend(sampler.step())
-        return StepOutput(done, active_rows=sum(s.active_rows for s in self.samplers.values()))
+        return StepOutput(done, active_rows=sum(s.active_rows for s in self.samplers.values()), resident=self.resident())
+
+    def resident(self) -> Resident:
+        """The adapters held now: training ones counted, sampler ones by key."""
+        adapters = [a for rt in self.runtimes.values() for a in rt.pool.adapters.values()]
+        return Resident(training=sum(a.trainable for a in adapters),
+                        sampler_paths=tuple(a.key for a in adapters if not a.trainable))
 
     def _guarded(self, fn, op: EngineOp) -> object:
         """fn(op), or the error that failed it: a bug must fail one future, not the engine loop."""

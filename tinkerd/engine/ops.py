@@ -13,6 +13,7 @@ from tinkerd.types import (
     ForwardBackwardOp,
     LoadWeightsOp,
     OptimStepOp,
+    ReleaseAdaptersOp,
     SampleOp,
     SaveWeightsOp,
     UnloadModelOp,
@@ -30,6 +31,7 @@ _HANDLERS = {
     ExportWeightsOp: export.export_weights,
     LoadWeightsOp: training.load_weights,
     UnloadModelOp: training.unload_model,
+    ReleaseAdaptersOp: training.release_adapters,
     SampleOp: sample.run_sample,
 }
 

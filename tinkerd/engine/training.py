@@ -29,6 +29,7 @@ from tinkerd.types import (
     ForwardBackwardResult,
     LoadWeightsOp,
     OptimStepOp,
+    ReleaseAdaptersOp,
     SaveWeightsOp,
     UnloadModelOp,
 )
@@ -66,6 +67,32 @@ def unload_model(engine: "Engine", op: UnloadModelOp) -> dict:
     rt.pool.remove(op.model_id)
     del engine.model_of[op.model_id]
     return {}
+
+
+def release_adapters(engine: "Engine", op: ReleaseAdaptersOp) -> dict[str, list[str]]:
+    """Snapshot, then unload, each training adapter; drop idle sampler adapters. Returns the runs no
+    longer loaded (released now, or not here at all) and the sampler keys dropped. An adapter whose
+    snapshot cannot be written stays loaded: its state must not be lost."""
+    unloaded, samplers = [], []
+    for model_id, snapshot_dir in op.models:
+        if model_id in engine.model_of:
+            rt = engine.runtime_of(model_id)
+            if snapshot_dir is not None and not Path(snapshot_dir).is_dir():
+                try:
+                    # Weights and AdamW state equal those right after the op the snapshot is named
+                    # after: forward_backward calls since then changed only .grad, which recovery
+                    # rebuilds by replaying them.
+                    _snapshot(engine, rt.pool.get(model_id), snapshot_dir)
+                except Exception:
+                    log.exception("not releasing %s: its snapshot could not be written", model_id)
+                    continue
+            rt.pool.remove(model_id)
+            del engine.model_of[model_id]
+        unloaded.append(model_id)
+    for path in op.sampler_paths:
+        if any(rt.pool.evict(path) for rt in engine.runtimes.values()):
+            samplers.append(path)
+    return {"unloaded": unloaded, "sampler_paths": samplers}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -315,17 +342,28 @@ def optim_step(engine: "Engine", op: OptimStepOp) -> dict[str, float]:
     adapter.step += 1
     adapter.pending_grads = 0
     if op.snapshot_dir is not None:
-        _snapshot(engine, adapter, op.snapshot_dir)
+        _after_op_snapshot(engine, adapter, op.snapshot_dir)
     return {}
 
 
 def _snapshot(engine: "Engine", adapter: "Adapter", dir_path: str) -> None:
-    """A recovery point right after a step (no pending grads). The two newest are kept: this step's
-    result may not be stored yet when the process dies, and then recovery needs the one before."""
+    """A recovery point: weights, AdamW state and step as of a step, load or release. The two newest
+    are kept: this op's result may not be stored yet when the process dies, and then recovery needs
+    the one before."""
     target = Path(dir_path)
     checkpoints.save_adapter(adapter, engine.runtime_of(adapter.key).name, target, with_optimizer=True)
     for old in sorted(p for p in target.parent.iterdir() if p.name.startswith("seq-"))[:-2]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _after_op_snapshot(engine: "Engine", adapter: "Adapter", dir_path: str) -> None:
+    """A snapshot after an op that already changed the adapter: a failure to write it must not fail
+    the op (failed ops are never replayed, so recovery would lose the change); recovery then uses
+    the snapshot before it, plus the log."""
+    try:
+        _snapshot(engine, adapter, dir_path)
+    except Exception:
+        log.exception("recovery snapshot %s of %s failed", dir_path, adapter.key)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -397,4 +435,6 @@ def load_weights(engine: "Engine", op: LoadWeightsOp) -> dict:
         _load_in_place(engine, op, files)
     else:
         _load_as_new(engine, op, files)
+    if op.snapshot_dir is not None:
+        _after_op_snapshot(engine, engine.runtime_of(op.model_id).pool.get(op.model_id), op.snapshot_dir)
     return {"model_id": op.model_id}

@@ -3,6 +3,8 @@
 Every caller sees its own account's usage only (tinkerd has no organisations; an account is one).
 Costs are estimates from the configured prices (ServerConfig.price_*), applied at read time.
 Queue wait is recorded with each op (`tinkerd usage` shows it) and is never part of a quantity here.
+Checkpoint storage comes as the SDK's `storage` events: GB-hours per hour and base model, with no
+session (control/storage.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from sqlalchemy import select
 from tinkerd.api.deps import account, authenticate, state
 from tinkerd.control.metering import TOKEN_KINDS, bucket_end, hourly_buckets
 from tinkerd.control.runs import iso
+from tinkerd.control.storage import BYTES_PER_GB, STORAGE_KIND, gb_hour_buckets, storage_cost_usd
 from tinkerd.control.store.db import utcnow
 from tinkerd.control.store.tables import AccountRow, SessionRow
 from tinkerd.errors import UserError
@@ -22,7 +25,6 @@ from tinkerd.errors import UserError
 router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
 
 MAX_WINDOW = timedelta(days=14)
-BYTES_PER_GB = 1e9
 
 
 def _hour(name: str, value: str) -> datetime:
@@ -51,7 +53,13 @@ async def billing_usage_events(request: Request, starting_on: str, ending_before
     account_id = account(request)
     names = {a.account_id: a.name for a in st.control.store.query(select(AccountRow).where(AccountRow.account_id == account_id))}
     data = []
-    for b in hourly_buckets(st.control.meter.rows(account_id, start, end)):
+    now = utcnow()
+    st.runs.storage.sync(now)
+    storage = gb_hour_buckets(st.runs.storage.intervals(account_id, start, end), start, end, now)
+    # Ordered by bucket, then descending quantity (the SDK's order), storage after tokens of its hour.
+    buckets = sorted(hourly_buckets(st.control.meter.rows(account_id, start, end)) + storage,
+                     key=lambda b: (b.start, b.kind == STORAGE_KIND, -b.quantity, b.kind))
+    for b in buckets:
         event = {"bucket_start": iso(b.start), "bucket_end": iso(bucket_end(b)), "base_model": b.base_model,
                  "user_id": b.account_id, "user_name": names.get(b.account_id), "session_id": b.session_id,
                  "project_id": None, "estimated_cost_usd": None, "effective_rate_usd_per_million_tokens": None,
@@ -62,6 +70,10 @@ async def billing_usage_events(request: Request, starting_on: str, ending_before
             info = {"type": TOKEN_KINDS[b.kind], "token_count": b.quantity}
             if b.kind == "prefill_tokens":
                 info["cached"] = False  # tinkerd has no prefill cache
+        elif b.kind == STORAGE_KIND:
+            rate = st.config.price_storage_usd_per_gb_month
+            event.update(estimated_cost_usd=storage_cost_usd(b.quantity, rate), effective_rate_usd_per_gigabyte_month=rate)
+            info = {"type": "storage", "gigabyte_hours": b.quantity, "free": False}
         else:
             info = {"type": "checkpoint", "count": b.quantity}
         data.append(event | {"event_info": info})

@@ -25,7 +25,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import FileResponse, JSONResponse
 from tinker import types as t
 
-from tinkerd.api.deps import account, authenticate, future_response, json_bytes, parse, read_body, state
+from tinkerd.api.deps import AppState, Prepared, account, authenticate, json_bytes, parse, read_body, state, submit
 from tinkerd.control.control import Work
 from tinkerd.control.metering import Billing, Usage
 from tinkerd.control.runs import TinkerPath, check_name, check_ttl, iso
@@ -88,16 +88,14 @@ def _signer(request: Request) -> UrlSigner:
     return signer
 
 
-@authed.post("/save_weights_external")
-async def save_weights_external(request: Request) -> JSONResponse:
-    st = state(request)
-    body = await read_body(request)
+def prepare_save_weights_external(st: AppState, body: bytes, account_id: str | None = None) -> Prepared:
+    """From the body alone, so recovery re-queues an accepted export after a server restart."""
     req = parse(t.SaveWeightsExternalRequest, body)
-    account_id = account(request)
     run = st.runs.owned_run(req.model_id, account_id)
     path = TinkerPath(req.model_id, "external_weights", check_name(req.path))
     ttl = check_ttl(req.ttl_seconds)
     # The request has no overwrite flag; like save_weights' default, an existing name is refused.
+    # (Re-queued after a restart, an export that was written but not registered is written again.)
     if st.runs.checkpoint_exists(path):
         raise UserError(f"external weights {path} already exist; delete them or choose another name")
     op = ExportWeightsOp(req.model_id, str(st.runs.checkpoint_dir(path)), req.age_encryption_recipients)
@@ -106,10 +104,20 @@ async def save_weights_external(request: Request) -> JSONResponse:
         row = st.runs.register_checkpoint(path, ttl, None)
         return json_bytes({"path": str(path), "size_bytes": row.size_bytes, "type": "save_weights_external"})
 
-    billing = Billing(account_id, run.session_id, run.base_model, lambda _: Usage(checkpoints=1))
-    accepted = st.control.submit("SaveWeightsExternal", req.model_id, req.seq_id, body, Work(op, finalize, billing),
-                                 account_id=account_id)
-    return future_response(accepted.request_id, model_id=req.model_id)
+    owner = account_id if account_id is not None else st.runs.account_of(run.session_id)
+    billing = Billing(owner, run.session_id, run.base_model, lambda _: Usage(checkpoints=1))
+    return Prepared("SaveWeightsExternal", req.model_id, req.seq_id, Work(op, finalize, billing))
+
+
+PREPARERS = {"SaveWeightsExternal": prepare_save_weights_external}
+
+
+@authed.post("/save_weights_external")
+async def save_weights_external(request: Request) -> JSONResponse:
+    st = state(request)
+    body = await read_body(request)
+    account_id = account(request)
+    return submit(st, prepare_save_weights_external(st, body, account_id), body, account_id)
 
 
 @authed.get("/training_runs/{run_id}/checkpoints/external_weights/{name}/external_weights_urls")

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
-
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from tinker import types as t
 
 from tinkerd.api.deps import account, authenticate, parse, read_body, state
+from tinkerd.control.quotas import PAUSED
 from tinkerd.control.store.tables import FutureRow
 from tinkerd.errors import NotFoundError
 
@@ -28,7 +27,13 @@ async def retrieve_future(request: Request) -> Response:
         raise NotFoundError(f"unknown request_id {req.request_id!r}")
     if row.status == "pending":
         # The SDK re-polls a try_again at once, so this answer only comes after the long-poll hold.
-        return JSONResponse({"type": "try_again", "request_id": row.request_id, "queue_state": "active"})
+        # An op its account's quota holds back is "paused_rate_limit" (why: control/quotas.py); the
+        # SDK keeps polling either way.
+        reason = st.control.scheduler.pause_reason(row.request_id)
+        if reason is None:
+            return JSONResponse({"type": "try_again", "request_id": row.request_id, "queue_state": "active"})
+        return JSONResponse({"type": "try_again", "request_id": row.request_id, "queue_state": PAUSED,
+                             "queue_state_reason": reason})
     if row.status == "failed":
         return JSONResponse({"error": row.error, "category": row.error_category or "unknown"})
     if row.result_media_type == "application/json":

@@ -81,3 +81,17 @@ async def get_server_capabilities(request: Request) -> JSONResponse:
     # names forward_backward accepts. Unsupported names fail with a user error listing the same set.
     loss_fns = sorted({name for m in served for name in m.loss_fns})
     return JSONResponse({"supported_models": models, "supported_loss_fns": loss_fns})
+
+
+@authed.get("/engine_status")
+async def engine_status(request: Request) -> dict:
+    """Not in the Tinker protocol (the SDK never calls it): what the engine holds after its last step,
+    as counts over all accounts (no ids), and which of the caller's runs are released from it
+    (their session stopped heart-beating; the next op rebuilds them)."""
+    residency = state(request).control.residency
+    resident = residency.resident if residency is not None else None
+    return {
+        "training_adapters": resident.training if resident is not None else None,
+        "sampler_adapters": len(resident.sampler_paths) if resident is not None else None,
+        "released_model_ids": residency.unloaded_runs_of(account(request)) if residency is not None else [],
+    }

@@ -160,6 +160,9 @@ def prepare_save_weights_for_sampler(st: AppState, body: bytes, account_id: str 
 
         def finalize(_):
             st.runs.create_sampling_session(run.session_id, req.sampling_session_seq_id, run.base_model, None, adapter_dir)
+            # An RL loop writes one of these per step: the session's older ones go (on the worker,
+            # where finalize runs, so whether a request still uses one is exact).
+            st.runs.prune_ephemeral_samplers(run.session_id, st.config.ephemeral_samplers_kept, st.control.busy)
             return json_bytes({"sampling_session_id": sid, "type": "save_weights_for_sampler"})
 
     else:
@@ -209,6 +212,18 @@ PREPARERS = {
     "LoadWeights": prepare_load_weights,
 }
 
+def _route_for(prepare):
+    # Bound by a closure, not a default argument: FastAPI exposes every parameter of a route as a
+    # request parameter, and `?_prepare=x` once replaced the function with a string (a 500).
+    async def route(request: Request) -> JSONResponse:
+        st = state(request)
+        body = await read_body(request)
+        account_id = account(request)
+        return submit(st, prepare(st, body, account_id), body, account_id)
+
+    return route
+
+
 for _path, _prepare in (
     ("/create_model", prepare_create_model),
     ("/forward_backward", prepare_forward_backward),
@@ -217,11 +232,4 @@ for _path, _prepare in (
     ("/save_weights_for_sampler", prepare_save_weights_for_sampler),
     ("/load_weights", prepare_load_weights),
 ):
-
-    async def _route(request: Request, _prepare=_prepare) -> JSONResponse:
-        st = state(request)
-        body = await read_body(request)
-        account_id = account(request)
-        return submit(st, _prepare(st, body, account_id), body, account_id)
-
-    router.add_api_route(_path, _route, methods=["POST"], name=_path.strip("/"))
+    router.add_api_route(_path, _route_for(_prepare), methods=["POST"], name=_path.strip("/"))

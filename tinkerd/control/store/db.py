@@ -11,7 +11,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TypeVar
 
-from sqlalchemy import create_engine, event, select
+from sqlalchemy import create_engine, event, inspect, select, text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -31,6 +31,7 @@ class Store:
         if url.startswith("sqlite"):
             event.listen(self.engine, "connect", _sqlite_pragmas)
         Base.metadata.create_all(self.engine)
+        _add_missing_columns(self.engine)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         # SQLite allows one writer; serialising here avoids "database is locked" retries.
         self._lock = threading.Lock()
@@ -81,6 +82,22 @@ class Store:
     def session(self) -> Session:
         """A raw session for multi-statement work; callers must hold no other store call inside."""
         return self._sessions()
+
+
+def _add_missing_columns(engine) -> None:
+    """create_all makes missing tables but never missing columns: add the nullable columns a newer
+    tinkerd declares to tables an older one created, so an existing data directory keeps working."""
+    inspector = inspect(engine)
+    quote = engine.dialect.identifier_preparer.quote
+    with engine.begin() as conn:
+        for table in Base.metadata.sorted_tables:
+            if not inspector.has_table(table.name):
+                continue
+            have = {c["name"] for c in inspector.get_columns(table.name)}
+            for col in table.columns:
+                if col.name not in have and col.nullable and not col.primary_key:
+                    conn.execute(text(f"ALTER TABLE {quote(table.name)} ADD COLUMN {quote(col.name)} "
+                                      f"{col.type.compile(engine.dialect)}"))
 
 
 def _sqlite_pragmas(dbapi_conn, _record) -> None:

@@ -116,6 +116,25 @@ class AccountRow(Base):
     account_id: Mapped[str] = mapped_column(String, primary_key=True)
     name: Mapped[str] = mapped_column(String, unique=True)
     created_at: Mapped[datetime] = mapped_column(DateTime)
+    # Quota overrides (`tinkerd accounts set-quota`): NULL = the server's default, 0 = no limit.
+    max_concurrent_runs: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    max_tokens_per_minute: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+
+
+class CheckpointStorageRow(Base):
+    """One registration of a checkpoint's files, for GB-hour storage billing: open while the
+    checkpoint lives, closed when it is deleted, expires or is overwritten. Unlike CheckpointRow it
+    outlives the checkpoint, so storage already used stays billed."""
+
+    __tablename__ = "checkpoint_storage"
+    # f"{tinker_path}@{created_at}": one per registration (an overwrite is a new one).
+    storage_id: Mapped[str] = mapped_column(String, primary_key=True)
+    tinker_path: Mapped[str] = mapped_column(String, index=True)
+    account_id: Mapped[str | None] = mapped_column(String, index=True, nullable=True)
+    base_model: Mapped[str | None] = mapped_column(String, nullable=True)
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    start_at: Mapped[datetime] = mapped_column(DateTime)
+    end_at: Mapped[datetime | None] = mapped_column(DateTime, index=True, nullable=True)
 
 
 class ApiKeyRow(Base):
@@ -128,3 +147,13 @@ class ApiKeyRow(Base):
     name: Mapped[str] = mapped_column(String)
     created_at: Mapped[datetime] = mapped_column(DateTime)
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+
+
+class UnloadedRunRow(Base):
+    """A training run whose adapter is not in the engine: its session stopped heart-beating and it was
+    released, or it was not rebuilt at start-up. Its state is its last recovery snapshot plus the
+    logged ops after it; the run's next op rebuilds it from there. The row goes when it is loaded."""
+
+    __tablename__ = "unloaded_runs"
+    model_id: Mapped[str] = mapped_column(String, primary_key=True)
+    unloaded_at: Mapped[datetime] = mapped_column(DateTime)

@@ -7,7 +7,8 @@ Sampler adapters (non-trainable, loaded from a checkpoint path) are a cache: an 
 new ephemeral sampler every step, so without a bound they pile up forever (a rank-32 adapter on
 SmolLM2-135M, all linears and the LM head, is 45 MB in fp32). `evict_idle` drops the least
 recently used ones that no in-flight request holds (`acquire`/`release` count the holders);
-training adapters are never evicted.
+training adapters are never evicted here. Both kinds are also released when their session stops
+heart-beating (control/residency.py): a training adapter only after its state is snapshotted.
 """
 
 from __future__ import annotations
@@ -169,6 +170,16 @@ class AdapterPool:
             evicted.append(adapter.key)
             excess -= 1
         return evicted
+
+    def evict(self, key: str) -> bool:
+        """Remove one idle sampler adapter (a session that stopped heart-beating used it); False if
+        it is not here, is a training adapter, or an in-flight request holds it."""
+        adapter = self.adapters.get(key)
+        if adapter is None or adapter.trainable or adapter.users > 0:
+            return False
+        del self.adapters[key]
+        self._detach(adapter)
+        return True
 
     def _detach(self, adapter: Adapter) -> None:
         for name in adapter.weights:
