@@ -7,12 +7,14 @@ import subprocess
 import sys
 
 import httpx
+import numpy as np
 import pytest
 import tinker
 from tinker import types
 
 from tests.conformance.conftest import TINY
 from tests.serverproc import API_KEY
+from tinkerd.api import codec
 
 
 def _key(data_dir, account: str) -> str:
@@ -158,3 +160,33 @@ def test_signed_urls_stay_capabilities(world):
     urls = world["a"].create_rest_client().get_external_weights_urls(world["external"]).result().urls
     url = next(iter(urls.values()))
     assert httpx.get(url, timeout=30).status_code == 200
+
+
+def test_same_seq_id_on_a_shared_base_model_stays_per_account(world):
+    """Raw asample by base_model: A's and B's requests with equal seq_ids are two futures, each its owner's.
+
+    The base model is shared, so a (target, seq_id) dedupe without the account handed B A's request id
+    (and B then got 404 for it).
+    """
+    body = {"base_model": TINY, "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]},
+            "num_samples": 1, "sampling_params": {"max_tokens": 2, "temperature": 0.0}, "seq_id": 7,
+            "type": "sample"}
+    headers = {"a": {"X-API-Key": API_KEY}, "b": {"X-API-Key": world["key_b"]}}
+    ids = {}
+    for who in ("a", "b"):
+        r = httpx.post(f"{world['url']}/api/v1/asample", json=body, headers=headers[who], timeout=30)
+        assert r.status_code == 200, r.text
+        ids[who] = r.json()["request_id"]
+    assert ids["a"] != ids["b"]
+    for who in ("a", "b"):
+        while True:
+            r = httpx.post(f"{world['url']}/api/v1/retrieve_future", json={"request_id": ids[who]},
+                           headers=headers[who], timeout=60)
+            assert r.status_code == 200, r.text
+            if not r.headers["content-type"].startswith("application/json") or r.json().get("type") != "try_again":
+                break
+        done = codec.pb.SampleResponse.FromString(r.content)  # results travel as protobuf
+        assert len(np.frombuffer(done.sequences[0].tokens, dtype=np.int32)) == 2
+    # A re-send by A is still A's original future.
+    r = httpx.post(f"{world['url']}/api/v1/asample", json=body, headers=headers["a"], timeout=30)
+    assert r.json()["request_id"] == ids["a"]

@@ -145,7 +145,8 @@ class Control:
         account_id: str | None = None,
     ) -> Accepted:
         """Store the op, then queue it. Idempotent on (target, seq_id) when seq_id is given."""
-        dedupe_key = f"{request_type}|{target}|{seq_id}" if seq_id is not None else None
+        # The account is part of the key: an idempotent re-send is one client's, never another's.
+        dedupe_key = f"{request_type}|{account_id}|{target}|{seq_id}" if seq_id is not None else None
         if dedupe_key is not None:
             existing = self.store.future_by_dedupe_key(dedupe_key)
             if existing is not None:

@@ -97,6 +97,10 @@ def prepare_asample(st: AppState, body: bytes, account_id: str | None = None) ->
         base_model, adapter_dir, target = req.base_model, None, req.base_model
     else:
         raise UserError("asample needs a sampling_session_id, model_path or base_model")
+    if req.sampling_session_id is None:
+        # A base model or published checkpoint is shared between accounts; the queue target (a FIFO
+        # lane, and a quota pause holds its whole lane) and the (target, seq_id) dedupe key are not.
+        target = f"{target}#{account_id}"
     st.served_model(base_model)
     if not 1 <= req.num_samples <= st.config.max_num_samples:
         raise UserError(f"num_samples must be between 1 and {st.config.max_num_samples}, got {req.num_samples}")
