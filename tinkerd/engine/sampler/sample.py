@@ -126,10 +126,11 @@ class Sampler:
         self.rules: RowRules | None = None  # aligned with self.rows
         self.hidden: torch.Tensor | None = None  # [B, H] each row's last hidden state, awaiting the head
         self.cache = BatchCache(len(self.body.layers))
-        self.fused = FusedDecode.build(self.body) if config.fused_decode else None
         self._routing: tuple[tuple[int, ...], list] | None = None  # (slots, ctx.groups) memo
         if config.pack_weights:
             pack_for_decode(runtime.layers)
+        # After packing: the fused step binds each linear's packed weight once.
+        self.fused = FusedDecode.build(self.body) if config.fused_decode else None
 
     @property
     def active_rows(self) -> int:
