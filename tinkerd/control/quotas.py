@@ -153,8 +153,7 @@ class Quotas:
         billing = getattr(work, "billing", None)
         need = upfront_tokens(work.op)
         if billing is not None and billing.account_id is not None and need:
-            with self._lock:
-                self._charges.setdefault(billing.account_id, {})[request_id] = (time.time(), need)
+            self._charge(billing.account_id, request_id, need)
 
     def recheck_s(self) -> float:
         """How long the scheduler may sleep while every queued op is paused."""
@@ -171,25 +170,33 @@ class Quotas:
         """A completed op's metered tokens replace its charge at start (Meter calls this)."""
         if account_id is None:
             return
-        with self._lock:
-            charges = self._charges.setdefault(account_id, {})
-            n = used_tokens(usage)
-            if n:
-                charges[request_id] = (time.time(), n)
-            else:
-                charges.pop(request_id, None)
+        self._charge(account_id, request_id, used_tokens(usage))
 
     # -- state -----------------------------------------------------------------------------------
 
     def window_tokens(self, account_id: str) -> int:
-        cutoff = time.time() - self.window_s
         with self._lock:
             charges = self._charges.get(account_id)
             if not charges:
                 return 0
-            for rid in [rid for rid, (t, _) in charges.items() if t <= cutoff]:
-                del charges[rid]
+            self._expire(charges)
             return sum(n for _, n in charges.values())
+
+    def _charge(self, account_id: str, request_id: str, tokens: int) -> None:
+        """Set (tokens > 0) or drop a request's charge. Charges that left the window are dropped here
+        too: without a token limit nothing else reads the window, and it would only grow."""
+        with self._lock:
+            charges = self._charges.setdefault(account_id, {})
+            if tokens:
+                charges[request_id] = (time.time(), tokens)
+            else:
+                charges.pop(request_id, None)
+            self._expire(charges)
+
+    def _expire(self, charges: dict[str, tuple[float, int]]) -> None:
+        cutoff = time.time() - self.window_s
+        for rid in [rid for rid, (t, _) in charges.items() if t <= cutoff]:
+            del charges[rid]
 
     def live_runs(self, account_id: str, fresh: bool = False) -> set[str]:
         """model_ids of the account's runs that count against its concurrent-run limit."""
