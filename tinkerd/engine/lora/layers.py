@@ -132,9 +132,13 @@ class MultiLoraLinear(nn.Module):
         return out
 
 
+def packed_linear_2d(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, in] through a weight packed by pack_for_decode -> [M, out]."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    x2 = x.reshape(-1, x.shape[-1])  # [M, in]
-    out = torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "")  # [M, out]
+    out = packed_linear_2d(x.reshape(-1, x.shape[-1]), packed, bias)  # [M, out]
     return out.view(*x.shape[:-1], out.shape[-1])
 
 

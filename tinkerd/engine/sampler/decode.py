@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tinkerd.engine.lora.layers import MultiLoraLinear
+from tinkerd.engine.lora.layers import MultiLoraLinear, packed_linear_2d
 from tinkerd.engine.sampler.kv import BatchCache
 
 # model_type values whose HF decoder layer has the structure above (transformers 5.x).
@@ -43,7 +43,7 @@ def _direct(linear: nn.Module):
         packed, bias, add_adapters = linear.packed_weight, linear.base.bias, linear._add_adapters_inplace
 
         def run(h: torch.Tensor) -> torch.Tensor:
-            return add_adapters(h, torch.ops.mkldnn._linear_pointwise(h, packed, bias, "none", [], ""))
+            return add_adapters(h, packed_linear_2d(h, packed, bias))
 
         return run
     return linear
@@ -69,7 +69,7 @@ def _fused_qkv(q_proj: nn.Module, k_proj: nn.Module, v_proj: nn.Module):
     sizes = [lin.out_features for lin in layers]
 
     def run(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        out = torch.ops.mkldnn._linear_pointwise(h, packed, bias, "none", [], "")  # [B, q + k + v]
+        out = packed_linear_2d(h, packed, bias)  # [B, q + k + v]
         parts = out.split(sizes, dim=-1)
         for lin, part in zip(layers, parts):
             lin._add_adapters_inplace(h, part)
