@@ -12,6 +12,9 @@ Cases (greedy, `stop=[]` / min_new_tokens so both sides generate exactly --new-t
   b8        8 prompts of different lengths: HF generate, batch 8 (left-padded)  vs  tinkerd, 8 requests
   adapters  4 requests, each through its own rank-32 LoRA adapter: tinkerd one after another
             vs  tinkerd all 4 fused into one decode batch
+  sdk       the b8 requests: tinkerd's engine in this process  vs  the official SDK against a
+            `tinkerd serve` subprocess (HTTP, control, engine process) with the same thread count;
+            what the whole path costs (docs/performance.md: within a few percent)
 Targets (docs/performance.md): b8 >= 2x HF; fused adapters >= 1.8x sequential.
 """
 
@@ -20,6 +23,8 @@ from __future__ import annotations
 import argparse
 import os
 import resource
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -47,9 +52,24 @@ def cpu_busy_s() -> float:
     return (sum(fields) - idle) / os.sysconf("SC_CLK_TCK")
 
 
+# Processes working for this benchmark (the `sdk` case's server and its engine): their CPU is ours.
+OWN_PIDS: list[int] = []
+
+
+def _tree_cpu_s(pid: int) -> float:
+    """CPU seconds of a process and its children so far (0 once gone)."""
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        children = open(f"/proc/{pid}/task/{pid}/children").read().split()
+    except OSError:
+        return 0.0
+    own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return own + sum(_tree_cpu_s(int(c)) for c in children)
+
+
 def own_cpu_s() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
+    return r.ru_utime + r.ru_stime + sum(_tree_cpu_s(pid) for pid in OWN_PIDS)
 
 
 def measure(fn) -> tuple[float, float, int]:
@@ -126,6 +146,31 @@ class Tinkerd:
         return sum(len(s.tokens) for r in results for s in r.sequences)
 
 
+class SDK:
+    """The same requests through the official SDK against a real `tinkerd serve` (started lazily)."""
+
+    def __init__(self, models_dir: Path, threads: int):
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        import tinker
+
+        from tests.serverproc import API_KEY, start_server
+
+        data_dir = Path(tempfile.mkdtemp(prefix="tinkerd-bench-"))
+        (data_dir / "models").symlink_to(models_dir.resolve())  # the weights already on disk
+        self.server = start_server(data_dir, [MODEL], ["--threads", str(threads)])
+        OWN_PIDS.append(self.server.proc.pid)
+        service = tinker.ServiceClient(base_url=self.server.url, api_key=API_KEY)
+        client = service.create_sampling_client(base_model=MODEL)
+        self.client = client.result() if hasattr(client, "result") else client
+
+    def run(self, prompts: list[list[int]], new_tokens: int) -> int:
+        from tinker import types
+
+        params = types.SamplingParams(max_tokens=new_tokens, temperature=0.0, stop=[])
+        futures = [self.client.sample(types.ModelInput.from_ints(p), 1, params) for p in prompts]
+        return sum(len(s.tokens) for f in futures for s in f.result().sequences)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=1)
@@ -141,6 +186,7 @@ def main() -> None:
     td = Tinkerd(args.models_dir, args.rank)
     prompts = [hf.tok.encode(t) for t in TEXTS]
     n = args.new_tokens
+    sdk = SDK(args.models_dir, args.threads) if "sdk" in args.cases.split(",") else None
     cases = {
         "b1": ("HF generate b1", lambda: hf.generate(prompts[:1], n), "tinkerd b1", lambda: td.run(prompts[:1], n)),
         "b8": ("HF generate b8", lambda: hf.generate(prompts, n), "tinkerd b8", lambda: td.run(prompts, n)),
@@ -150,10 +196,20 @@ def main() -> None:
             "4 adapters fused",
             lambda: td.run(prompts[:4], n, td.adapters),
         ),
+        "sdk": ("tinkerd engine b8", lambda: td.run(prompts, n), "SDK -> tinkerd serve b8", lambda: sdk.run(prompts, n)),
     }
     print(f"model {MODEL}, threads {args.threads}, {n} new tokens per row, repeats {args.repeats}, "
           f"prompt lengths {[len(p) for p in prompts]}, LoRA rank {args.rank}")
     summary = []
+    try:
+        _run_cases(args, cases, summary)
+    finally:
+        if sdk is not None:
+            sdk.server.stop()
+    print("\n".join(summary))
+
+
+def _run_cases(args, cases: dict, summary: list[str]) -> None:
     for name in args.cases.split(","):
         a_name, a_fn, b_name, b_fn = cases[name]
         a_fn(), b_fn()  # warm-up: packing, allocator, first-call paths
@@ -168,7 +224,6 @@ def main() -> None:
         pairs = [b / a for a, b in zip(rates[a_name], rates[b_name])]
         summary.append(f"{name}: {b_name} {b_med:.1f} tok/s vs {a_name} {a_med:.1f} tok/s -> "
                        f"{b_med / a_med:.2f}x (per-pair ratios {', '.join(f'{r:.2f}' for r in pairs)})")
-    print("\n".join(summary))
 
 
 if __name__ == "__main__":
