@@ -31,6 +31,9 @@ class ServerConfig(BaseModel):
     max_body_bytes: int = 64 * 1024 * 1024
     max_sample_tokens_default: int = 256
     max_num_samples: int = 128
+    # The sampler's KV cache budget in GiB (None: a quarter of the device's memory). A sample request
+    # that alone needs more is refused; others wait until rows leave instead of exhausting memory.
+    sample_kv_cache_gb: float | None = Field(default=None, gt=0)
     torch_threads: int | None = None
     # "process": the engine runs in a child process that is restarted and rebuilt if it dies;
     # "thread": in the server process (no crash isolation, no pipe).
@@ -71,6 +74,10 @@ class ServerConfig(BaseModel):
         """The price of a metered token kind (a UsageRow column name)."""
         return {"trained_tokens": self.price_train_usd_per_mtok, "forward_tokens": self.price_forward_usd_per_mtok,
                 "prefill_tokens": self.price_prefill_usd_per_mtok, "sampled_tokens": self.price_sample_usd_per_mtok}[kind]
+
+    @property
+    def sample_kv_cache_bytes(self) -> int | None:
+        return None if self.sample_kv_cache_gb is None else int(self.sample_kv_cache_gb * 2**30)
 
     @property
     def db_path(self) -> Path:

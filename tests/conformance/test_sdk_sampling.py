@@ -202,6 +202,8 @@ BAD = {
     "negative temperature": (PROMPT, types.SamplingParams(max_tokens=2, temperature=-1.0), {}, "temperature"),
     "prompt top-k past the vocabulary": (PROMPT, types.SamplingParams(max_tokens=1), {"topk_prompt_logprobs": VOCAB + 1}, "topk_prompt_logprobs"),
     "sample top-k past the vocabulary": (PROMPT, types.SamplingParams(max_tokens=1), {"topk_sample_logprobs": VOCAB + 1}, "topk_sample_logprobs"),
+    # 8 x 4012 positions x 512 B of tiny-qwen3 KV = 16 MB, over the server's --sample-kv-cache-gb 0.01.
+    "KV cache over the sampler's budget": (PROMPT, types.SamplingParams(max_tokens=4000), {"num_samples": 8}, "KV cache"),
 }
 
 
@@ -214,7 +216,8 @@ def test_bad_requests_fail_alone_while_another_clients_good_ones_succeed(sc, bas
     for i, (name, (prompt, sp, kw, word)) in enumerate(BAD.items()):  # interleaved, all in flight
         c, p = victims[i % len(victims)]
         good.append(c.sample(_mi(p), 2, params))
-        bad.append((name, word, attacker.sample(_mi(prompt), 1, sp, **kw)))
+        kw = dict(kw)
+        bad.append((name, word, attacker.sample(_mi(prompt), kw.pop("num_samples", 1), sp, **kw)))
     for name, word, future in bad:
         with pytest.raises(tinker.RequestFailedError) as info:
             future.result()

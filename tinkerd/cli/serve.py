@@ -30,7 +30,7 @@ def add_parser(sub) -> None:
                         "thread: in the server process")
     p.add_argument("--snapshot-interval-s", type=float, default=None,
                    help="least seconds between a run's recovery snapshots, taken after an optim_step (default 10)")
-    p.add_argument("--checkpoint-sweep-interval-s", type=_positive_s, default=60.0,
+    p.add_argument("--checkpoint-sweep-interval-s", type=_positive, default=60.0,
                    help="how often files of expired checkpoints are deleted (default: 60)")
     p.add_argument("--session-expiry-s", type=float, default=None,
                    help="release the engine adapters of a session silent (no heartbeat, no request) this long; "
@@ -44,17 +44,20 @@ def add_parser(sub) -> None:
     p.add_argument("--max-tokens-per-minute", type=_positive_int, default=None,
                    help="default per-account limit on trained+forward+prefill+sampled tokens per minute "
                         "(default: unlimited); ops over it wait, they never fail")
-    p.add_argument("--quota-window-s", type=_positive_s, default=None,
+    p.add_argument("--quota-window-s", type=_positive, default=None,
                    help="the tokens-per-minute sliding window (default 60; shorter for tests)")
-    p.add_argument("--retrieve-future-timeout-s", type=_positive_s, default=None,
+    p.add_argument("--sample-kv-cache-gb", type=_positive, default=None,
+                   help="memory the sampler's KV cache may take, in GiB (default: a quarter of the machine's); "
+                        "a sample request needing more alone is refused, others wait for room")
+    p.add_argument("--retrieve-future-timeout-s", type=_positive, default=None,
                    help="how long retrieve_future holds a pending request before try_again (default 20)")
     p.set_defaults(func=run)
 
 
-def _positive_s(text: str) -> float:
+def _positive(text: str) -> float:
     value = float(text)
     if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
     return value
 
 
@@ -83,7 +86,8 @@ def build_config(args) -> ServerConfig:
         values["session_expiry_s"] = args.session_expiry_s
     if args.ephemeral_samplers_kept is not None:
         values["ephemeral_samplers_kept"] = args.ephemeral_samplers_kept
-    for name in ("max_concurrent_runs", "max_tokens_per_minute", "quota_window_s", "retrieve_future_timeout_s"):
+    for name in ("max_concurrent_runs", "max_tokens_per_minute", "quota_window_s", "retrieve_future_timeout_s",
+                 "sample_kv_cache_gb"):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
     return ServerConfig(**values)
@@ -123,17 +127,18 @@ def build_engine_client(config: ServerConfig):
 
         log.info("starting the engine process for %s", ", ".join(config.base_models))
         return ProcessEngineClient(EngineSpec(config.models_dir, tuple(config.base_models), config.max_lora_rank,
-                                              config.torch_threads))
+                                              config.torch_threads, config.sample_kv_cache_bytes))
     import torch
 
     from tinkerd.engine.client import InProcessEngineClient
     from tinkerd.engine.engine import Engine
     from tinkerd.engine.malloc import keep_freed_memory
+    from tinkerd.engine.sampler.sample import SamplerConfig
 
     keep_freed_memory()  # as the engine process does (engine/malloc.py)
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
-    engine = Engine(config.models_dir, config.max_lora_rank)
+    engine = Engine(config.models_dir, config.max_lora_rank, SamplerConfig(kv_cache_bytes=config.sample_kv_cache_bytes))
     for name in config.base_models:
         log.info("loading base model %s", name)
         engine.load_base_model(name)

@@ -31,6 +31,7 @@ class EngineSpec:
     base_models: tuple[str, ...]
     max_lora_rank: int
     torch_threads: int | None
+    sample_kv_cache_bytes: int | None = None
 
 
 def _worker_main(conn, spec: EngineSpec) -> None:
@@ -42,10 +43,11 @@ def _worker_main(conn, spec: EngineSpec) -> None:
 
     from tinkerd.engine.client import InProcessEngineClient
     from tinkerd.engine.engine import Engine
+    from tinkerd.engine.sampler.sample import SamplerConfig
 
     if spec.torch_threads:
         torch.set_num_threads(spec.torch_threads)
-    engine = Engine(spec.models_dir, spec.max_lora_rank)
+    engine = Engine(spec.models_dir, spec.max_lora_rank, SamplerConfig(kv_cache_bytes=spec.sample_kv_cache_bytes))
     for name in spec.base_models:
         engine.load_base_model(name)
     client = InProcessEngineClient(engine)

@@ -16,7 +16,7 @@ from transformers import DynamicCache
 from tinkerd.engine import checkpoints
 from tinkerd.engine.engine import Engine
 from tinkerd.engine.sampler import sample as sample_mod
-from tinkerd.engine.sampler.kv import BatchCache
+from tinkerd.engine.sampler.kv import BatchCache, kv_bytes_per_token
 from tinkerd.engine.sampler.sample import Sampler, SamplerConfig, run_sample
 from tinkerd.errors import ServerError, UserError
 from tinkerd.types import CreateModelOp, LoraSpec, SampleOp, SamplingParams, StepBatch, StepOutput
@@ -186,6 +186,38 @@ def test_long_prompt_is_prefilled_in_chunks_while_others_decode(eng):
     assert admitted["long"].prefill.chunk_calls == [4] * 8
     assert_same(results["long"], run_sample(eng, long), atol=1e-5)
     assert_same(results["short"], run_sample(eng, short), atol=1e-5)
+
+
+def test_a_request_whose_kv_cache_alone_is_over_the_budget_is_refused_at_admission(eng):
+    rt = eng.runtime(TINY)
+    per_row = (len(PROMPT) + 20) * kv_bytes_per_token(rt.model.config, torch.float32)
+    sampler = Sampler(rt, SamplerConfig(kv_cache_bytes=3 * per_row))
+    with pytest.raises(UserError, match=r"KV cache would take .*\(4 samples x 33 .*lower num_samples or max_tokens"):
+        sampler.admit("big", op(PROMPT, 20, num_samples=4))
+    assert sampler.active_rows == 0 and not sampler.joining
+    results = drive(sampler, {0: [("fits", op(PROMPT, 20, num_samples=3, temperature=0.0))]})
+    assert [len(s.tokens) for s in results["fits"].sequences] == [20] * 3
+
+
+def test_requests_wait_in_order_for_kv_room_and_compute_what_they_compute_alone(eng):
+    rt = eng.runtime(TINY)
+    a = op(PROMPT, 8, num_samples=2, temperature=0.0)  # 2 rows up to 21 positions wide
+    b = op(PROMPT[:4], 6, temperature=1.0, seed=3)  # up to 10
+    c = op(PROMPT[:2], 3, temperature=0.0)  # up to 5: it would fit beside a, but was admitted after b
+    per_token = kv_bytes_per_token(rt.model.config, torch.float32)
+    sampler = Sampler(rt, SamplerConfig(kv_cache_bytes=2 * 21 * per_token + per_token))  # a, not a third row
+    steps_with_rows: dict[str, list[int]] = {}
+
+    def on_step(step, s):
+        for row in s.rows:
+            steps_with_rows.setdefault(row.request.ticket, []).append(step)
+
+    results = drive(sampler, {0: [("a", a), ("b", b), ("c", c)]}, on_step)
+    assert steps_with_rows["a"][0] == 0
+    # b waited for a's rows to leave, and c, behind it, did not pass it; then both fit together.
+    assert steps_with_rows["b"][0] == steps_with_rows["c"][0] > steps_with_rows["a"][-1]
+    for ticket, o in {"a": a, "b": b, "c": c}.items():
+        assert_same(results[ticket], run_sample(eng, o), atol=1e-5)
 
 
 def test_kv_cache_rows_are_right_aligned_and_masked_per_row():

@@ -14,6 +14,8 @@ Prompts are prefilled outside (prefill.py), chunk by chunk, into a DynamicCache 
 
 from __future__ import annotations
 
+import os
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -21,6 +23,31 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 # Spare columns allocated on each rebuild: max(64, W / 2), so growth copies are amortised O(1)
 # per step while an idle batch does not hold much more than it uses.
 _MIN_SPARE_COLUMNS = 64
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """Bytes one cached position of one row holds over all layers: keys and values, every kv head.
+
+    SmolLM2-135M: 30 x 2 x 3 x 64 x 4 B = 45 KiB; Qwen3-0.6B: 28 x 2 x 8 x 128 x 4 B = 224 KiB, so 64
+    rows of 3k tokens are 44 GB in fp32.
+    """
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers * 2 * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def default_kv_budget(device: torch.device) -> int:
+    """The decode batch's KV cache budget when none is configured: a quarter of the device's memory.
+
+    The cache is the one part of sampling whose size a request chooses (num_samples x (prompt +
+    max_tokens)); past the machine's memory the engine would be killed, and every tenant's work with it.
+    """
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+    else:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(total) // 4
 
 
 class _Layer(CacheLayerMixin):

@@ -27,10 +27,10 @@ from torch import nn
 
 from tinkerd.engine.lora.layers import pack_for_decode
 from tinkerd.engine.sampler.decode import FusedDecode
-from tinkerd.engine.sampler.kv import BatchCache
+from tinkerd.engine.sampler.kv import BatchCache, default_kv_budget, kv_bytes_per_token
 from tinkerd.engine.sampler.prefill import Prefill, advance_packed
 from tinkerd.engine.sampler.rules import RowRules, StopRule, choose_tokens, row_generators, validate
-from tinkerd.errors import NotFoundError, ServerError, TinkerdError
+from tinkerd.errors import NotFoundError, ServerError, TinkerdError, UserError
 from tinkerd.types import SampledSequence, SampleOp, SampleResult
 
 if TYPE_CHECKING:
@@ -58,6 +58,10 @@ class SamplerConfig:
     # Decode steps of Llama-family models through decode.FusedDecode instead of the HF layer
     # classes: the same modules and math with ~1/3 fewer ops per layer (SmolLM2-135M, 8 rows).
     fused_decode: bool = True
+    # Bytes the decode batch's KV cache may reach (None: a quarter of the device's memory, see
+    # kv.default_kv_budget). A request that alone would need more is refused at admission; one that
+    # does not fit beside the rows in flight waits, in admission order, until rows leave.
+    kv_cache_bytes: int | None = None
 
 
 @dataclass
@@ -106,6 +110,11 @@ class Request:
     def slot(self) -> int:
         return self.adapter.slot if self.adapter is not None else BASE_SLOT
 
+    @property
+    def final_len(self) -> int:
+        """The most positions any of its rows can cache: the KV cache width it may need."""
+        return int(self.op.prompt.shape[0]) + self.op.params.max_tokens
+
     def result(self) -> SampleResult:
         pf = self.prefill
         return SampleResult(
@@ -127,6 +136,9 @@ class Sampler:
         self.hidden: torch.Tensor | None = None  # [B, H] each row's last hidden state, awaiting the head
         self.cache = BatchCache(len(self.body.layers))
         self._routing: tuple[tuple[int, ...], list] | None = None  # (slots, ctx.groups) memo
+        dtype = next(runtime.model.parameters()).dtype
+        self.kv_token_bytes = kv_bytes_per_token(runtime.model.config, dtype)
+        self.kv_budget = config.kv_cache_bytes or default_kv_budget(self.device)
         if config.pack_weights:
             pack_for_decode(runtime.layers)
         # After packing: the fused step binds each linear's packed weight once.
@@ -141,6 +153,14 @@ class Sampler:
     def admit(self, ticket: str, op: SampleOp) -> None:
         """Queue a request for prefill; raises (a UserError for bad input) with nothing changed."""
         validate(op, self.rt.vocab_size, self.rt.loaded.max_context_length)
+        tokens = int(op.prompt.shape[0]) + op.params.max_tokens
+        need = op.num_samples * tokens * self.kv_token_bytes
+        if need > self.kv_budget:
+            raise UserError(
+                f"this request's KV cache would take {_size(need)} ({op.num_samples} samples x {tokens} prompt + "
+                f"max_tokens positions x {_size(self.kv_token_bytes)}), more than the sampler's {_size(self.kv_budget)}: "
+                f"lower num_samples or max_tokens, or split the request"
+            )
         adapter = acquire_adapter(self.rt, op.adapter_path, self.config.max_sampler_adapters)
         try:
             prefill = Prefill.start(
@@ -182,9 +202,13 @@ class Sampler:
         budget = self.config.prefill_tokens_per_step
         ready: list[Request] = []
         packed: dict[int, list[Request]] = {}  # unstarted prompts that fit whole, by adapter slot
+        room, waiting = self._kv_room(), False
         for req in list(self.joining):
             if budget <= 0:
                 break
+            if req.prefill.done == 0 and (waiting or not room(req)):
+                waiting = True  # it waits for rows to leave, and those admitted after it wait behind it
+                continue
             if req.prefill.done == 0 and req.prefill.remaining <= budget:
                 packed.setdefault(req.slot, []).append(req)
                 budget -= req.prefill.remaining
@@ -224,6 +248,28 @@ class Sampler:
                         req.unfinished = 0
                         self._finish(req, done, error)
                 self._fail_batch(done, error)
+
+    def _kv_room(self):
+        """A check, for unstarted requests in admission order, of whether each fits the KV budget
+        beside the rows decoding and the requests already prefilling (and those it said yes to).
+
+        The bound is rows x the widest final length among them: rows share one cache width, which
+        can grow to the longest row's prompt + max_tokens. A request alone always fits (admission
+        refused it otherwise), so the batch never waits on an empty engine.
+        """
+        started = [req for req in self.joining if req.prefill.done > 0]
+        rows = len(self.rows) + sum(len(req.rows) for req in started)
+        width = max([row.request.final_len for row in self.rows] + [req.final_len for req in started], default=0)
+
+        def room(req: Request) -> bool:
+            nonlocal rows, width
+            new_rows, new_width = rows + len(req.rows), max(width, req.final_len)
+            if rows and new_rows * new_width * self.kv_token_bytes > self.kv_budget:
+                return False
+            rows, width = new_rows, new_width
+            return True
+
+        return room
 
     def _fail_prefill(self, reqs: list[Request], done: list, e: Exception) -> None:
         log.exception("prefill failed")
@@ -409,6 +455,13 @@ def _read_adapter(path: str):
     from tinkerd.engine.checkpoints import read_adapter
 
     return read_adapter(path)
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
 
 
 def _decoder(runtime: ModelRuntime):
