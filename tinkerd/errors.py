@@ -36,4 +36,12 @@ class ServerError(TinkerdError):
 
 class EngineCrashed(RuntimeError):
     """The engine process died mid-step; nothing of that step was stored. Not a request's error:
-    control restarts the engine, rebuilds its adapters and runs the step's ops again."""
+    control restarts the engine, rebuilds its adapters and runs the step's ops again.
+
+    `self_inflicted`: the process died of what it was doing (a fatal signal such as SIGSEGV or
+    SIGABRT, an exit code, or the kernel's OOM killer), not of a SIGKILL from outside (an operator,
+    a chaos test). Only such deaths make the ops in flight suspects (control/control.py)."""
+
+    def __init__(self, message: str, self_inflicted: bool = False):
+        super().__init__(message)
+        self.self_inflicted = self_inflicted

@@ -27,13 +27,18 @@ from tinkerd.control.residency import Residency
 from tinkerd.control.scheduler import Picked, Scheduler
 from tinkerd.control.store.db import Store, utcnow
 from tinkerd.control.store.tables import FutureRow
-from tinkerd.errors import EngineCrashed, ServerError, TinkerdError
+from tinkerd.errors import EngineCrashed, ServerError, TinkerdError, UserError
 from tinkerd.types import ServedModel, StepBatch, StepOutput
 
 log = logging.getLogger(__name__)
 
 # Consecutive failed engine starts after a crash before its in-flight ops are failed (~1 min of backoff).
 _MAX_ENGINE_RESTARTS = 20
+# Self-inflicted engine deaths (EngineCrashed.self_inflicted) an op may be in flight for, the last
+# with nothing else in flight, before it is failed instead of run again. An op that kills the engine
+# (one too big for memory, one that hits a native crash) would otherwise be re-queued after every
+# restart and take everyone's in-flight work down with it, forever.
+_POISON_CRASHES = 2
 
 # finalize(result) -> (payload bytes, media type); runs on the worker after the engine succeeded.
 Finalize = Callable[[Any], tuple[bytes, str]]
@@ -81,8 +86,11 @@ class Control:
         # op; None keeps every adapter loaded.
         self.residency = residency
         self.queue = OpQueue(lane_of=lambda work: Scheduler.lane_of(work.op))
+        # Ops in flight when the engine died of what it was doing: request_id -> such deaths. The
+        # scheduler runs each alone until it finishes, so a second death names the culprit.
+        self._suspects: dict[str, int] = {}
         # Per-account quotas: the scheduler passes over paused accounts; metered usage fills their windows.
-        self.scheduler = Scheduler(self.queue, quotas=quotas)
+        self.scheduler = Scheduler(self.queue, quotas=quotas, suspects=self._suspects)
         self.hub = FutureHub()
         self.meter = Meter(store)
         if quotas is not None:
@@ -255,10 +263,12 @@ class Control:
 
     def _recover_engine(self, crash: Exception) -> None:
         """The engine process died mid-step: start a new one, rebuild every adapter from snapshots
-        and the log, and queue again everything it held (nothing of it was stored)."""
+        and the log, and queue again everything it held (nothing of it was stored), except an op
+        that has now killed it _POISON_CRASHES times, the last alone: that one is failed."""
         t0 = time.perf_counter()
         inflight = [q for q, _ in self._inflight.values()]
         self._inflight.clear()
+        poison = self._suspect(inflight, crash)
         for attempt in range(_MAX_ENGINE_RESTARTS):
             try:
                 restart_s = self.engine.restart()
@@ -274,12 +284,32 @@ class Control:
                 self._complete(q, ServerError(f"the engine crashed and could not restart: {crash}"), 0.0)
             return
         for q in inflight:
-            self.queue.put(q.request_id, q.target, q.seq_id, q.request_type, q.op)
+            if q is poison:
+                self._complete(q, UserError(
+                    f"this request was in flight each time the engine process died, {_POISON_CRASHES} times, the last "
+                    f"time alone ({crash}); it is failed so that other work can go on. If it is large (samples x "
+                    f"tokens, or a batch's tokens), send it smaller"), 0.0)
+            else:
+                self.queue.put(q.request_id, q.target, q.seq_id, q.request_type, q.op)
         replayed = report.replayed_ops if report else 0
         log.warning("engine recovered in %.2f s (restart %.2f s) after %s; replayed %d ops, re-queued %d",
                     time.perf_counter() - t0, restart_s, crash, replayed, len(inflight))
 
+    def _suspect(self, inflight: list[QueuedOp], crash: Exception) -> QueuedOp | None:
+        """Count a self-inflicted death against the ops in flight; returns the op to fail, if any: one
+        in flight alone at its _POISON_CRASHES-th. A SIGKILL from outside counts against nobody."""
+        if not getattr(crash, "self_inflicted", False):
+            return None
+        for q in inflight:
+            self._suspects[q.request_id] = self._suspects.get(q.request_id, 0) + 1
+        if len(inflight) == 1 and self._suspects[inflight[0].request_id] >= _POISON_CRASHES:
+            log.error("failing %s %s: the engine died with it in flight %d times, the last alone",
+                      inflight[0].request_type, inflight[0].request_id, _POISON_CRASHES)
+            return inflight[0]
+        return None
+
     def _complete(self, q: QueuedOp, result: Any, compute_s: float, queue_wait_s: float = 0.0) -> None:
+        self._suspects.pop(q.request_id, None)
         values: dict[str, Any] = {"completed_at": utcnow(), "compute_s": compute_s}
         if not isinstance(result, TinkerdError):
             try:

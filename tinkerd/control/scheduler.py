@@ -14,6 +14,10 @@ forward_backward is followed by ~3 s of decode steps, and neither starves; one i
 gets all of it. A training step carries one op; a sampling step admits every waiting request that
 fits the row budget, round-robin over sampling sessions, then decodes.
 
+Suspects (control/control.py): ops that were in flight when the engine died of what it was doing
+run one at a time, alone: rows in flight decode to their end with nothing admitted beside them,
+then one suspect starts, and nothing else until it finishes. A second death then names its cause.
+
 Quotas (control/quotas.py): an op whose account is over a quota is passed over, not failed (and
 retrieve_future asks `pause_reason` for its queue_state). When every queued op is paused and no
 rows decode, the scheduler sleeps until a token leaves a window (or a recheck, or new work).
@@ -21,6 +25,7 @@ rows decode, the scheduler sleeps until a token leaves a window (or a recheck, o
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,8 +48,11 @@ class Picked:
 
 
 class Scheduler:
-    def __init__(self, queue: OpQueue, max_rows: int = 64, quotas: Quotas | None = None):
+    def __init__(self, queue: OpQueue, max_rows: int = 64, quotas: Quotas | None = None,
+                 suspects: Container[str] = ()):
         self.queue = queue
+        # request_ids of suspect ops, queued or in flight (the control plane keeps them).
+        self.suspects = suspects
         # None: no account is ever paused (unit tests, internal use).
         self.quotas = quotas
         # Sampling rows in flight beyond which new requests wait. Decode cost grows about linearly
@@ -74,6 +82,8 @@ class Scheduler:
                 break
             # Everything queued is paused by a quota: sleep until budget may have come back.
             self.queue.wait_for_put(seen, self.quotas.recheck_s())
+        if self.suspects and (picked := self._isolated(active_rows, eligible)) is not None:
+            return picked
         idle = tuple(lane for lane, busy in ((LANE_TRAIN, train), (LANE_SAMPLE, sample)) if not busy)
         if train and (not sample or self.used_s[LANE_TRAIN] <= self.used_s[LANE_SAMPLE]):
             q = self.queue.pop(LANE_TRAIN, eligible=eligible)
@@ -83,6 +93,23 @@ class Scheduler:
         admitted = self._admit(active_rows)
         batch = StepBatch(admit=[(q.request_id, q.op.op) for q in admitted], decode=True)
         return Picked(batch, admitted, LANE_SAMPLE, idle)
+
+    def _isolated(self, active_rows: int, eligible) -> Picked | None:
+        """The next step while suspects exist; None when none may start (all paused by a quota)."""
+        if active_rows > 0:  # a suspect decoding alone, or others' rows draining first: admit nothing
+            return Picked(StepBatch(decode=True), [], LANE_SAMPLE)
+
+        def suspect(q: QueuedOp) -> bool:
+            return q.request_id in self.suspects and (eligible is None or eligible(q))
+
+        for lane in (LANE_TRAIN, LANE_SAMPLE):
+            q = self.queue.pop(lane, eligible=suspect)
+            if q is not None:
+                self._started(q)
+                work = [(q.request_id, q.op.op)]
+                batch = StepBatch(run=work) if lane == LANE_TRAIN else StepBatch(admit=work, decode=True)
+                return Picked(batch, [q], lane)
+        return None
 
     def charge(self, picked: Picked, seconds: float) -> None:
         """Book a finished step's engine time to its lane; lanes idle meanwhile keep level, not behind."""

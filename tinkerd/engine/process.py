@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,11 @@ def _worker_main(conn, spec: EngineSpec) -> None:
     from tinkerd.engine.malloc import keep_freed_memory
 
     keep_freed_memory()  # before anything is allocated: ~10% of a step went to page faults
+    try:  # out of memory, the kernel is to kill the engine (restarted, nothing lost), not the server
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")
+    except OSError:
+        pass
     import torch
 
     from tinkerd.engine.client import InProcessEngineClient
@@ -112,14 +118,29 @@ class ProcessEngineClient:
             self._proc.join(timeout=10)
 
     def _call(self, method: str, *args):
+        oom_kills = _oom_kills()
         try:
             self._conn.send((method, args))
             kind, value = self._conn.recv()
         except (EOFError, BrokenPipeError, ConnectionResetError, OSError) as e:
-            raise EngineCrashed(f"engine process {self.pid} died (exit code {self._proc.exitcode})") from e
+            raise self._death(oom_kills) from e
         if kind == "error":
             raise RuntimeError(value)
         return value
+
+    def _death(self, oom_kills_before: int | None) -> EngineCrashed:
+        """What the engine process died of, once it is reaped (its exit code is known only then)."""
+        self._proc.join(timeout=5)
+        code = self._proc.exitcode
+        after = _oom_kills()
+        if code is not None and code < 0 and -code != signal.SIGKILL:
+            return EngineCrashed(f"engine process {self.pid} died of {signal.Signals(-code).name}", self_inflicted=True)
+        if code is not None and code > 0:
+            return EngineCrashed(f"engine process {self.pid} exited with code {code}", self_inflicted=True)
+        if code == -signal.SIGKILL and None not in (oom_kills_before, after) and after > oom_kills_before:
+            return EngineCrashed(f"engine process {self.pid} was killed by the kernel's OOM killer "
+                                 f"(the machine ran out of memory)", self_inflicted=True)
+        return EngineCrashed(f"engine process {self.pid} died (exit code {code})")
 
     def step(self, batch):
         return self._call("step", batch)
@@ -135,6 +156,21 @@ class ProcessEngineClient:
                 pass
             self._proc.join(timeout=10)
         self._reap()
+
+
+def _oom_kills() -> int | None:
+    """Processes the kernel's OOM killer has killed since boot (/proc/vmstat; None where unknown).
+
+    Machine-wide, so an OOM kill elsewhere during a step also counts: at worst that makes innocent
+    ops suspects, which then run alone once and go on (control/control.py)."""
+    try:
+        with open("/proc/vmstat") as f:
+            for line in f:
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
 
 
 def kill_engine(client: ProcessEngineClient, sig: int = 9) -> None:

@@ -1,0 +1,47 @@
+"""What the engine process died of, as control needs to know it: a fatal signal of its own makes the
+ops in flight suspects (control/control.py), a SIGKILL from outside does not. A real engine process."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from tinkerd.engine.process import EngineSpec, ProcessEngineClient
+from tinkerd.errors import EngineCrashed
+from tinkerd.types import StepBatch
+
+TINY = "tinkerd/tiny-qwen3"
+
+
+@pytest.fixture(scope="module")
+def client(tiny_model_dir, models_dir):  # tiny_model_dir: the model is built on disk first
+    c = ProcessEngineClient(EngineSpec(models_dir, (TINY,), 256, 1))
+    yield c
+    c.close()
+
+
+def _die_of(client: ProcessEngineClient, sig: int) -> EngineCrashed:
+    os.kill(client.pid, sig)
+    with pytest.raises(EngineCrashed) as info:
+        client.step(StepBatch(decode=True))
+    client.restart()
+    assert client.step(StepBatch(decode=True)).active_rows == 0  # the new process serves
+    return info.value
+
+
+def test_a_fatal_signal_of_its_own_is_self_inflicted(client):
+    for sig in (signal.SIGSEGV, signal.SIGABRT):
+        crash = _die_of(client, sig)
+        assert crash.self_inflicted and signal.Signals(sig).name in str(crash)
+
+
+def test_a_sigkill_from_outside_is_not(client):
+    crash = _die_of(client, signal.SIGKILL)
+    assert not crash.self_inflicted and "exit code -9" in str(crash)
+
+
+def test_the_engine_is_the_oom_killers_first_choice(client):
+    with open(f"/proc/{client.pid}/oom_score_adj") as f:
+        assert f.read().strip() == "1000"
