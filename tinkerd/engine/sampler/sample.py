@@ -199,6 +199,8 @@ class Sampler:
         return done
 
     def _prefill(self, done: list) -> None:
+        if not self.joining:
+            return
         budget = self.config.prefill_tokens_per_step
         ready: list[Request] = []
         packed: dict[int, list[Request]] = {}  # unstarted prompts that fit whole, by adapter slot
