@@ -202,6 +202,9 @@ BAD = {
     "negative temperature": (PROMPT, types.SamplingParams(max_tokens=2, temperature=-1.0), {}, "temperature"),
     "prompt top-k past the vocabulary": (PROMPT, types.SamplingParams(max_tokens=1), {"topk_prompt_logprobs": VOCAB + 1}, "topk_prompt_logprobs"),
     "sample top-k past the vocabulary": (PROMPT, types.SamplingParams(max_tokens=1), {"topk_sample_logprobs": VOCAB + 1}, "topk_sample_logprobs"),
+    # 11 scored positions x 100k: over the 2^20 pairs a request may ask for (the vocabulary is 151k).
+    "prompt top-k pairs over the cap": (PROMPT, types.SamplingParams(max_tokens=1), {"topk_prompt_logprobs": 100_000}, "pairs"),
+    "sample top-k pairs over the cap": (PROMPT, types.SamplingParams(max_tokens=20), {"topk_sample_logprobs": 60_000}, "pairs"),
     # 8 x 4012 positions x 512 B of tiny-qwen3 KV = 16 MB, over the server's --sample-kv-cache-gb 0.01.
     "KV cache over the sampler's budget": (PROMPT, types.SamplingParams(max_tokens=4000), {"num_samples": 8}, "KV cache"),
 }

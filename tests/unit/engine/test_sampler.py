@@ -11,7 +11,7 @@ import torch
 
 from tinkerd.engine.engine import Engine
 from tinkerd.engine.sampler import sample as sample_mod
-from tinkerd.engine.sampler.rules import RowRules, _inverse_cdf, choose_tokens, validate
+from tinkerd.engine.sampler.rules import MAX_TOPK_PAIRS, RowRules, _inverse_cdf, choose_tokens, validate
 from tinkerd.engine.sampler.sample import run_sample
 from tinkerd.errors import NotFoundError, ServerError, UserError
 from tinkerd.types import LoraSpec, SampleOp, SamplingParams
@@ -429,6 +429,8 @@ BAD = {
     "topk prompt < 0": op(greedy(2), topk_prompt_logprobs=-1),
     "topk sample > vocab": op(greedy(2), topk_sample_logprobs=151670),
     "topk sample < 0": op(greedy(2), topk_sample_logprobs=-1),
+    "topk prompt pairs > cap": op(greedy(2), topk_prompt_logprobs=MAX_TOPK_PAIRS // 7 + 1),  # 7 scored positions
+    "topk sample pairs > cap": op(greedy(8), num_samples=2, topk_sample_logprobs=MAX_TOPK_PAIRS // 16 + 1),
     "last_n 0": op(greedy(2), prompt_logprobs=True, prompt_logprobs_last_n=0),
     "empty stop seq": op(greedy(2, stop_token_seqs=((),))),
     "empty stop string": op(greedy(2, stop_strings=("",))),
@@ -452,8 +454,10 @@ def test_validation_errors_are_user_errors_and_touch_nothing(sampler_engine, nam
 
 
 def test_edge_values_are_accepted(sampler_engine):
-    """top_k 0 means off (as -1); the exact context limit and topk = vocab pass validation."""
-    validate(op(greedy(4096 - len(PROMPT)), topk_prompt_logprobs=151669), 151669, 4096)
+    """top_k 0 means off (as -1); the exact context limit, topk = vocab and the pairs cap pass validation."""
+    validate(op(greedy(4096 - len(PROMPT)), topk_prompt_logprobs=151669, prompt_logprobs_last_n=6), 151669, 4096)
+    validate(op(greedy(2), topk_prompt_logprobs=MAX_TOPK_PAIRS // 7), 10**9, 4096)
+    validate(op(greedy(8), num_samples=2, topk_sample_logprobs=MAX_TOPK_PAIRS // 16), 10**9, 4096)
     a = run_sample(sampler_engine, op(SamplingParams(max_tokens=4, top_k=0, seed=2))).sequences[0]
     b = run_sample(sampler_engine, op(SamplingParams(max_tokens=4, top_k=-1, seed=2))).sequences[0]
     assert a.tokens == b.tokens

@@ -22,6 +22,11 @@ from tinkerd.types import SampleOp
 # Logprob written into empty top-k cells; the SDK turns a row whose first cell has it into None.
 EMPTY_LOGPROB = -99999.0
 
+# (id, logprob) pairs of top-k prompt or sample logprobs one request may ask for. The result crosses
+# the engine pipe, is stored and is sent as JSON (~30 B a pair): 2^20 pairs are ~30 MB, and cover
+# top-256 over a 4k-token prompt. K up to the vocabulary over a long prompt would be gigabytes.
+MAX_TOPK_PAIRS = 1 << 20
+
 # Temperatures below this are greedy (vLLM's cut-off too): logits / 1e-320 overflow to inf and the
 # softmax would be NaN, and below 1e-5 sampling is argmax anyway for any realistic logit gap.
 _GREEDY_BELOW = 1e-5
@@ -72,6 +77,15 @@ def validate(op: SampleOp, vocab_size: int, max_context_length: int) -> None:
     # N >= len(prompt) is accepted and scores every position that can be scored (all but the first).
     if op.prompt_logprobs_last_n is not None and op.prompt_logprobs_last_n < 1:
         raise UserError(f"prompt_logprobs_last_n must be >= 1, got {op.prompt_logprobs_last_n}")
+    scored = prompt.size - 1 if op.prompt_logprobs_last_n is None else min(op.prompt_logprobs_last_n, prompt.size - 1)
+    if op.topk_prompt_logprobs * scored > MAX_TOPK_PAIRS:
+        raise UserError(f"topk_prompt_logprobs={op.topk_prompt_logprobs} over {scored} prompt positions is "
+                        f"{op.topk_prompt_logprobs * scored} (id, logprob) pairs, more than {MAX_TOPK_PAIRS} per "
+                        f"request: lower K, or score fewer positions (prompt_logprobs_last_n)")
+    sampled = op.num_samples * p.max_tokens
+    if op.topk_sample_logprobs * sampled > MAX_TOPK_PAIRS:
+        raise UserError(f"topk_sample_logprobs={op.topk_sample_logprobs} over up to {sampled} sampled tokens is more "
+                        f"than {MAX_TOPK_PAIRS} (id, logprob) pairs per request: lower K, max_tokens or num_samples")
 
 
 def row_generators(seed: int | None, n_rows: int) -> list[torch.Generator]:
