@@ -134,7 +134,8 @@ class ProcessEngineClient:
         code = self._proc.exitcode
         after = _oom_kills()
         if code is not None and code < 0 and -code != signal.SIGKILL:
-            return EngineCrashed(f"engine process {self.pid} died of {signal.Signals(-code).name}", self_inflicted=True)
+            name = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
+            return EngineCrashed(f"engine process {self.pid} died of {name}", self_inflicted=True)
         if code is not None and code > 0:
             return EngineCrashed(f"engine process {self.pid} exited with code {code}", self_inflicted=True)
         if code == -signal.SIGKILL and None not in (oom_kills_before, after) and after > oom_kills_before:
