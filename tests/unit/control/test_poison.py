@@ -4,8 +4,6 @@ chaos test) suspects nobody. No torch: a fake engine that dies as a process woul
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 
@@ -14,48 +12,36 @@ from tinkerd.control.store.db import Store
 from tinkerd.control.store.tables import FutureRow
 from tinkerd.errors import EngineCrashed
 from tinkerd.types import AdamParams, OptimStepOp, SampleOp, SamplingParams, StepBatch, StepOutput
+from tests.unit.control.test_scheduler import FakeEngine, _wait_done
 
 POISON = "poison"  # the base model / model_id of ops that kill the engine
 
 
-class DyingEngine:
-    """Samples finish `max_tokens` decode steps after admission, training ops at once; a step that
-    admits or runs a POISON op dies (the first `deaths_left` times), losing every row in flight."""
+class DyingEngine(FakeEngine):
+    """FakeEngine (samples finish `max_tokens` decode steps after admission) whose step dies, losing
+    every row in flight, when it admits or runs a POISON op (the first `deaths_left` times)."""
 
     def __init__(self, self_inflicted: bool, deaths_left: int = 10**9):
+        super().__init__()
+        self.release_first_step.set()  # no test here holds the first step
         self.self_inflicted = self_inflicted
         self.deaths_left = deaths_left
-        self.steps: list[tuple[list[str], list[str], list[str]]] = []  # (ran, admitted, decoding before)
         self.deaths: list[int] = []  # index into steps of each death
-        self.inflight: dict[str, int] = {}
+        self.decoding: list[list[str]] = []  # tickets decoding when each step began
 
     def step(self, batch: StepBatch) -> StepOutput:
-        self.steps.append(([t for t, _ in batch.run], [t for t, _ in batch.admit], sorted(self.inflight)))
+        self.decoding.append(sorted(self.inflight))
         ops = [op for _, op in batch.run + batch.admit]
         if self.deaths_left > 0 and any(getattr(op, "base_model", getattr(op, "model_id", None)) == POISON for op in ops):
             self.deaths_left -= 1
+            self.steps.append(batch)
             self.deaths.append(len(self.steps) - 1)
             self.inflight.clear()
             raise EngineCrashed("engine process 1 died of SIGSEGV", self_inflicted=self.self_inflicted)
-        done = [(t, f"ran {t}") for t, _ in batch.run]
-        for ticket, op in batch.admit:
-            self.inflight[ticket] = op.params.max_tokens
-        if batch.decode:
-            for ticket in list(self.inflight):
-                self.inflight[ticket] -= 1
-                if self.inflight[ticket] == 0:
-                    del self.inflight[ticket]
-                    done.append((ticket, f"sampled {ticket}"))
-        return StepOutput(done, active_rows=len(self.inflight))
+        return super().step(batch)
 
     def restart(self) -> float:
         return 0.0
-
-    def models(self):
-        return []
-
-    def close(self):
-        pass
 
 
 def sample(base_model: str, max_tokens: int = 3) -> Work:
@@ -67,22 +53,13 @@ def optim(model_id: str) -> Work:
     return Work(OptimStepOp(model_id, AdamParams()), lambda r: (str(r).encode(), "text/plain"))
 
 
-def wait_done(control: Control, request_id: str) -> FutureRow:
-    for _ in range(2000):  # a bounded wait on the worker thread, not a timing assertion
-        row = control.store.get(FutureRow, request_id)
-        if row.status != "pending":
-            return row
-        threading.Event().wait(0.01)
-    raise AssertionError(f"{request_id} never finished")
-
-
 def run(tmp_path, engine: DyingEngine, works: dict[str, tuple[str, str, Work]]) -> dict[str, FutureRow]:
     """Queue every op before the worker starts (so the first sampling step admits them together)."""
     control = Control(Store.sqlite(tmp_path / "db.sqlite"), engine)
     ids = {name: control.submit(rtype, target, 0, b"", work).request_id for name, (rtype, target, work) in works.items()}
     control.start()
     try:
-        return {name: wait_done(control, rid) for name, rid in ids.items()}
+        return {name: _wait_done(control, rid) for name, rid in ids.items()}
     finally:
         control.stop()
 
@@ -104,10 +81,10 @@ def test_an_op_that_kills_the_engine_is_failed_and_the_ops_beside_it_finish(tmp_
     # First death: the poison was admitted with a and b; all three became suspects and ran one at
     # a time. The second death was the poison's alone, and it was not run a third time.
     first, second = engine.deaths
-    assert len(engine.steps[first][1]) == 3
-    ran, admitted, decoding = engine.steps[second]
-    assert len(admitted) == 1 and not ran and not decoding
-    admissions_after = [s[1] for s in engine.steps[first + 1:] if s[1]]
+    assert len(engine.steps[first].admit) == 3
+    alone = engine.steps[second]
+    assert len(alone.admit) == 1 and not alone.run and not engine.decoding[second]
+    admissions_after = [s.admit for s in engine.steps[first + 1:] if s.admit]
     assert all(len(a) == 1 for a in admissions_after)  # suspects alone, each
     assert engine.deaths_left > 0 and len(engine.deaths) == 2
 
