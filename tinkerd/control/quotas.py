@@ -11,11 +11,12 @@ paused_rate_limit, and "Tinker backend is running short on capacity" for paused_
 is a limit on this account, not a server short of capacity, and the run limit is exactly a
 concurrent-training-clients limit.
 
-- Concurrent runs: the runs of the account's open sessions whose creation (create_model, or a
-  create-via-load) has completed and that the engine holds. A creation over the limit waits until
-  one of them is released: its session ends (`ServiceClient.close()` sends sessions/{id}/finish),
-  or it stopped heart-beating and was released from the engine (control/residency.py). Only
-  creation is gated: a released run that comes back on its next op is not refused.
+- Concurrent runs: the account's runs whose creation (create_model, or a create-via-load) has
+  completed and that the engine holds. A run leaves the engine when its session ends
+  (`ServiceClient.close()` sends sessions/{id}/finish) or stops heart-beating (control/residency.py).
+  Two kinds of op bring a run (back) into the engine and wait while the account is at its limit: a
+  creation, and any op on a released run (a quiet session that resumes, a closed session's run
+  used again). So the limit holds however runs are created, closed and used.
 - Tokens per minute: trained + forward + prefill + sampled tokens, over a sliding window
   (`quota_window_s`, 60 s; the budget in it is limit * window / 60). An op is charged its known
   size when it starts (a forward_backward's targets; a sample's prompt plus max_tokens per
@@ -96,6 +97,8 @@ class Quotas:
         self._limits_read_at = float("-inf")
         # account_id -> its live runs, for one scheduling pass (see new_pass).
         self._live: dict[str, set[str]] = {}
+        # model_id -> whether it is released, for one scheduling pass (see _released).
+        self._unloaded: dict[str, bool] = {}
         self._seed()
 
     # -- limits ----------------------------------------------------------------------------------
@@ -120,8 +123,9 @@ class Quotas:
     # -- the scheduler's questions ---------------------------------------------------------------
 
     def new_pass(self) -> None:
-        """The scheduler starts a new decision: live runs are read afresh (once per account)."""
+        """The scheduler starts a new decision: live and released runs are read afresh."""
         self._live.clear()
+        self._unloaded.clear()
 
     def pause_reason(self, request_type: str, target: str, seq_id: int | None, work: Any,
                      fresh: bool = False) -> str | None:
@@ -133,7 +137,9 @@ class Quotas:
             return None
         limits = self.limits(account_id)
         name = self._names.get(account_id, account_id)
-        if limits.max_concurrent_runs is not None and request_type in _CREATES and seq_id == 0:
+        if limits.max_concurrent_runs is not None and (
+            (request_type in _CREATES and seq_id == 0) or (not isinstance(work.op, SampleOp) and self._released(target))
+        ):
             live = self.live_runs(account_id, fresh)
             if target not in live and len(live) >= limits.max_concurrent_runs:
                 return (f"account {name} has {len(live)} of {limits.max_concurrent_runs} concurrent training runs; "
@@ -198,6 +204,12 @@ class Quotas:
         for rid in [rid for rid, (t, _) in charges.items() if t <= cutoff]:
             del charges[rid]
 
+    def _released(self, model_id: str) -> bool:
+        """Whether the engine released this run (its next op rebuilds it); memoised for one pass."""
+        if model_id not in self._unloaded:
+            self._unloaded[model_id] = self.store.get(UnloadedRunRow, model_id) is not None
+        return self._unloaded[model_id]
+
     def live_runs(self, account_id: str, fresh: bool = False) -> set[str]:
         """model_ids of the account's runs that count against its concurrent-run limit."""
         live = None if fresh else self._live.get(account_id)
@@ -209,8 +221,7 @@ class Quotas:
             released = select(UnloadedRunRow.model_id).where(UnloadedRunRow.model_id == TrainingRunRow.model_id).exists()
             stmt = (select(TrainingRunRow.model_id)
                     .join(SessionRow, SessionRow.session_id == TrainingRunRow.session_id)
-                    .where(SessionRow.account_id == account_id, SessionRow.finished_reason.is_(None), created,
-                           ~released))
+                    .where(SessionRow.account_id == account_id, created, ~released))
             live = set(self.store.query(stmt))
             if not fresh:
                 self._live[account_id] = live

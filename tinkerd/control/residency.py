@@ -13,6 +13,11 @@ after it, which is exactly what crash recovery replays. Its next op, whenever it
 is not needed), first rebuilds it on the worker, just before the op runs, and training goes on
 bit-exact. Checkpoints are files and never depended on residency.
 
+A session that ends (`ServiceClient.close()` sends sessions/{id}/finish) has its runs released at
+once, whatever the expiry (0 included): a run counts against its account's concurrent-run quota
+exactly while the engine holds it (control/quotas.py), so a closed session's place is freed now,
+and a run used again later comes back like a new one.
+
 Who does what:
 - A reaper thread looks every `interval_s` for something to release. If there is, it queues one
   internal ReleaseAdaptersOp.
@@ -31,7 +36,7 @@ import uuid
 from datetime import timedelta
 from typing import Any, Callable
 
-from sqlalchemy import select
+from sqlalchemy import and_, or_, select
 
 from tinkerd.control.recovery import Recovery
 from tinkerd.control.store.db import Store, utcnow
@@ -51,14 +56,16 @@ class Residency:
         self.recovery = recovery
         self.expiry_s = expiry_s
         # A quarter of the expiry, within [0.5 s, 30 s]: a run is released at most ~25% late, and the
-        # reaper's two small queries every 30 s cost nothing against the default 300 s expiry.
-        self.interval_s = min(30.0, max(0.5, expiry_s / 4))
+        # reaper's two small queries every 30 s cost nothing against the default 300 s expiry. A
+        # session's end wakes it at once (poke).
+        self.interval_s = min(30.0, max(0.5, expiry_s / 4)) if expiry_s > 0 else 30.0
         # Released runs; read and changed on the worker thread only (and at start, before it runs).
         self.unloaded: set[str] = set(store.query(select(UnloadedRunRow.model_id)))
         # What the engine reported holding after its last step; None before the first.
         self.resident: Resident | None = None
         self._release_queued = False
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
 
     # -- the reaper --------------------------------------------------------------------------------
@@ -66,11 +73,13 @@ class Residency:
     def start(self, enqueue: Callable[[str, str, Any, Callable], None], busy: Callable[[str], bool]) -> None:
         """Look for idle sessions every interval_s; `enqueue(request_id, target, op, finalize)` queues
         an internal op, `busy(target)` says whether a target has ops queued or running."""
-        if self.expiry_s <= 0:
-            return
 
         def loop() -> None:
-            while not self._stop.wait(self.interval_s):
+            while True:
+                self._wake.wait(self.interval_s)
+                self._wake.clear()
+                if self._stop.is_set():
+                    return
                 try:
                     self._tick(enqueue, busy)
                 except Exception:  # a failed look must not end the thread; the next one retries
@@ -79,8 +88,13 @@ class Residency:
         self._thread = threading.Thread(target=loop, name="tinkerd-residency", daemon=True)
         self._thread.start()
 
+    def poke(self) -> None:
+        """Look now (a session ended), not at the next interval."""
+        self._wake.set()
+
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
 
@@ -93,13 +107,16 @@ class Residency:
     # -- what is idle --------------------------------------------------------------------------------
 
     def idle_runs(self, busy: Callable[[str], bool]) -> list[str]:
-        """Loaded runs of gone sessions, themselves idle for expiry_s, with nothing queued or running."""
-        cutoff = utcnow() - timedelta(seconds=self.expiry_s)
+        """Loaded runs of ended sessions, and (expiry on) of gone sessions that are themselves idle
+        for expiry_s; with nothing queued or running."""
+        idle = SessionRow.finished_reason.is_not(None)
+        if self.expiry_s > 0:
+            cutoff = utcnow() - timedelta(seconds=self.expiry_s)
+            idle = or_(idle, and_(SessionRow.last_heartbeat_at < cutoff, TrainingRunRow.last_request_at < cutoff))
         stmt = (
             select(TrainingRunRow.model_id)
             .join(SessionRow, SessionRow.session_id == TrainingRunRow.session_id)
-            .where(SessionRow.last_heartbeat_at < cutoff, TrainingRunRow.last_request_at < cutoff,
-                   TrainingRunRow.model_id.not_in(select(UnloadedRunRow.model_id)))
+            .where(idle, TrainingRunRow.model_id.not_in(select(UnloadedRunRow.model_id)))
             .order_by(TrainingRunRow.model_id)
         )
         return [m for m in self.store.query(stmt) if not busy(m)]
@@ -108,7 +125,7 @@ class Residency:
         """Sampler adapters in the engine that sampling sessions of gone sessions use, and no live
         session does. Ones nobody's session names (sampled by model_path) are left to the sampler's
         own LRU bound."""
-        paths = list(self.resident.sampler_paths) if self.resident is not None else []
+        paths = list(self.resident.sampler_paths) if self.resident is not None and self.expiry_s > 0 else []
         if not paths:
             return []
         rows = self.store.query(select(SamplingSessionRow).where(SamplingSessionRow.adapter_dir.in_(paths)))
@@ -153,18 +170,17 @@ class Residency:
             self.store.add(UnloadedRunRow(model_id=model_id, unloaded_at=now))
             self.unloaded.add(model_id)
         if result["unloaded"] or result["sampler_paths"]:
-            log.info("released %d training and %d sampler adapters of sessions idle for %.0f s",
+            log.info("released %d training and %d sampler adapters of sessions ended or idle for %.0f s",
                      len(result["unloaded"]), len(result["sampler_paths"]), self.expiry_s)
         return b"", "application/json"
 
     def release_idle_at_start(self) -> set[str]:
         """At start-up, before the engine is rebuilt: runs of sessions already gone are not rebuilt
         now (their next op does it) and are recorded as released. Returns every released run."""
-        if self.expiry_s > 0:
-            now = utcnow()
-            for model_id in self.idle_runs(lambda _: False):
-                self.store.add(UnloadedRunRow(model_id=model_id, unloaded_at=now))
-                self.unloaded.add(model_id)
+        now = utcnow()
+        for model_id in self.idle_runs(lambda _: False):
+            self.store.add(UnloadedRunRow(model_id=model_id, unloaded_at=now))
+            self.unloaded.add(model_id)
         return set(self.unloaded)
 
     # -- reporting ---------------------------------------------------------------------------------

@@ -122,7 +122,9 @@ def test_a_create_over_the_run_limit_waits_until_a_session_ends(store, clock):
     got = [sched.next(active_rows=0).ops[0].request_id for _ in range(2)]
     assert sorted(got) == ["fb-on-live", "other-create"]
     assert "2 of 2 concurrent training runs" in sched.pause_reason("third")
-    store.update(SessionRow, "s1", finished_reason="success")  # ServiceClient.close(): its runs are released
+    store.update(SessionRow, "s1", finished_reason="success")  # ServiceClient.close() ...
+    assert sched.pause_reason("third") is not None  # ... frees the place once the engine lets the run go:
+    store.add(UnloadedRunRow(model_id="s1:train:0", unloaded_at=utcnow()))  # (residency releases it at once)
     assert sched.next(active_rows=0).ops[0].request_id == "third"
     q.put("fourth", "s2:train:2", 0, "CreateModel", create(acct, "s2:train:2"))
     _live_run(store, "s2", acct, "s2:train:1")  # "third" is done: two live runs again
@@ -130,6 +132,23 @@ def test_a_create_over_the_run_limit_waits_until_a_session_ends(store, clock):
     # A run of a session that stopped heart-beating, released from the engine, frees its slot too.
     store.add(UnloadedRunRow(model_id="s2:train:0", unloaded_at=utcnow()))
     assert sched.next(active_rows=0).ops[0].request_id == "fourth"
+
+
+def test_a_released_run_coming_back_waits_for_a_place_like_a_creation(store, clock):
+    accounts = Accounts(store)
+    acct = accounts.account_id("one-run")
+    accounts.set_quota("one-run", max_concurrent_runs=1)
+    _live_run(store, "quiet", acct, "quiet:train:0")
+    store.add(UnloadedRunRow(model_id="quiet:train:0", unloaded_at=utcnow()))  # its session went quiet
+    _live_run(store, "busy", acct, "busy:train:0")  # the one place, taken meanwhile
+    q = OpQueue()
+    sched = Scheduler(q, quotas=Quotas(store, ServerConfig()))
+    q.put("resume", "quiet:train:0", 3, "ForwardBackward", fb(acct, "quiet:train:0", 3))
+    q.put("busy-fb", "busy:train:0", 1, "ForwardBackward", fb(acct, "busy:train:0", 3))
+    assert sched.next(active_rows=0).ops[0].request_id == "busy-fb"  # a live run trains on
+    assert "1 of 1 concurrent training runs" in sched.pause_reason("resume")
+    store.add(UnloadedRunRow(model_id="busy:train:0", unloaded_at=utcnow()))  # the busy session ends
+    assert sched.next(active_rows=0).ops[0].request_id == "resume"
 
 
 def test_the_scheduler_sleeps_while_everything_is_paused_and_wakes_for_new_work(store, clock):

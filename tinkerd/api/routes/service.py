@@ -59,7 +59,10 @@ async def finish_session(session_id: str, request: Request):
         reason = (json.loads(body or b"{}").get("reason") or {}).get("type")
     except (ValueError, AttributeError):
         pass
-    state(request).runs.finish_session(session_id, reason, account(request))
+    st = state(request)
+    st.runs.finish_session(session_id, reason, account(request))
+    if st.control.residency is not None:
+        st.control.residency.poke()  # release its runs now: their quota places come free
     return empty()
 
 
