@@ -45,7 +45,8 @@ class ServerConfig(BaseModel):
     # A session whose last heartbeat (the SDK sends one every 10 s) and whose runs' last requests
     # are all older than this has its adapters released from the engine: training adapters are
     # snapshotted first and rebuilt, bit-exact, on the run's next op. 300 s is 30 missed
-    # heartbeats, well past the SDK's own 120 s warning. 0 never releases.
+    # heartbeats, well past the SDK's own 120 s warning. 0 never releases a quiet session's runs (an
+    # ended session's runs are released at once either way).
     session_expiry_s: float = Field(default=300.0, ge=0)
     # save_weights_and_get_sampling_client writes a sampler per call (an RL loop: one per step).
     # The newest this many per session are kept; older ones are deleted once no queued or decoding
@@ -61,8 +62,8 @@ class ServerConfig(BaseModel):
     # Per-account quotas, the server-wide defaults (an account's own values, set with
     # `tinkerd accounts set-quota`, replace them); None = unlimited. An op over a quota is never
     # failed: it waits in the queue and its retrieve_future answers try_again "paused_rate_limit".
-    # Concurrent runs: training runs of the account's open sessions still in the engine (a session's
-    # end, or its release after it stopped heart-beating, frees its runs' places).
+    # Concurrent runs: the account's runs the engine holds (an ended session's runs are released at
+    # once, a quiet one's after session_expiry_s; a released run used again waits for a place).
     max_concurrent_runs: int | None = Field(default=None, ge=1)
     # Trained + forward + prefill + sampled tokens per minute, over a sliding window.
     max_tokens_per_minute: int | None = Field(default=None, ge=1)

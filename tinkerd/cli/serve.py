@@ -34,7 +34,7 @@ def add_parser(sub) -> None:
                    help="how often files of expired checkpoints are deleted (default: 60)")
     p.add_argument("--session-expiry-s", type=float, default=None,
                    help="release the engine adapters of a session silent (no heartbeat, no request) this long; "
-                        "they are rebuilt exactly on its next op (default 300; 0: never)")
+                        "they are rebuilt exactly on its next op (default 300; 0: never, though an ended session's runs always go at once)")
     p.add_argument("--ephemeral-samplers-kept", type=_positive_int, default=None,
                    help="save_weights_and_get_sampling_client samplers kept per session, newest first; "
                         "older unused ones are deleted (default 4)")
