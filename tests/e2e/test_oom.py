@@ -1,7 +1,7 @@
 """A request too big for memory, through the SDK, with the kernel's OOM killer for real: the server
 runs in a 5 GiB memory cgroup and the sampler's KV budget is lifted, so a 128-sample request over a
 2000-token prompt (~11 GiB of SmolLM2 KV cache) gets the engine process OOM-killed. It must fail
-alone, with a `user` error, after killing the engine twice (the second time running alone), while
+alone, with a `user` error, once it has killed the engine running alone (two or three kills), while
 another client's requests return exactly what they return on a quiet server, and the server goes on.
 
 Needs a writable cgroup memory controller (root; v1 or v2); skipped where there is none.
@@ -75,7 +75,9 @@ def test_a_request_that_gets_the_engine_oom_killed_fails_alone(tmp_path, cgroup)
         assert "OOM killer" in str(info.value) and "the last time alone" in str(info.value)
         assert [v.result().sequences[0].tokens for v in victims] == [want] * 4
         assert victim.sample(prompt, 1, greedy).result().sequences[0].tokens == want
-        assert len(recoveries(srv.lines)) == 2  # killed twice, and not run a third time
+        # Killed twice, the second time alone; or, if the victims were admitted beside it the first
+        # time, three times (the first suspects are re-run together once). Never more.
+        assert 2 <= len(recoveries(srv.lines)) <= 3
         assert srv.proc.poll() is None
     finally:
         srv.stop()

@@ -87,7 +87,7 @@ class Control:
         self.residency = residency
         self.queue = OpQueue(lane_of=lambda work: Scheduler.lane_of(work.op))
         # Ops in flight when the engine died of what it was doing: request_id -> such deaths. The
-        # scheduler runs each alone until it finishes, so a second death names the culprit.
+        # scheduler runs them apart from other work (scheduler.py), so a death with one alone names it.
         self._suspects: dict[str, int] = {}
         # Per-account quotas: the scheduler passes over paused accounts; metered usage fills their windows.
         self.scheduler = Scheduler(self.queue, quotas=quotas, suspects=self._suspects)

@@ -15,8 +15,10 @@ gets all of it. A training step carries one op; a sampling step admits every wai
 fits the row budget, round-robin over sampling sessions, then decodes.
 
 Suspects (control/control.py): ops that were in flight when the engine died of what it was doing
-run one at a time, alone: rows in flight decode to their end with nothing admitted beside them,
-then one suspect starts, and nothing else until it finishes. A second death then names its cause.
+run apart from everything else: rows in flight decode to their end with nothing admitted beside
+them, then a training suspect runs alone, or the sampling suspects that died only once are admitted
+together (a crash is most often one training op, and its batch-mates should not then decode one by
+one); a sampling suspect that died twice runs alone. A death of a suspect alone names its cause.
 
 Quotas (control/quotas.py): an op whose account is over a quota is passed over, not failed (and
 retrieve_future asks `pause_reason` for its queue_state). When every queued op is paused and no
@@ -25,7 +27,7 @@ rows decode, the scheduler sleeps until a token leaves a window (or a recheck, o
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,10 +51,11 @@ class Picked:
 
 class Scheduler:
     def __init__(self, queue: OpQueue, max_rows: int = 64, quotas: Quotas | None = None,
-                 suspects: Container[str] = ()):
+                 suspects: Mapping[str, int] | None = None):
         self.queue = queue
-        # request_ids of suspect ops, queued or in flight (the control plane keeps them).
-        self.suspects = suspects
+        # request_id -> engine deaths it was in flight for, of suspect ops queued or in flight (the
+        # control plane keeps them).
+        self.suspects: Mapping[str, int] = suspects if suspects is not None else {}
         # None: no account is ever paused (unit tests, internal use).
         self.quotas = quotas
         # Sampling rows in flight beyond which new requests wait. Decode cost grows about linearly
@@ -99,17 +102,23 @@ class Scheduler:
         if active_rows > 0:  # a suspect decoding alone, or others' rows draining first: admit nothing
             return Picked(StepBatch(decode=True), [], LANE_SAMPLE)
 
-        def suspect(q: QueuedOp) -> bool:
-            return q.request_id in self.suspects and (eligible is None or eligible(q))
+        def suspect(deaths: int | None):
+            def check(q: QueuedOp) -> bool:
+                n = self.suspects.get(q.request_id)
+                return n is not None and (deaths is None or n == deaths) and (eligible is None or eligible(q))
+            return check
 
-        for lane in (LANE_TRAIN, LANE_SAMPLE):
-            q = self.queue.pop(lane, eligible=suspect)
-            if q is not None:
-                self._started(q)
-                work = [(q.request_id, q.op.op)]
-                batch = StepBatch(run=work) if lane == LANE_TRAIN else StepBatch(admit=work, decode=True)
-                return Picked(batch, [q], lane)
-        return None
+        q = self.queue.pop(LANE_TRAIN, eligible=suspect(None))
+        if q is not None:
+            self._started(q)
+            return Picked(StepBatch(run=[(q.request_id, q.op.op)]), [q], LANE_TRAIN)
+        admitted = self._admit(0, suspect(1))
+        if not admitted and (q := self.queue.pop(LANE_SAMPLE, eligible=suspect(None))) is not None:
+            self._started(q)
+            admitted = [q]
+        if not admitted:
+            return None
+        return Picked(StepBatch(admit=[(q.request_id, q.op.op) for q in admitted], decode=True), admitted, LANE_SAMPLE)
 
     def charge(self, picked: Picked, seconds: float) -> None:
         """Book a finished step's engine time to its lane; lanes idle meanwhile keep level, not behind."""
@@ -132,10 +141,13 @@ class Scheduler:
         if self.quotas is not None:
             self.quotas.started(q.request_id, q.op)
 
-    def _admit(self, active_rows: int) -> list[QueuedOp]:
+    def _admit(self, active_rows: int, eligible=None) -> list[QueuedOp]:
+        """Waiting sampling requests that fit beside `active_rows`, round-robin (with `eligible`:
+        only those it passes; by default those no quota pauses)."""
         rows = active_rows
         admitted: list[QueuedOp] = []
-        eligible = self._eligible if self.quotas is not None else None
+        if eligible is None and self.quotas is not None:
+            eligible = self._eligible
 
         def fits(q: QueuedOp) -> bool:
             return rows == 0 or rows + q.op.op.num_samples <= self.max_rows
