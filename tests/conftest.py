@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -17,6 +19,14 @@ def torch_threads():
     # for the engine tests), while OpenMP threads spin-waiting against another busy process (a second
     # test run, a dev server) made single training steps 10-50x slower.
     torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def quiet_sdk_after_the_tests():
+    yield
+    # SDK clients that tests leave open keep heart-beating from daemon threads after their servers
+    # are gone; once pytest has closed its output streams, their warnings print "Logging error".
+    logging.getLogger("tinker").setLevel(logging.CRITICAL)
 
 
 @pytest.fixture(scope="session")
