@@ -34,7 +34,7 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return config.num_hidden_layers * 2 * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    return config.num_hidden_layers * 2 * kv_heads * head_dim * dtype.itemsize
 
 
 def default_kv_budget(device: torch.device) -> int:
