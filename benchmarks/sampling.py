@@ -179,7 +179,21 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--models-dir", type=Path, default=Path("~/.tinkerd/models").expanduser())
     ap.add_argument("--cases", default="b1,b8,adapters")
+    ap.add_argument("--huge-pages", choices=["on", "off"], default="on",
+                    help="malloc on 2 MB pages, as the engine process runs (engine/malloc.py); both sides "
+                         "run in this one process, so the baseline gets them too")
     args = ap.parse_args()
+    from tinkerd.engine.malloc import with_huge_pages
+
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    if (args.huge_pages == "on") != ("glibc.malloc.hugetlb" in tunables):
+        # glibc reads its tunables at process start only: start this benchmark again, with or without.
+        env = dict(os.environ)
+        kept = ":".join(t for t in tunables.split(":") if t and not t.startswith("glibc.malloc.hugetlb"))
+        env.pop("GLIBC_TUNABLES", None)
+        if kept:
+            env["GLIBC_TUNABLES"] = kept
+        os.execve(sys.executable, [sys.executable, *sys.argv], with_huge_pages(env) if args.huge_pages == "on" else env)
     torch.set_num_threads(args.threads)
 
     hf = HF(args.models_dir)
@@ -199,7 +213,8 @@ def main() -> None:
         "sdk": ("tinkerd engine b8", lambda: td.run(prompts, n), "SDK -> tinkerd serve b8", lambda: sdk.run(prompts, n)),
     }
     print(f"model {MODEL}, threads {args.threads}, {n} new tokens per row, repeats {args.repeats}, "
-          f"prompt lengths {[len(p) for p in prompts]}, LoRA rank {args.rank}")
+          f"prompt lengths {[len(p) for p in prompts]}, LoRA rank {args.rank}, "
+          f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')!r}")
     summary = []
     try:
         _run_cases(args, cases, summary)

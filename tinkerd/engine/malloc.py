@@ -13,9 +13,12 @@ engine's memory stays at its peak working set, which every step needs again anyw
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import logging
+import os
+from collections.abc import Iterator, Mapping
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +29,38 @@ _M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 32 << 20
 # Free memory at the top of the heap is returned to the OS only beyond this.
 TRIM_THRESHOLD_BYTES = 1 << 30
+
+
+# glibc (>= 2.35) tunable: malloc asks for transparent huge pages (madvise) on the memory it maps.
+# It is read once at process start, so it is set in the environment of a process about to start.
+HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
+
+
+def with_huge_pages(env: Mapping[str, str]) -> dict[str, str]:
+    """env with malloc's huge-page tunable added to GLIBC_TUNABLES (kept as is if it sets one).
+
+    Decode streams every weight once per step; with 4 KB pages a oneDNN GEMM of 8 rows read them at
+    13.2 GB/s on SmolLM2's gate/up shape (1 thread), with 2 MB pages at 15.3 (a plain sum: 21.6 ->
+    33.6 GB/s), and the whole batch-8 decode ran 5% faster. C libraries other than glibc ignore it.
+    """
+    current = env.get("GLIBC_TUNABLES", "")
+    if "glibc.malloc.hugetlb" in current:
+        return dict(env)
+    return {**env, "GLIBC_TUNABLES": f"{current}:{HUGE_PAGES_TUNABLE}" if current else HUGE_PAGES_TUNABLE}
+
+
+@contextlib.contextmanager
+def children_use_huge_pages() -> Iterator[None]:
+    """Processes started inside this block (multiprocessing spawn inherits os.environ) get the tunable."""
+    before = os.environ.get("GLIBC_TUNABLES")
+    os.environ["GLIBC_TUNABLES"] = with_huge_pages(os.environ)["GLIBC_TUNABLES"]
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["GLIBC_TUNABLES"]
+        else:
+            os.environ["GLIBC_TUNABLES"] = before
 
 
 def keep_freed_memory() -> bool:

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tinkerd.engine.malloc import children_use_huge_pages
 from tinkerd.errors import EngineCrashed
 from tinkerd.types import ServedModel
 
@@ -90,7 +91,8 @@ class ProcessEngineClient:
     def start(self) -> None:
         parent, child = self._ctx.Pipe()
         proc = self._ctx.Process(target=_worker_main, args=(child, self.spec), name="tinkerd-engine", daemon=True)
-        proc.start()
+        with children_use_huge_pages():  # the engine's weights on 2 MB pages (engine/malloc.py)
+            proc.start()
         child.close()
         if not parent.poll(self.start_timeout_s):
             proc.kill()

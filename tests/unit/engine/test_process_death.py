@@ -45,3 +45,22 @@ def test_a_sigkill_from_outside_is_not(client):
 def test_the_engine_is_the_oom_killers_first_choice(client):
     with open(f"/proc/{client.pid}/oom_score_adj") as f:
         assert f.read().strip() == "1000"
+
+
+def test_the_engine_allocates_on_huge_pages(client):
+    """The engine process starts with malloc's huge-page tunable (engine/malloc.py), and where the
+    kernel offers transparent huge pages on request, its memory does sit on them; the server's
+    own environment is left as it was."""
+    with open(f"/proc/{client.pid}/environ", "rb") as f:
+        env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+    assert b"glibc.malloc.hugetlb=1" in env.get(b"GLIBC_TUNABLES", b"")
+    assert "glibc.malloc.hugetlb" not in os.environ.get("GLIBC_TUNABLES", "")
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            offered = "[never]" not in f.read()
+    except OSError:
+        offered = False
+    if offered:
+        with open(f"/proc/{client.pid}/smaps_rollup") as f:
+            huge_kb = next(int(line.split()[1]) for line in f if line.startswith("AnonHugePages:"))
+        assert huge_kb >= 2048

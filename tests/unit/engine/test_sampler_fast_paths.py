@@ -129,3 +129,21 @@ def test_packed_prefill_equals_each_prompt_alone(eng, name):
         for la, lp in zip(a.cache.layers, p.cache.layers):
             torch.testing.assert_close(lp.keys, la.keys, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(lp.values, la.values, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("vocab", [49152, 151936, 5000, 1500, 1024, 300])
+def test_greedy_tokens_is_argmax(vocab):
+    """The block-maxima argmax picks exactly torch's argmax: the first index of each row's maximum,
+    with ties (integer-valued logits), the maximum in the ragged last block, and NaN rows."""
+    from tinkerd.engine.sampler.rules import greedy_tokens
+
+    gen = torch.Generator().manual_seed(vocab)
+    for trial in range(12):
+        logits = torch.randn(8, vocab, generator=gen)
+        if trial % 3 == 0:
+            logits = (logits * 2).round()  # many equal maxima in many blocks
+        if trial % 4 == 1:
+            logits[:, -1] = 50.0  # the last column, in the ragged end where there is one
+        if trial % 4 == 2:
+            logits[3, vocab // 2] = float("nan")
+        assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1)), trial

@@ -7,6 +7,11 @@ transposes, a 5-op RMSNorm, the cache's `update` indirection, `repeat_kv`. This 
 model's own modules and parameters (the multi-LoRA linears, rotary embedding, norms' weights) on
 [B, H] rows and writes each layer's key/value column straight into the batch cache (kv.py).
 
+Measured per step here (1 thread, 8 rows, ~70 cached columns): linears ~34 ms, attention ~5,
+everything else ~5. Each small op right after a GEMM costs 2-3x what it costs alone (the GEMM's
+7 MB of streamed weights evict the interpreter's code and data from L2), so the glue between
+linears is kept to as few kernels as the math allows.
+
 Only architectures whose decoder layer is exactly
     x += o_proj(attn(rope(norm_q(q_proj(n1(x)))), rope(norm_k(k_proj(n1(x)))), v_proj(n1(x))))
     x += down_proj(act(gate_proj(n2(x))) * up_proj(n2(x)))
@@ -49,40 +54,49 @@ def _direct(linear: nn.Module):
     return linear
 
 
-def _fused_qkv(q_proj: nn.Module, k_proj: nn.Module, v_proj: nn.Module):
-    """h [B, in] -> (q, k, v) from one packed GEMM over the stacked weights; None where not all packed.
+def _stacked(*linears: nn.Module):
+    """h [B, in] -> [B, sum of outs]: the linears' outputs side by side, from one packed GEMM.
 
-    Three skinny GEMMs (576x576, 576x192, 576x192 on SmolLM2) stream their weights at 10-18 GB/s
-    against ~20 for one 576x960: -25% of this layer's projection time at 8 rows (1 and 2 threads).
-    Costs one more packed copy of the q/k/v weights (66 MB on SmolLM2-135M); the per-module packed
-    copies stay for prefill, which runs through the HF layers. Each projection's adapters are added
-    to its slice of the output, exactly as its own MultiLoraLinear would.
+    Skinny GEMMs stream their weights faster stacked: at 8 rows on SmolLM2 one 576x960 q|k|v runs
+    ~25% faster than its three parts (10-18 GB/s against ~20), and one 576x3072 gate|up ~7% faster
+    than its two halves. Costs one more packed copy of those weights (278 MB on SmolLM2-135M); the
+    per-module packed copies stay for prefill, which runs through the HF layers. Each linear's
+    adapters are added to its own slice of the output, exactly as its MultiLoraLinear would. Where
+    not every linear is packed, the parts run one by one and are concatenated.
     """
-    layers = (q_proj, k_proj, v_proj)
-    if not all(isinstance(lin, MultiLoraLinear) and lin.packed_weight is not None for lin in layers):
-        return None
-    biases = [lin.base.bias for lin in layers]
-    if any(b is None for b in biases) != all(b is None for b in biases):
-        return None
+    sizes = [lin.out_features for lin in linears]
+    biases = [getattr(getattr(lin, "base", None), "bias", None) for lin in linears]
+    packed_all = all(isinstance(lin, MultiLoraLinear) and lin.packed_weight is not None for lin in linears)
+    if not packed_all or any(b is None for b in biases) != all(b is None for b in biases):
+        parts = [_direct(lin) for lin in linears]
+        return lambda h: torch.cat([part(h) for part in parts], dim=-1)
     bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
-    packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat([lin.base.weight.detach() for lin in layers]), 8)
-    sizes = [lin.out_features for lin in layers]
+    packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat([lin.base.weight.detach() for lin in linears]), 8)
 
-    def run(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        out = packed_linear_2d(h, packed, bias)  # [B, q + k + v]
-        parts = out.split(sizes, dim=-1)
-        for lin, part in zip(layers, parts):
+    def run(h: torch.Tensor) -> torch.Tensor:
+        out = packed_linear_2d(h, packed, bias)
+        for lin, part in zip(linears, out.split(sizes, dim=-1)):
             lin._add_adapters_inplace(h, part)
-        return parts
+        return out
 
     return run
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding as HF's apply_rotary_pos_emb (rotate_half convention); x [B, heads, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def _half_swap_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin with its first half negated: rotate_half(x) * sin == swap_halves(x) * this."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding as HF's apply_rotary_pos_emb (rotate_half convention); x [B, heads, D].
+
+    x * cos + rotate_half(x) * sin in three kernels: the halves swapped by one flip, then mul and
+    addcmul (HF's rotate_half is slice, neg, cat, then mul, mul, add).
+    """
+    b, heads, d = x.shape
+    swapped = x.reshape(b, heads, 2, d // 2).flip(2).view(b, heads, d)
+    return torch.addcmul(x * cos, swapped, signed_sin)
 
 
 class FusedDecode:
@@ -118,41 +132,41 @@ class FusedDecode:
         q_norm = _rms_weight_eps(attn.q_norm) if hasattr(attn, "q_norm") else None
         k_norm = _rms_weight_eps(attn.k_norm) if hasattr(attn, "k_norm") else None
         return (
-            _rms_weight_eps(layer.input_layernorm), _fused_qkv(attn.q_proj, attn.k_proj, attn.v_proj),
-            (_direct(attn.q_proj), _direct(attn.k_proj), _direct(attn.v_proj)), q_norm, k_norm, _direct(attn.o_proj), _rms_weight_eps(layer.post_attention_layernorm),
-            _direct(mlp.gate_proj), _direct(mlp.up_proj), _direct(mlp.down_proj),
+            _rms_weight_eps(layer.input_layernorm), _stacked(attn.q_proj, attn.k_proj, attn.v_proj), q_norm, k_norm,
+            _direct(attn.o_proj), _rms_weight_eps(layer.post_attention_layernorm),
+            _stacked(mlp.gate_proj, mlp.up_proj), mlp.gate_proj.out_features, _direct(mlp.down_proj),
         )
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: BatchCache) -> torch.Tensor:
         b, w = tokens.shape[0], cache.width
+        hq, hk, d = self.heads, self.kv_heads, self.head_dim
+        groups = hq // hk  # query heads per key/value head; head h reads kv head h // groups (HF GQA)
         hidden_size = self.body.config.hidden_size
         x = self.body.embed_tokens(tokens)  # [B, H]
         cos, sin = self.body.rotary_emb(x[:, None, :], positions)  # each [B, 1, D]
-        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-        # An additive mask, built once: SDPA turns a boolean one into this in every layer.
+        cos, sin = cos.to(x.dtype), _half_swap_sin(sin.to(x.dtype))
+        # The additive mask, built once per step for every (row, kv head): [B * Hk, 1, W + 1].
         bias = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~mask, float("-inf"))
-        for cache_layer, (n1, qkv, projections, q_norm, k_norm, o_proj, n2, gate, up, down) in zip(
-            cache.layers, self.layers
-        ):
+        bias = bias.view(b, 1, w + 1).repeat_interleave(hk, dim=0)
+        for cache_layer, (n1, qkv, q_norm, k_norm, o_proj, n2, gate_up, inner, down) in zip(cache.layers, self.layers):
             h = F.rms_norm(x, (hidden_size,), n1[0], n1[1])
-            q, k, v = qkv(h) if qkv is not None else (proj(h) for proj in projections)
-            q = q.view(b, self.heads, self.head_dim)
-            k = k.view(b, self.kv_heads, self.head_dim)
-            v = v.view(b, self.kv_heads, self.head_dim)
-            if q_norm is not None:
-                q = F.rms_norm(q, (self.head_dim,), q_norm[0], q_norm[1])
-            if k_norm is not None:
-                k = F.rms_norm(k, (self.head_dim,), k_norm[0], k_norm[1])
-            qk = _rotate(torch.cat((q, k), dim=1), cos, sin)  # [B, Hq + Hk, D]: one rotation for both
-            q, k = qk[:, : self.heads], qk[:, self.heads :]
-            cache_layer.keys[:, :, w] = k
-            cache_layer.values[:, :, w] = v
-            attn = F.scaled_dot_product_attention(
-                q[:, :, None, :], cache_layer.keys[:, :, : w + 1], cache_layer.values[:, :, : w + 1],
-                attn_mask=bias, scale=self.scaling, enable_gqa=self.kv_heads != self.heads,
-            )  # [B, Hq, 1, D]
-            x.add_(o_proj(attn.reshape(b, self.heads * self.head_dim)))  # x is this step's own tensor
+            out = qkv(h)  # [B, (Hq + 2 Hk) D]: q | k | v
+            qk = out[:, : (hq + hk) * d].view(b, hq + hk, d)
+            if q_norm is not None:  # Qwen3: per-head RMSNorm of q and k before the rotation
+                qk = torch.cat((F.rms_norm(qk[:, :hq], (d,), *q_norm), F.rms_norm(qk[:, hq:], (d,), *k_norm)), dim=1)
+            qk = _rotate(qk, cos, sin)  # [B, Hq + Hk, D]: one rotation for both
+            cache_layer.keys[:, :, w] = qk[:, hq:]
+            cache_layer.values[:, :, w] = out[:, (hq + hk) * d :].view(b, hk, d)
+            # Attention of one new token per row as two batched GEMMs over (row, kv head): the
+            # cache's [B, Hk, W + 1, D] columns are [B * Hk, W + 1, D] views, no copy; SDPA's flash
+            # kernel spends ~190 us per call on this shape, ~2x these three kernels.
+            keys = cache_layer.keys[:, :, : w + 1].reshape(b * hk, w + 1, d)
+            values = cache_layer.values[:, :, : w + 1].reshape(b * hk, w + 1, d)
+            q = qk[:, :hq].reshape(b * hk, groups, d)
+            scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=self.scaling)  # [B * Hk, G, W + 1]
+            attn = torch.bmm(torch.softmax(scores, dim=-1), values)  # [B * Hk, G, D] = [B, Hq * D]
+            x.add_(o_proj(attn.view(b, hq * d)))  # x is this step's own tensor
             h = F.rms_norm(x, (hidden_size,), n2[0], n2[1])
-            g = F.silu(gate(h), inplace=True).mul_(up(h))
-            x.add_(down(g))
+            g = gate_up(h)  # [B, 2 I]: gate | up
+            x.add_(down(F.silu(g[:, :inner]).mul_(g[:, inner:])))
         return F.rms_norm(x, (hidden_size,), self.final_norm[0], self.final_norm[1])

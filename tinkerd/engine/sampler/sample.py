@@ -302,9 +302,11 @@ class Sampler:
         # for that token, so RL importance ratios exp(learner - sampler) start at 1 and
         # kl_sample_train measures only real policy drift. The rules only decide which token.
         tokens = choose_tokens(logits, self.rules)  # [B]
-        lse = torch.logsumexp(logits, dim=-1)  # [B]
-        token_lp = (logits.gather(1, tokens[:, None]).squeeze(1) - lse).tolist()
-        self._record_topk(rows, logits, lse)
+        # log_softmax is logit - logsumexp in one pass: ~0.2 ms at 8 x 49k on one thread, where
+        # logsumexp alone took ~0.4-0.6 (its exp runs as a separate, slower kernel).
+        logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
+        token_lp = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
+        self._record_topk(rows, logprobs)
         still = []  # batch positions of rows that go on
         for b, (row, token) in enumerate(zip(rows, tokens.tolist())):
             if not row.append(token, token_lp[b]):
@@ -333,14 +335,14 @@ class Sampler:
         self.cache.advance()
         self.hidden = hidden  # [B, H]
 
-    def _record_topk(self, rows: list[Row], logits: torch.Tensor, lse: torch.Tensor) -> None:
+    def _record_topk(self, rows: list[Row], logprobs: torch.Tensor) -> None:
         want = [b for b, r in enumerate(rows) if r.topk > 0]
         if not want:
             return
-        idx = torch.tensor(want, device=logits.device)
+        idx = torch.tensor(want, device=logprobs.device)
         k = max(rows[b].topk for b in want)
-        vals, ids = torch.topk(logits[idx], k, dim=-1)  # [b, K] best-first
-        vals = (vals - lse[idx, None]).cpu().numpy()
+        vals, ids = torch.topk(logprobs[idx], k, dim=-1)  # [b, K] best-first
+        vals = vals.cpu().numpy()
         ids = ids.cpu().numpy()
         for j, b in enumerate(want):
             kk = rows[b].topk
