@@ -188,6 +188,26 @@ def test_long_prompt_is_prefilled_in_chunks_while_others_decode(eng):
     assert_same(results["short"], run_sample(eng, short), atol=1e-5)
 
 
+def test_a_prompt_that_fits_one_step_is_never_split(eng):
+    """Budget 8, prompts of 5 and 5 tokens: the second goes whole into the first step (10 tokens)
+    instead of being cut 3 + 2, and both rows start decoding together; a 12-token prompt, longer
+    than a step's budget, is still cut to what is left of it."""
+    rt = eng.runtime(TINY)
+    sampler = Sampler(rt, SamplerConfig(prefill_tokens_per_step=8))
+    a, b, long = op(PROMPT[:5], 4, temperature=0.0), op(PROMPT[5:10], 4, temperature=0.0), op(PROMPT[:12], 2, temperature=0.0)
+    for ticket, o in (("a", a), ("b", b), ("long", long)):
+        sampler.admit(ticket, o)
+    requests = {r.ticket: r for r in sampler.joining}
+    sampler.step()
+    assert requests["a"].prefill.chunk_calls == [5] and requests["b"].prefill.chunk_calls == [5]
+    assert sorted(r.request.ticket for r in sampler.rows) == ["a", "b"]
+    assert requests["long"].prefill.done == 0  # the budget was spent: it starts next step
+    results = drive(sampler, {0: []})
+    assert requests["long"].prefill.chunk_calls == [8, 4]
+    for ticket, o in (("a", a), ("b", b), ("long", long)):
+        assert_same(results[ticket], run_sample(eng, o), atol=1e-5)
+
+
 def test_a_request_whose_kv_cache_alone_is_over_the_budget_is_refused_at_admission(eng):
     rt = eng.runtime(TINY)
     per_row = (len(PROMPT) + 20) * kv_bytes_per_token(rt.model.config, torch.float32)
