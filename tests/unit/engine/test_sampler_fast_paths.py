@@ -60,9 +60,11 @@ def test_fused_decode_equals_the_hf_body(eng, name, monkeypatch):
             np.testing.assert_allclose(f.logprobs, s.logprobs, rtol=1e-5, atol=1e-5)  # float rounding only
 
 
+@pytest.mark.parametrize("base_only", [False, True])
 @pytest.mark.parametrize("name", MODELS)
-def test_fused_decode_hidden_states_match_one_hf_step(eng, name):
-    """One step on a batch cache directly: the fused hidden states equal the HF body's."""
+def test_fused_decode_hidden_states_match_one_hf_step(eng, name, base_only):
+    """One step on a batch cache directly: the fused hidden states equal the HF body's, with rows
+    on two adapters and the base model, and with base rows only (the step that skips adapters)."""
     from tinkerd.engine.sampler.kv import BatchCache
 
     rt = eng.runtime(name)
@@ -82,14 +84,15 @@ def test_fused_decode_hidden_states_match_one_hf_step(eng, name):
             c.join([(pf.cache, 1) for pf in prefills])
             caches.append(c)
         tokens = torch.tensor([5, 17, 2585])
-        rt.ctx.set_rows([-1, rt.pool.get(f"{name}-a0").slot, rt.pool.get(f"{name}-a1").slot])
+        slots = [-1, rt.pool.get(f"{name}-a0").slot, rt.pool.get(f"{name}-a1").slot]
+        rt.ctx.set_rows([-1] * 3 if base_only else slots)
         rt.ctx.sampling = True
         try:
             positions, mask = caches[0].step_inputs()
             want = body(input_ids=tokens[:, None], attention_mask=mask, position_ids=positions, cache=caches[0],
                         use_cache=True).last_hidden_state[:, -1]
             positions, mask = caches[1].step_inputs()
-            got = step(tokens, positions, mask, caches[1])
+            got = step(tokens, positions, mask, caches[1], adapters=not base_only)
         finally:
             rt.ctx.sampling = False
             rt.ctx.clear()

@@ -38,48 +38,49 @@ def _rms_weight_eps(norm: nn.Module) -> tuple[torch.Tensor, float]:
     return norm.weight, float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
 
 
-def _direct(linear: nn.Module):
-    """h [B, in] -> [B, out] through one linear, skipping nn.Module dispatch where it can.
+class _Linears:
+    """h [B, in] -> [B, sum of outs]: one or more linears of the same input, outputs side by side.
 
-    A decode step calls 211 linears on SmolLM2; a wrapped one with a oneDNN-packed weight is called
-    as MultiLoraLinear.forward would in sampling mode, minus ~5 us of module and reshape overhead.
+    Called, it adds each linear's adapters to its own slice of the output, exactly as its
+    MultiLoraLinear would in sampling mode; `plain` skips that for steps whose rows all read the
+    base model. Both skip nn.Module dispatch (~5 us a call, 211 calls a step on SmolLM2).
+
+    Stacked, skinny GEMMs stream their weights faster: at 8 rows on SmolLM2 one 576x960 q|k|v runs
+    ~25% faster than its three parts (10-18 GB/s against ~20), one 576x3072 gate|up ~7% faster than
+    its two halves. That costs one more packed copy of those weights (278 MB on SmolLM2-135M): the
+    per-module packed copies stay for prefill, which runs through the HF layers. Where not every
+    linear is packed, the modules run one by one and their outputs are concatenated.
     """
-    if isinstance(linear, MultiLoraLinear) and linear.packed_weight is not None:
-        packed, bias, add_adapters = linear.packed_weight, linear.base.bias, linear._add_adapters_inplace
 
-        def run(h: torch.Tensor) -> torch.Tensor:
-            return add_adapters(h, packed_linear_2d(h, packed, bias))
+    def __init__(self, *linears: nn.Module):
+        self.linears = linears
+        self.sizes = [lin.out_features for lin in linears]
+        biases = [getattr(getattr(lin, "base", None), "bias", None) for lin in linears]
+        packed_all = all(isinstance(lin, MultiLoraLinear) and lin.packed_weight is not None for lin in linears)
+        self.packed = None
+        if packed_all and any(b is None for b in biases) == all(b is None for b in biases):
+            self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+            if len(linears) == 1:
+                self.packed = linears[0].packed_weight
+            else:
+                weight = torch.cat([lin.base.weight.detach() for lin in linears])
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 8)
 
-        return run
-    return linear
+    def plain(self, h: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return self(h)
+        return packed_linear_2d(h, self.packed, self.bias)
 
-
-def _stacked(*linears: nn.Module):
-    """h [B, in] -> [B, sum of outs]: the linears' outputs side by side, from one packed GEMM.
-
-    Skinny GEMMs stream their weights faster stacked: at 8 rows on SmolLM2 one 576x960 q|k|v runs
-    ~25% faster than its three parts (10-18 GB/s against ~20), and one 576x3072 gate|up ~7% faster
-    than its two halves. Costs one more packed copy of those weights (278 MB on SmolLM2-135M); the
-    per-module packed copies stay for prefill, which runs through the HF layers. Each linear's
-    adapters are added to its own slice of the output, exactly as its MultiLoraLinear would. Where
-    not every linear is packed, the parts run one by one and are concatenated.
-    """
-    sizes = [lin.out_features for lin in linears]
-    biases = [getattr(getattr(lin, "base", None), "bias", None) for lin in linears]
-    packed_all = all(isinstance(lin, MultiLoraLinear) and lin.packed_weight is not None for lin in linears)
-    if not packed_all or any(b is None for b in biases) != all(b is None for b in biases):
-        parts = [_direct(lin) for lin in linears]
-        return lambda h: torch.cat([part(h) for part in parts], dim=-1)
-    bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
-    packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat([lin.base.weight.detach() for lin in linears]), 8)
-
-    def run(h: torch.Tensor) -> torch.Tensor:
-        out = packed_linear_2d(h, packed, bias)
-        for lin, part in zip(linears, out.split(sizes, dim=-1)):
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            outs = [lin(h) for lin in self.linears]
+            return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        out = packed_linear_2d(h, self.packed, self.bias)
+        if len(self.linears) == 1:
+            return self.linears[0]._add_adapters_inplace(h, out)
+        for lin, part in zip(self.linears, out.split(self.sizes, dim=-1)):
             lin._add_adapters_inplace(h, part)
         return out
-
-    return run
 
 
 def _half_swap_sin(sin: torch.Tensor) -> torch.Tensor:
@@ -110,7 +111,8 @@ class FusedDecode:
         first = body.layers[0].self_attn
         self.head_dim = getattr(first, "head_dim", None) or cfg.hidden_size // self.heads
         self.scaling = float(first.scaling)
-        self.layers = [self._layer(layer) for layer in body.layers]
+        both = [self._layer(layer) for layer in body.layers]
+        self.layers, self.plain_layers = [a for a, _ in both], [p for _, p in both]
         self.final_norm = _rms_weight_eps(body.norm)
 
     @staticmethod
@@ -127,17 +129,25 @@ class FusedDecode:
             return None
 
     @staticmethod
-    def _layer(layer: nn.Module) -> tuple:
+    def _layer(layer: nn.Module) -> tuple[tuple, tuple]:
+        """This layer's parameters and linears, once with adapters and once plain (base rows only)."""
         attn, mlp = layer.self_attn, layer.mlp
         q_norm = _rms_weight_eps(attn.q_norm) if hasattr(attn, "q_norm") else None
         k_norm = _rms_weight_eps(attn.k_norm) if hasattr(attn, "k_norm") else None
+        qkv, o, gate_up, down = (
+            _Linears(attn.q_proj, attn.k_proj, attn.v_proj), _Linears(attn.o_proj),
+            _Linears(mlp.gate_proj, mlp.up_proj), _Linears(mlp.down_proj),
+        )
+        n1, n2, inner = _rms_weight_eps(layer.input_layernorm), _rms_weight_eps(layer.post_attention_layernorm), mlp.gate_proj.out_features
         return (
-            _rms_weight_eps(layer.input_layernorm), _stacked(attn.q_proj, attn.k_proj, attn.v_proj), q_norm, k_norm,
-            _direct(attn.o_proj), _rms_weight_eps(layer.post_attention_layernorm),
-            _stacked(mlp.gate_proj, mlp.up_proj), mlp.gate_proj.out_features, _direct(mlp.down_proj),
+            (n1, qkv, q_norm, k_norm, o, n2, gate_up, inner, down),
+            (n1, qkv.plain, q_norm, k_norm, o.plain, n2, gate_up.plain, inner, down.plain),
         )
 
-    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: BatchCache) -> torch.Tensor:
+    def __call__(
+        self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: BatchCache, adapters: bool = True
+    ) -> torch.Tensor:
+        """adapters=False: every row reads the base model, so no linear has adapters to add."""
         b, w = tokens.shape[0], cache.width
         hq, hk, d = self.heads, self.kv_heads, self.head_dim
         groups = hq // hk  # query heads per key/value head; head h reads kv head h // groups (HF GQA)
@@ -148,7 +158,9 @@ class FusedDecode:
         # The additive mask, built once per step for every (row, kv head): [B * Hk, 1, W + 1].
         bias = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~mask, float("-inf"))
         bias = bias.view(b, 1, w + 1).repeat_interleave(hk, dim=0)
-        for cache_layer, (n1, qkv, q_norm, k_norm, o_proj, n2, gate_up, inner, down) in zip(cache.layers, self.layers):
+        for cache_layer, (n1, qkv, q_norm, k_norm, o_proj, n2, gate_up, inner, down) in zip(
+            cache.layers, self.layers if adapters else self.plain_layers
+        ):
             h = F.rms_norm(x, (hidden_size,), n1[0], n1[1])
             out = qkv(h)  # [B, (Hq + 2 Hk) D]: q | k | v
             qk = out[:, : (hq + hk) * d].view(b, hq + hk, d)

@@ -332,7 +332,8 @@ class Sampler:
         positions, mask = self.cache.step_inputs()
         self._set_routing([r.slot for r in self.rows])
         if self.fused is not None:
-            hidden = self.fused(tokens, positions, mask, self.cache)
+            adapters = any(row.slot != BASE_SLOT for row in self.rows)
+            hidden = self.fused(tokens, positions, mask, self.cache, adapters=adapters)
         else:
             out = self.body(
                 input_ids=tokens[:, None], attention_mask=mask, position_ids=positions, cache=self.cache, use_cache=True
