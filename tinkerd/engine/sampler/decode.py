@@ -92,12 +92,10 @@ def _half_swap_sin(sin: torch.Tensor) -> torch.Tensor:
 def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding as HF's apply_rotary_pos_emb (rotate_half convention); x [B, heads, D].
 
-    x * cos + rotate_half(x) * sin in three kernels: the halves swapped by one flip, then mul and
+    x * cos + rotate_half(x) * sin in three kernels: the halves swapped by one roll, then mul and
     addcmul (HF's rotate_half is slice, neg, cat, then mul, mul, add).
     """
-    b, heads, d = x.shape
-    swapped = x.reshape(b, heads, 2, d // 2).flip(2).view(b, heads, d)
-    return torch.addcmul(x * cos, swapped, signed_sin)
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin)
 
 
 class FusedDecode:
@@ -161,24 +159,26 @@ class FusedDecode:
         for cache_layer, (n1, qkv, q_norm, k_norm, o_proj, n2, gate_up, inner, down) in zip(
             cache.layers, self.layers if adapters else self.plain_layers
         ):
+            # narrow/select/view rather than tensor[...] indexing: right after a GEMM, with the
+            # interpreter's code evicted, Python indexing costs a few us more per call.
             h = F.rms_norm(x, (hidden_size,), n1[0], n1[1])
-            out = qkv(h)  # [B, (Hq + 2 Hk) D]: q | k | v
-            qk = out[:, : (hq + hk) * d].view(b, hq + hk, d)
+            out = qkv(h).view(b, hq + 2 * hk, d)  # q | k | v heads
+            qk = out.narrow(1, 0, hq + hk)
             if q_norm is not None:  # Qwen3: per-head RMSNorm of q and k before the rotation
                 qk = torch.cat((F.rms_norm(qk[:, :hq], (d,), *q_norm), F.rms_norm(qk[:, hq:], (d,), *k_norm)), dim=1)
             qk = _rotate(qk, cos, sin)  # [B, Hq + Hk, D]: one rotation for both
-            cache_layer.keys[:, :, w] = qk[:, hq:]
-            cache_layer.values[:, :, w] = out[:, (hq + hk) * d :].view(b, hk, d)
+            cache_layer.keys.select(2, w).copy_(qk.narrow(1, hq, hk))
+            cache_layer.values.select(2, w).copy_(out.narrow(1, hq + hk, hk))
             # Attention of one new token per row as two batched GEMMs over (row, kv head): the
             # cache's [B, Hk, W + 1, D] columns are [B * Hk, W + 1, D] views, no copy; SDPA's flash
             # kernel spends ~190 us per call on this shape, ~2x these three kernels.
-            keys = cache_layer.keys[:, :, : w + 1].reshape(b * hk, w + 1, d)
-            values = cache_layer.values[:, :, : w + 1].reshape(b * hk, w + 1, d)
-            q = qk[:, :hq].reshape(b * hk, groups, d)
+            keys = cache_layer.keys.reshape(b * hk, -1, d).narrow(1, 0, w + 1)
+            values = cache_layer.values.reshape(b * hk, -1, d).narrow(1, 0, w + 1)
+            q = qk.narrow(1, 0, hq).reshape(b * hk, groups, d)
             scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=self.scaling)  # [B * Hk, G, W + 1]
             attn = torch.bmm(torch.softmax(scores, dim=-1), values)  # [B * Hk, G, D] = [B, Hq * D]
             x.add_(o_proj(attn.view(b, hq * d)))  # x is this step's own tensor
             h = F.rms_norm(x, (hidden_size,), n2[0], n2[1])
             g = gate_up(h)  # [B, 2 I]: gate | up
-            x.add_(down(F.silu(g[:, :inner]).mul_(g[:, inner:])))
+            x.add_(down(F.silu(g.narrow(1, 0, inner)).mul_(g.narrow(1, inner, inner))))
         return F.rms_norm(x, (hidden_size,), self.final_norm[0], self.final_norm[1])
