@@ -44,28 +44,20 @@ class _Linears:
 
     Called, it adds each linear's adapters to its own slice of the output, exactly as its
     MultiLoraLinear would in sampling mode; `plain` skips that for steps whose rows all read the
-    base model. Both skip nn.Module dispatch (~5 us a call, 211 calls a step on SmolLM2).
-
-    Stacked, skinny GEMMs stream their weights faster: at 8 rows on SmolLM2 one 576x960 q|k|v runs
-    ~25% faster than its three parts (10-18 GB/s against ~20), one 576x3072 gate|up ~7% faster than
-    its two halves. That costs one more packed copy of those weights (278 MB on SmolLM2-135M): the
-    per-module packed copies stay for prefill, which runs through the HF layers. Where not every
-    linear is packed, the modules run one by one and their outputs are concatenated.
+    base model. Both skip nn.Module dispatch (~5 us a call, 211 calls a step on SmolLM2). Siblings
+    packed together (layers.PackedStack: q|k|v, gate|up) run as one GEMM; a single packed linear
+    runs alone; anything else runs module by module, outputs concatenated.
     """
 
     def __init__(self, *linears: nn.Module):
         self.linears = linears
         self.sizes = [lin.out_features for lin in linears]
-        biases = [getattr(getattr(lin, "base", None), "bias", None) for lin in linears]
-        packed_all = all(isinstance(lin, MultiLoraLinear) and lin.packed_weight is not None for lin in linears)
-        self.packed = None
-        if packed_all and any(b is None for b in biases) == all(b is None for b in biases):
-            self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
-            if len(linears) == 1:
-                self.packed = linears[0].packed_weight
-            else:
-                weight = torch.cat([lin.base.weight.detach() for lin in linears])
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 8)
+        self.packed = self.bias = None
+        first = getattr(linears[0], "stack", None)
+        if first is not None and first[0].members == list(linears):
+            self.packed, self.bias = first[0].packed, first[0].bias
+        elif len(linears) == 1 and getattr(linears[0], "packed_weight", None) is not None:
+            self.packed, self.bias = linears[0].packed_weight, linears[0].base.bias
 
     def plain(self, h: torch.Tensor) -> torch.Tensor:
         if self.packed is None:

@@ -1,0 +1,63 @@
+"""The sampler's packed weights (lora/layers.py): q/k/v and gate/up share one stacked packed weight,
+each sibling's output through it equals its own linear plus its adapters, siblings called with the
+same input share one GEMM, and a sibling called twice does not get its adapters added twice."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tinkerd.engine.lora import layers as lora_layers
+from tinkerd.engine.lora.layers import LoraContext, LoraWeights, pack_for_decode, wrap_model
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.Module()
+        self.attn.q_proj, self.attn.k_proj, self.attn.v_proj = nn.Linear(16, 16), nn.Linear(16, 8), nn.Linear(16, 8)
+        self.attn.o_proj = nn.Linear(16, 16)
+        self.mlp = nn.Module()
+        self.mlp.gate_proj, self.mlp.up_proj = nn.Linear(16, 32, bias=False), nn.Linear(16, 32, bias=False)
+
+
+@pytest.fixture
+def block():
+    torch.manual_seed(0)
+    ctx = LoraContext()
+    model = Block()
+    layers = wrap_model(model, ctx, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"))
+    gen = torch.Generator().manual_seed(1)
+    for layer in layers.values():  # an adapter in slot 0 on every layer; rows in slot -1 read the base
+        a = torch.randn(4, layer.in_features, generator=gen)
+        b = torch.randn(layer.out_features, 4, generator=gen)
+        layer.adapters[0] = LoraWeights(a, b, 0.5)
+    ctx.set_rows([0, -1, 0])
+    return ctx, layers
+
+
+def test_siblings_share_one_stacked_weight_and_one_gemm(block, monkeypatch):
+    ctx, layers = block
+    x = torch.randn(3, 5, 16)
+    names = ["attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "mlp.gate_proj", "mlp.up_proj"]
+    with torch.no_grad():
+        want = {n: layers[n](x) for n in names}  # the training path: unpacked, adapters by row
+    assert pack_for_decode(layers)
+    q, k, v, o, gate, up = (layers[n] for n in names)
+    assert q.stack[0] is k.stack[0] is v.stack[0] and gate.stack[0] is up.stack[0]
+    assert q.packed_weight is None and o.stack is None and o.packed_weight is not None
+
+    gemms = []
+    real = lora_layers._packed_linear
+    monkeypatch.setattr(lora_layers, "_packed_linear", lambda *a: gemms.append(1) or real(*a))
+    ctx.sampling = True
+    with torch.inference_mode():
+        first_q = q(x)
+        again = q(x)  # q asks twice for one input: a fresh GEMM, its adapters added once
+        got = {n: layers[n](x) for n in names[1:]}
+    assert len(gemms) == 2 + 1 + 1  # q|k|v twice (k and v took theirs from the second), o, gate|up once
+    for n, out in [("attn.q_proj", first_q), ("attn.q_proj", again), *got.items()]:
+        torch.testing.assert_close(out, want[n], atol=1e-5, rtol=1e-5)
