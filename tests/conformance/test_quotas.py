@@ -171,7 +171,7 @@ def test_a_create_over_the_run_limit_waits_until_a_session_ends(minute_server, s
                                       "lora_config": {"rank": 4}})
     pending = r.json()["request_id"]
     body = c.post("/retrieve_future", json={"request_id": pending}).json()
-    assert body["queue_state"] == "paused_rate_limit" and "1 of 1 concurrent training runs" in body["queue_state_reason"]
+    assert body.get("queue_state") == "paused_rate_limit" and "1 of 1 concurrent training runs" in body["queue_state_reason"], body
     # Another account, at its own limit of 1, is not held up by this one.
     tc_other = _training_client(minute_server, other)
     assert tc_other.forward_backward([_datum(3)], "cross_entropy").result().metrics["loss:sum"] > 0
