@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tinkerd.engine.lora.layers import MultiLoraLinear, packed_linear_2d
+from tinkerd.engine.lora.layers import packed_linear_2d
 from tinkerd.engine.sampler.kv import BatchCache
 
 # model_type values whose HF decoder layer has the structure above (transformers 5.x).
