@@ -13,6 +13,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
 
 import httpx
 import pytest
@@ -25,6 +26,7 @@ from tinker.lib.queue_state_logger import QueueStateLogger
 
 from tests.conformance.conftest import TINY
 from tests.serverproc import start_server
+from tinkerd.control.quotas import LIMITS_TTL_S
 from tinkerd.control.store.db import Store
 from tinkerd.control.store.tables import FutureRow
 
@@ -58,6 +60,9 @@ def _key(srv, account: str, *quota: str) -> str:
     if quota:
         set_quota = _tinkerd(srv.data_dir, "accounts", "set-quota", account, *quota)
         assert set_quota.returncode == 0, set_quota.stderr
+        # A running server re-reads limits at most this long after a change (control/quotas.py):
+        # without the wait, ops sent at once may still see the account unlimited (CI saw it twice).
+        time.sleep(LIMITS_TTL_S + 0.5)
     return out.stdout.split("TINKER_API_KEY=")[1].split()[0]
 
 

@@ -55,7 +55,7 @@ _CREATES = ("CreateModel", "LoadWeights")
 # by a session's end, or a limit raised from the CLI, takes effect within this.
 RECHECK_S = 1.0
 # How long per-account limits read from the store are reused.
-_LIMITS_TTL_S = 2.0
+LIMITS_TTL_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ class Quotas:
 
     def limits(self, account_id: str) -> Limits:
         now = time.monotonic()
-        if now - self._limits_read_at > _LIMITS_TTL_S:
+        if now - self._limits_read_at > LIMITS_TTL_S:
             rows = self.store.query(select(AccountRow))
             self._limits = {r.account_id: Limits(effective(r.max_concurrent_runs, self.defaults.max_concurrent_runs),
                                                  effective(r.max_tokens_per_minute, self.defaults.max_tokens_per_minute))
