@@ -1,6 +1,8 @@
 """The sampler's packed weights (lora/layers.py): q/k/v and gate/up share one stacked packed weight,
 each sibling's output through it equals its own linear plus its adapters, siblings called with the
-same input share one GEMM, and a sibling called twice does not get its adapters added twice."""
+same input share one GEMM, and a sibling called twice does not get its adapters added twice. Both
+oneDNN packings (1x1 convolution, inner product) compute the linear row by row, and the first is
+given up where it is slow."""
 
 from __future__ import annotations
 
@@ -61,3 +63,51 @@ def test_siblings_share_one_stacked_weight_and_one_gemm(block, monkeypatch):
     assert len(gemms) == 2 + 1 + 1  # q|k|v twice (k and v took theirs from the second), o, gate|up once
     for n, out in [("attn.q_proj", first_q), ("attn.q_proj", again), *got.items()]:
         torch.testing.assert_close(out, want[n], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("conv", [True, False], ids=["conv_1x1", "inner_product"])
+def test_packed_linear_equals_linear_and_each_row_is_its_own(conv):
+    """Both packings compute x @ W.T + b at any row count, including past ROWS_PER_CALL where the
+    1x1 convolution splits the rows, and a row's output does not depend on the rows beside it."""
+    torch.manual_seed(0)
+    weight, bias = torch.randn(96, 40), torch.randn(96)
+    packed = lora_layers._pack(weight, conv)
+    assert packed.dim() == (4 if conv else 2)
+    n = lora_layers.ROWS_PER_CALL
+    x = torch.randn(3 * n + 2, 40)
+    alone = torch.cat([lora_layers.packed_linear_2d(x[i : i + 1], packed, bias) for i in range(x.shape[0])])
+    for m in (1, 5, n, n + 1, 3 * n + 2):
+        got = lora_layers.packed_linear_2d(x[:m], packed, bias)
+        torch.testing.assert_close(got, torch.nn.functional.linear(x[:m], weight, bias), atol=1e-5, rtol=1e-5)
+        assert torch.equal(got, alone[:m]), m
+    # A non-contiguous input (a column slice, as prefill can pass) gives the same rows.
+    wide = torch.randn(7, 80)
+    torch.testing.assert_close(
+        lora_layers.packed_linear_2d(wide[:, :40], packed, None), torch.nn.functional.linear(wide[:, :40], weight)
+    )
+
+
+def test_a_slow_1x1_convolution_packs_for_the_inner_product(block, monkeypatch):
+    """Where a 1x1 convolution call re-packs its weight (the layout for its row count differs from
+    the packed one), pack_for_decode measures it and packs every linear for the inner product."""
+    import time
+
+    ctx, layers = block
+    real = lora_layers.packed_linear_2d
+
+    def slow_conv(x, packed, bias):
+        if packed.dim() == 4 and x.shape[0] == lora_layers.ROWS_PER_CALL:
+            time.sleep(0.01)  # what a per-call re-pack of a 7 MB weight costs (~40x the GEMM)
+        return real(x, packed, bias)
+
+    monkeypatch.setattr(lora_layers, "packed_linear_2d", slow_conv)
+    assert pack_for_decode(layers)
+    packed = [m.stack[0].packed if m.stack else m.packed_weight for m in layers.values()]
+    assert {p.dim() for p in packed} == {2}
+    x = torch.randn(3, 16)
+    ctx.set_rows([-1, -1, -1])
+    with torch.inference_mode():
+        want = layers["attn.o_proj"](x)
+        ctx.sampling = True
+        torch.testing.assert_close(layers["attn.o_proj"](x), want, atol=1e-5, rtol=1e-5)
+

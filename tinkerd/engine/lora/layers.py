@@ -12,6 +12,18 @@ measured on SmolLM2-135M, 1 thread, 8 rows, all 211 linears: 42-87 ms per pass p
 78-129 ms through F.linear (MKL's skinny-M sgemm), and each row's output is bit-identical whatever
 the number of rows. Training never uses the packed copy (it has no autograd); logprobs of the two
 paths agree within 2.5e-5 on SmolLM2 (the sampler's tolerance against the trainer is 1e-4).
+
+The packing is oneDNN's 1x1 convolution's, not its inner product's: the M rows of x [M, in] are
+M positions of one image, x itself is that image in channels-last layout, and so is the output
+[M, out], so no copy is made either way. oneDNN runs such a convolution through its brgemm 1x1
+kernel, which streams the packed weight faster than the inner-product kernel at decode's few rows
+(AMD Zen 4, 1 thread, SmolLM2's body linears streamed from memory: 25 against 28 ms at 8 rows,
+23 against 33 at 2; the 49k-row head 5.4 against 6.8-8.3 ms), equal from ~24 rows. The kernel's
+weight layout depends on the number of positions (48-row blocks below 64 positions, 64-row blocks
+from 64 up, on this CPU), and a call whose layout differs from the packed one re-packs the weight
+on every call (~40x slower), so calls take at most ROWS_PER_CALL rows: prefill's 128-row chunks
+run as three GEMMs of ~43 rows, ~10% slower than one inner product of 128. On a CPU where that
+does not hold, pack_for_decode measures it and packs for the inner product instead.
 """
 
 from __future__ import annotations
@@ -137,9 +149,43 @@ class MultiLoraLinear(nn.Module):
         return out
 
 
+# Most rows one 1x1-convolution GEMM takes (module docstring): below the 64 positions at which
+# oneDNN switches weight layouts on AVX-512, with room to spare.
+ROWS_PER_CALL = 48
+
+
+def _pack(weight: torch.Tensor, conv: bool) -> torch.Tensor:
+    """weight [out, in] packed for oneDNN's 1x1 convolution ([out, in, 1, 1]) or inner product ([out, in])."""
+    if not conv:
+        return torch.ops.mkldnn._reorder_linear_weight(weight, 8)
+    four_d = weight[:, :, None, None].contiguous().to_mkldnn()
+    return torch._C._nn.mkldnn_reorder_conv2d_weight(
+        four_d, [0, 0], [1, 1], [1, 1], 1, [1, weight.shape[1], 1, ROWS_PER_CALL]
+    )
+
+
+def _conv_1x1(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    # as_strided, one op where view + permute are two: the op itself costs ~24 us, the wrapper
+    # around it was another ~7.
+    if not x.is_contiguous():
+        x = x.contiguous()
+    m, k = x.shape
+    image = x.as_strided((1, k, 1, m), (m * k, 1, m * k, k))  # [1, in, 1, M], channels-last
+    out = torch.ops.mkldnn._convolution_pointwise(image, packed, bias, [0, 0], [1, 1], [1, 1], 1, "none", [], "")
+    n = out.shape[1]
+    return out.as_strided((m, n), (n, 1))  # channels-last [1, out, 1, M] is [M, out]
+
+
 def packed_linear_2d(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, in] through a weight packed by pack_for_decode -> [M, out]."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    if packed.dim() == 2:  # packed for the inner product; the 1x1 convolution's is [out, in, 1, 1]
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    m = x.shape[0]
+    if m <= ROWS_PER_CALL:
+        return _conv_1x1(x, packed, bias)
+    # Even parts: 129 rows as 43+43+43, not 48+48+33 (each part streams the whole weight).
+    parts = x.tensor_split(-(-m // ROWS_PER_CALL))
+    return torch.cat([_conv_1x1(part, packed, bias) for part in parts])
 
 
 def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -164,14 +210,14 @@ class PackedStack:
     its adapters' deltas, added in place.
     """
 
-    def __init__(self, members: list[MultiLoraLinear], rows_hint: int):
+    def __init__(self, members: list[MultiLoraLinear], conv: bool):
         self.members = members
         self.sizes = [m.out_features for m in members]
         self.offsets = [sum(self.sizes[:i]) for i in range(len(members))]
         biases = [m.base.bias for m in members]
         self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
         weight = torch.cat([m.base.weight.detach() for m in members])  # [sum of outs, in]
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint)
+        self.packed = _pack(weight, conv)
         self._last: tuple[torch.Tensor, torch.Tensor, set[int]] | None = None  # (input, output, members served)
 
     def part(self, x: torch.Tensor, i: int) -> torch.Tensor:
@@ -199,12 +245,40 @@ def _stacks(layers: dict[str, MultiLoraLinear]) -> list[list[MultiLoraLinear]]:
     return groups
 
 
-def pack_for_decode(layers: dict[str, MultiLoraLinear], rows_hint: int = 8) -> bool:
+def _conv_packing_holds(weight: torch.Tensor) -> bool:
+    """Whether the 1x1-convolution packing of `weight` serves 1 and ROWS_PER_CALL rows at most 4x
+    as slowly as the inner product's. Where the kernel's layout for one of them differs from the
+    packed one, every call re-packs the weight: 40-160x slower on SmolLM2's linears. Otherwise
+    0.7-1.3x there, and up to ~2.3x on toy linears of 64 x 64, where oneDNN's fixed cost per call
+    (24 us against 14) is all there is."""
+    import time
+
+    packs = {conv: _pack(weight, conv) for conv in (True, False)}
+    for m in (1, ROWS_PER_CALL):
+        x = torch.randn(m, weight.shape[1])
+        cost = {}
+        for conv, packed in packs.items():
+            packed_linear_2d(x, packed, None)  # oneDNN builds the primitive on the first call
+            runs = []
+            for _ in range(3):
+                t = time.perf_counter()
+                packed_linear_2d(x, packed, None)
+                runs.append(time.perf_counter() - t)
+            cost[conv] = min(runs)
+        if cost[True] > 4 * cost[False]:
+            log.warning("oneDNN's 1x1 convolution is %.0fx slower than its inner product at %d rows here: "
+                        "packing for the inner product", cost[True] / cost[False], m)
+            return False
+    return True
+
+
+def pack_for_decode(layers: dict[str, MultiLoraLinear]) -> bool:
     """Give every fp32 CPU base linear a oneDNN-packed weight for the sampler; True if packed.
 
-    q/k/v and gate/up are packed together (PackedStack), the others alone. Costs one more copy of
-    the wrapped weights in memory (540 MB for SmolLM2-135M). Skipped (with a log line, results are
-    the same within 1e-4, only slower) where oneDNN or the op is missing.
+    q/k/v and gate/up are packed together (PackedStack), the others alone, all for the 1x1
+    convolution unless it is slow on this CPU (_conv_packing_holds), then for the inner product.
+    Costs one more copy of the wrapped weights in memory (540 MB for SmolLM2-135M). Skipped (with a
+    log line, results are the same within 1e-4, only slower) where oneDNN or the op is missing.
     """
     sample = next(iter(layers.values()), None)
     if sample is None or sample.weight.device.type != "cpu" or sample.weight.dtype != torch.float32:
@@ -213,14 +287,17 @@ def pack_for_decode(layers: dict[str, MultiLoraLinear], rows_hint: int = 8) -> b
         log.info("oneDNN is not available: the sampler uses unpacked linear weights")
         return False
     try:
+        # Checked on the body's biggest linear: the head would take a second, 100 MB+ packing.
+        body = [layer for name, layer in layers.items() if not name.endswith(UNEMBED_TARGET)] or list(layers.values())
+        conv = _conv_packing_holds(max(body, key=lambda layer: layer.weight.numel()).weight.detach())
         for members in _stacks(layers):
             if members[0].stack is None:
-                stack = PackedStack(members, rows_hint)
+                stack = PackedStack(members, conv)
                 for i, m in enumerate(members):
                     m.stack = (stack, i)
         for layer in layers.values():
             if layer.stack is None and layer.packed_weight is None:
-                layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(layer.base.weight.detach(), rows_hint)
+                layer.packed_weight = _pack(layer.base.weight.detach(), conv)
         # One check that the private op still computes a linear (it is inductor's, not public API).
         x = torch.randn(3, sample.in_features, generator=torch.Generator().manual_seed(0))
         want = torch.nn.functional.linear(x, sample.base.weight.detach(), sample.base.bias)

@@ -8,10 +8,10 @@ model's own modules and parameters (the multi-LoRA linears, rotary embedding, no
 [B, H] rows and writes each layer's key/value column straight into the batch cache (kv.py).
 
 Measured per step here (1 thread, 8 rows, ~70 cached columns, weights on 2 MB pages): linears
-~32 ms, attention ~5, everything else ~5. Each small op right after a GEMM costs 2-3x what it
+~29 ms, attention ~4.5, everything else ~5. Each small op right after a GEMM costs 2-3x what it
 costs alone (the GEMM's megabytes of streamed weights evict the interpreter's code and data from
-L2; a oneDNN call itself has ~14 us of fixed cost, ~22 there), so the glue between linears is kept
-to as few kernels and calls as the math allows.
+L2; a oneDNN call itself has 14-24 us of fixed cost, more there), so the glue between linears is
+kept to as few kernels and calls as the math allows.
 
 Only architectures whose decoder layer is exactly
     x += o_proj(attn(rope(norm_q(q_proj(n1(x)))), rope(norm_k(k_proj(n1(x)))), v_proj(n1(x))))
