@@ -17,7 +17,7 @@ The packing is oneDNN's 1x1 convolution's, not its inner product's: the M rows o
 M positions of one image, x itself is that image in channels-last layout, and so is the output
 [M, out], so no copy is made either way. oneDNN runs such a convolution through its brgemm 1x1
 kernel, which streams the packed weight faster than the inner-product kernel at decode's few rows
-(AMD Zen 4, 1 thread, SmolLM2's body linears streamed from memory: 25 against 28 ms at 8 rows,
+(benchmarks/packing.py; AMD Zen 4, 1 thread, SmolLM2's body linears streamed from memory: 25 against 28 ms at 8 rows,
 23 against 33 at 2; the 49k-row head 5.4 against 6.8-8.3 ms), equal from ~24 rows. The kernel's
 weight layout depends on the number of positions (48-row blocks below 64 positions, 64-row blocks
 from 64 up, on this CPU), and a call whose layout differs from the packed one re-packs the weight
