@@ -53,8 +53,9 @@ def main() -> None:
     dense = [[torch.randn(shape, generator=gen) * 0.02 for shape in BODY] for _ in range(LAYERS)]
     head = torch.randn(VOCAB, HIDDEN, generator=gen) * 0.02
     packed = {conv: ([[_pack(w, conv) for w in layer] for layer in dense], _pack(head, conv)) for conv in (True, False)}
+    body_mb = sum(w.numel() for layer in dense for w in layer) * 4 / 1e6
     print(f"threads {args.threads}, GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')!r}, "
-          f"body {sum(w.numel() for layer in dense for w in layer) * 4 / 1e6:.0f} MB, head {head.numel() * 4 / 1e6:.0f} MB")
+          f"body {body_mb:.0f} MB, head {head.numel() * 4 / 1e6:.0f} MB")
     for m in (int(r) for r in args.rows.split(",")):
         inputs = {k: torch.randn(m, k, generator=gen) for _, k in BODY}
         times, busy0, own0 = {}, cpu_busy_s(), time.process_time()
