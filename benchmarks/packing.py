@@ -22,15 +22,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.sampling import cpu_busy_s  # noqa: E402
 from tinkerd.engine.lora.layers import _pack, packed_linear_2d  # noqa: E402
 
 HIDDEN, INNER, HEADS_DIM, KV_DIM, LAYERS, VOCAB = 576, 1536, 576, 192, 30, 49152
 BODY = [(HEADS_DIM + 2 * KV_DIM, HIDDEN), (HIDDEN, HEADS_DIM), (2 * INNER, HIDDEN), (HIDDEN, INNER)]
-
-
-def cpu_busy_s() -> float:
-    fields = [int(x) for x in open("/proc/stat").readline().split()[1:]]
-    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def best_of(fn, repeats: int) -> float:

@@ -17,18 +17,20 @@ The packing is oneDNN's 1x1 convolution's, not its inner product's: the M rows o
 M positions of one image, x itself is that image in channels-last layout, and so is the output
 [M, out], so no copy is made either way. oneDNN runs such a convolution through its brgemm 1x1
 kernel, which streams the packed weight faster than the inner-product kernel at decode's few rows
-(benchmarks/packing.py; AMD Zen 4, 1 thread, SmolLM2's body linears streamed from memory: 25 against 28 ms at 8 rows,
-23 against 33 at 2; the 49k-row head 5.4 against 6.8-8.3 ms), equal from ~24 rows. The kernel's
-weight layout depends on the number of positions (48-row blocks below 64 positions, 64-row blocks
-from 64 up, on this CPU), and a call whose layout differs from the packed one re-packs the weight
-on every call (~40x slower), so calls take at most ROWS_PER_CALL rows: prefill's 128-row chunks
-run as three GEMMs of ~43 rows, ~10% slower than one inner product of 128. On a CPU where that
-does not hold, pack_for_decode measures it and packs for the inner product instead.
+(benchmarks/packing.py; AMD Zen 4, 1 thread, SmolLM2's body linears streamed from memory: 25
+against 28 ms at 8 rows, 23 against 33 at 2; the 49k-row head 5.4 against 6.8-8.3 ms), equal from
+~24 rows. The kernel's weight layout depends on the number of positions (48-row blocks below 64
+positions, 64-row blocks from 64 up, on this CPU), and a call whose layout differs from the packed
+one re-packs the weight on every call (~40x slower), so calls take at most ROWS_PER_CALL rows:
+prefill's 128-row chunks run as three GEMMs of ~43 rows, ~10% slower than one inner product of
+128. On a CPU where that does not hold, pack_for_decode measures it and packs for the inner
+product instead.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -167,8 +169,7 @@ def _pack(weight: torch.Tensor, conv: bool) -> torch.Tensor:
 def _conv_1x1(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     # as_strided, one op where view + permute are two: the op itself costs ~24 us, the wrapper
     # around it was another ~7.
-    if not x.is_contiguous():
-        x = x.contiguous()
+    x = x.contiguous()
     m, k = x.shape
     image = x.as_strided((1, k, 1, m), (m * k, 1, m * k, k))  # [1, in, 1, M], channels-last
     out = torch.ops.mkldnn._convolution_pointwise(image, packed, bias, [0, 0], [1, 1], [1, 1], 1, "none", [], "")
@@ -251,8 +252,6 @@ def _conv_packing_holds(weight: torch.Tensor) -> bool:
     packed one, every call re-packs the weight: 40-160x slower on SmolLM2's linears. Otherwise
     0.7-1.3x there, and up to ~2.3x on toy linears of 64 x 64, where oneDNN's fixed cost per call
     (24 us against 14) is all there is."""
-    import time
-
     packs = {conv: _pack(weight, conv) for conv in (True, False)}
     for m in (1, ROWS_PER_CALL):
         x = torch.randn(m, weight.shape[1])
