@@ -209,14 +209,16 @@ class Control:
         row = self.store.get(FutureRow, request_id)
         if row is None or row.status != "pending":
             return row
-        state: dict[str, FutureRow | None] = {"row": row}
 
         def is_done() -> bool:
-            state["row"] = self.store.get(FutureRow, request_id)
-            return state["row"] is not None and state["row"].status != "pending"
+            done = self.store.get(FutureRow, request_id)
+            return done is not None and done.status != "pending"
 
-        await self.hub.wait(request_id, timeout_s, is_done)
-        return state["row"]
+        if await self.hub.wait(request_id, timeout_s, is_done):
+            # Read again: the wake-up means the result is stored now, whatever an earlier check read
+            # (returning that stale pending row cost every op a second round trip and a warning).
+            return self.store.get(FutureRow, request_id)
+        return row
 
     # -- the worker ------------------------------------------------------------------------------
 

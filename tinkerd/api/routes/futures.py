@@ -26,14 +26,16 @@ async def retrieve_future(request: Request) -> Response:
     if row is None:
         raise NotFoundError(f"unknown request_id {req.request_id!r}")
     if row.status == "pending":
-        # The SDK re-polls a try_again at once, so this answer only comes after the long-poll hold.
-        # An op its account's quota holds back is "paused_rate_limit" (why: control/quotas.py); the
-        # SDK keeps polling either way.
+        # Only after the long-poll hold. The try_again body goes out as a 408: the SDK (0.36 and 0.38,
+        # api_future_impl) re-polls a 408 at once and quietly, reading queue_state from its body,
+        # while a 200 try_again logs "Retrying request ... because of try_again" at WARNING on every
+        # hold of a long op. An op its account's quota holds back is "paused_rate_limit" (why:
+        # control/quotas.py); the SDK keeps polling either way.
+        body = {"type": "try_again", "request_id": row.request_id, "queue_state": "active"}
         reason = st.control.scheduler.pause_reason(row.request_id)
-        if reason is None:
-            return JSONResponse({"type": "try_again", "request_id": row.request_id, "queue_state": "active"})
-        return JSONResponse({"type": "try_again", "request_id": row.request_id, "queue_state": PAUSED,
-                             "queue_state_reason": reason})
+        if reason is not None:
+            body.update(queue_state=PAUSED, queue_state_reason=reason)
+        return JSONResponse(body, status_code=408)
     if row.status == "failed":
         return JSONResponse({"error": row.error, "category": row.error_category or "unknown"})
     if row.result_media_type == "application/json":
