@@ -11,6 +11,7 @@ import zstandard
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from tinkerd.api.compat import validate_lenient
 from tinkerd.config import ServerConfig
 from tinkerd.control.accounts import Accounts
 from tinkerd.control.control import Control, Work
@@ -96,8 +97,13 @@ class PayloadTooLarge(UserError):
 
 
 def parse(model: type[M], body: bytes) -> M:
+    return parse_ignoring_unknown(model, body)[0]
+
+
+def parse_ignoring_unknown(model: type[M], body: bytes) -> tuple[M, list[str]]:
+    """The request, and the paths of fields it carried that the schema does not know (api/compat.py)."""
     try:
-        return model.model_validate_json(body or b"{}")
+        return validate_lenient(model, body)
     except pydantic.ValidationError as e:
         problems = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or 'body'}: {err['msg']}" for err in e.errors()[:5])
         raise UserError(f"invalid {model.__name__}: {problems}") from e

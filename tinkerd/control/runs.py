@@ -176,6 +176,14 @@ class Runs:
         rows = self.store.query(stmt.offset(offset))
         return rows, self.store.query(count)[0]
 
+    def base_models(self, model_ids) -> dict[str, str]:
+        """model_id -> base model, for the runs among `model_ids` (one query for a page of checkpoints)."""
+        ids = sorted(set(model_ids))
+        if not ids:
+            return {}
+        stmt = select(TrainingRunRow.model_id, TrainingRunRow.base_model).where(TrainingRunRow.model_id.in_(ids))
+        return dict(self.store.query(stmt))
+
     # -- checkpoints -----------------------------------------------------------------------------
     #
     # A checkpoint is registered (its row added) only by the finalize step of the op that wrote it,

@@ -30,9 +30,12 @@ ACCESS_SCOPES = ("owned", "accessible")
 MAX_PAGE = 10_000
 
 
-def checkpoint_json(row: CheckpointRow) -> dict:
+def checkpoint_json(row: CheckpointRow, base_model: str | None = None) -> dict:
     segment = TYPE_SEGMENTS[row.checkpoint_type]
     return {
+        # Not a field of SDK 0.38's Checkpoint (its models ignore extra keys): newer SDKs and the
+        # console read which base model a checkpoint's weights apply to without a second lookup.
+        "base_model": base_model,
         "checkpoint_id": f"{segment}/{row.name}",
         "checkpoint_type": row.checkpoint_type,
         "time": iso(row.created_at),
@@ -55,8 +58,8 @@ def run_json(runs: Runs, row: TrainingRunRow) -> dict:
         "corrupted": False,
         "lora_rank": row.lora_rank,
         "last_request_time": iso(row.last_request_at),
-        "last_checkpoint": checkpoint_json(last) if last else None,
-        "last_sampler_checkpoint": checkpoint_json(last_sampler) if last_sampler else None,
+        "last_checkpoint": checkpoint_json(last, row.base_model) if last else None,
+        "last_sampler_checkpoint": checkpoint_json(last_sampler, row.base_model) if last_sampler else None,
         "user_metadata": dict(row.user_metadata or {}),
     }
 
@@ -109,17 +112,20 @@ async def get_training_run(run_id: str, request: Request, access_scope: str = "o
 @router.get("/training_runs/{run_id}/checkpoints")
 async def list_run_checkpoints(run_id: str, request: Request) -> dict:
     runs = state(request).runs
-    runs.owned_run(run_id, account(request))
+    run = runs.owned_run(run_id, account(request))
     rows, total = runs.list_checkpoints(run_id)
-    return {"checkpoints": [checkpoint_json(r) for r in rows], "cursor": {"offset": 0, "limit": total, "total_count": total}}
+    return {"checkpoints": [checkpoint_json(r, run.base_model) for r in rows],
+            "cursor": {"offset": 0, "limit": total, "total_count": total}}
 
 
 @router.get("/checkpoints")
 async def list_user_checkpoints(request: Request, limit: int = 100, offset: int = 0) -> dict:
     limit, offset = _page(limit, offset)
-    rows, total = state(request).runs.list_checkpoints(limit=limit, offset=offset, account_id=account(request))
+    runs = state(request).runs
+    rows, total = runs.list_checkpoints(limit=limit, offset=offset, account_id=account(request))
+    bases = runs.base_models(r.model_id for r in rows)
     return {
-        "checkpoints": [checkpoint_json(r) for r in rows],
+        "checkpoints": [checkpoint_json(r, bases.get(r.model_id)) for r in rows],
         "cursor": {"offset": offset, "limit": limit, "total_count": total},
     }
 
@@ -146,8 +152,9 @@ async def set_checkpoint_ttl(run_id: str, type_seg: str, name: str, request: Req
         raise UserError(f"invalid JSON body: {e}") from e
     if not isinstance(body, dict) or "ttl_seconds" not in body:
         raise UserError('send {"ttl_seconds": <seconds> or null}')
-    row = state(request).runs.set_ttl(path, body["ttl_seconds"], account(request))
-    return checkpoint_json(row)
+    runs = state(request).runs
+    row = runs.set_ttl(path, body["ttl_seconds"], account(request))
+    return checkpoint_json(row, runs.base_models([row.model_id]).get(row.model_id))
 
 
 @router.delete("/training_runs/{run_id}/checkpoints/{type_seg}/{name}")

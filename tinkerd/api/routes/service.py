@@ -6,7 +6,8 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from tinker import types as t
 
-from tinkerd.api.deps import account, authenticate, empty, parse, read_body, state
+from tinkerd.api.compat import session_warning
+from tinkerd.api.deps import account, authenticate, empty, parse, parse_ignoring_unknown, read_body, state
 
 router = APIRouter(prefix="/api/v1")
 authed = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
@@ -36,10 +37,14 @@ async def dynamic_config() -> dict:
 
 @authed.post("/create_session")
 async def create_session(request: Request) -> dict:
-    req = parse(t.CreateSessionRequest, await read_body(request))
+    req, ignored = parse_ignoring_unknown(t.CreateSessionRequest, await read_body(request))
     session_id = state(request).runs.create_session(req.tags, req.user_metadata or {}, req.sdk_version,
                                                     account(request))
-    return {"session_id": session_id, "type": "create_session"}
+    answer = {"session_id": session_id, "type": "create_session"}
+    warning = session_warning(req.sdk_version, ignored)
+    if warning:
+        answer["warning_message"] = warning
+    return answer
 
 
 @authed.post("/session_heartbeat")
