@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
+import shutil
+import tempfile
+
+# Hermetic Hugging Face cache for the whole test run and every server it starts: the SmolLM2 load
+# writes its tokenizer alias there (engine/model/hub_alias.py), and nothing may read or write the
+# developer's own cache. Set before transformers is imported: huggingface_hub reads it at import.
+os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="tinkerd-test-hf-")
+atexit.register(shutil.rmtree, os.environ["HF_HOME"], ignore_errors=True)
 
 import pytest
 import torch

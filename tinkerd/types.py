@@ -232,7 +232,8 @@ class ServedModel:
     """What the engine serves: reported by get_server_capabilities and get_info."""
 
     name: str
-    tokenizer_dir: str
+    # get_info's tokenizer_id: the hub name where the model has one, else a server-side directory.
+    tokenizer_id: str
     max_context_length: int
     arch: str
     # The loss_fn names forward_backward accepts on this model (the engine's loss registry).

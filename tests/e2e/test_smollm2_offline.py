@@ -104,3 +104,41 @@ def test_second_load_uses_the_converted_folder(converted, smol_models_dir, monke
     assert seconds < first_seconds / 3, (seconds, first_seconds)
     same = torch.equal(again.model.model.embed_tokens.weight, converted[0].model.model.embed_tokens.weight)
     assert same
+
+
+def test_tokenizer_id_is_the_hub_name_and_resolves_on_this_machine_without_a_hub(converted):
+    """get_info reports the hub name (a client elsewhere can resolve nothing else); here, with no hub,
+    the name resolves through the HF cache alias the load put there: config and tokenizer, no weights."""
+    import subprocess
+    import sys
+
+    from tinkerd.engine.model import hub_alias
+
+    loaded = converted[0]
+    assert loaded.tokenizer_id == NAME
+    repo = hub_alias.repo_dir(NAME)
+    snapshot = repo / "snapshots" / (repo / "refs" / "main").read_text()
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= {p.name for p in snapshot.iterdir()}
+    assert not list(snapshot.glob("*.safetensors"))
+    assert not offline.in_hf_cache(NAME)  # weights absent: the server keeps loading its converted copy
+    # A client process, as the SDK's get_tokenizer() does it, with the ready line's HF_HUB_OFFLINE=1.
+    code = ("import sys; from transformers import AutoTokenizer; t = AutoTokenizer.from_pretrained(sys.argv[1]); "
+            "print(t.eos_token_id, len(t), t.decode(t('What is the capital of France?').input_ids))")
+    out = subprocess.run([sys.executable, "-c", code, loaded.tokenizer_id], capture_output=True, text=True,
+                         env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split(maxsplit=2) == ["2", "49152", "What is the capital of France?\n"]
+
+
+def test_an_existing_cache_entry_is_never_overwritten(tmp_path, monkeypatch):
+    from tinkerd.engine.model import hub_alias
+
+    monkeypatch.setattr(hub_alias, "repo_dir", lambda name: tmp_path / "models--x--y")
+    (tmp_path / "models--x--y" / "refs").mkdir(parents=True)
+    (tmp_path / "models--x--y" / "refs" / "main").write_text("f" * 40)  # the real hub's entry
+    src = tmp_path / "converted"
+    src.mkdir()
+    (src / "tokenizer.json").write_text("{}")
+    assert hub_alias.publish("x/y", src, "0" * 40)
+    assert (tmp_path / "models--x--y" / "refs" / "main").read_text() == "f" * 40
+    assert not (tmp_path / "models--x--y" / "snapshots").exists()

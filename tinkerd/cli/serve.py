@@ -7,9 +7,11 @@ import asyncio
 import logging
 import socket
 from pathlib import Path
+from urllib.parse import urlparse
 
 import uvicorn
 
+from tinkerd.cli import LOG_FORMAT
 from tinkerd.config import DEFAULT_BASE_MODEL, ServerConfig
 
 log = logging.getLogger(__name__)
@@ -127,7 +129,8 @@ def build_engine_client(config: ServerConfig):
 
         log.info("starting the engine process for %s", ", ".join(config.base_models))
         return ProcessEngineClient(EngineSpec(config.models_dir, tuple(config.base_models), config.max_lora_rank,
-                                              config.torch_threads, config.sample_kv_cache_bytes))
+                                              config.torch_threads, config.sample_kv_cache_bytes,
+                                              log_level=logging.getLogger().getEffectiveLevel(), log_format=LOG_FORMAT))
     import torch
 
     from tinkerd.engine.client import InProcessEngineClient
@@ -161,6 +164,24 @@ def local_key(config: ServerConfig, accounts) -> str | None:
     return path.read_text().strip() if path.exists() else None
 
 
+def hub_unreachable(timeout_s: float = 2.0) -> bool:
+    """Whether this machine cannot reach the Hugging Face hub (or is told to stay off it).
+
+    Then the ready line tells clients HF_HUB_OFFLINE=1: their `get_tokenizer()` resolves a hub name
+    from the local cache at once (engine/model/hub_alias.py), where huggingface_hub would otherwise
+    retry the unreachable hub for about two minutes and log a warning for every retry."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return True
+    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout_s).close()
+        return False
+    except OSError:  # no DNS, refused, or timed out
+        return True
+
+
 def run(args) -> int:
     config = build_config(args)
     app, control = build_app(config)
@@ -172,12 +193,16 @@ def run(args) -> int:
     key = local_key(config, app.state.tinkerd.accounts)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_keep_alive=75))
 
+    # Asked before serving, not on the event loop: a resolver can take seconds to fail.
+    offline_env = " HF_HUB_OFFLINE=1" if hub_unreachable() else ""
+
     async def announce() -> None:
         while not server.started:
             await asyncio.sleep(0.05)
         print(
             f"tinkerd ready at {url} serving {', '.join(config.base_models)}\n"
-            f"  export TINKER_BASE_URL={url} TINKER_API_KEY={key or '<a key from: tinkerd keys create --name NAME>'}",
+            f"  export TINKER_BASE_URL={url} TINKER_API_KEY={key or '<a key from: tinkerd keys create --name NAME>'}"
+            f"{offline_env}",
             flush=True,
         )
 

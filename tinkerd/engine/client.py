@@ -20,7 +20,7 @@ class InProcessEngineClient:
         return [
             ServedModel(
                 name=rt.name,
-                tokenizer_dir=rt.loaded.tokenizer_dir,
+                tokenizer_id=rt.loaded.tokenizer_id,
                 max_context_length=rt.loaded.max_context_length,
                 arch=type(rt.model).__name__,
                 loss_fns=tuple(supported_losses()),

@@ -85,7 +85,7 @@ async def get_info(request: Request) -> dict:
     return {
         "type": "get_info",
         "model_id": run.model_id,
-        "model_data": {"arch": served.arch, "model_name": run.base_model, "tokenizer_id": served.tokenizer_dir},
+        "model_data": {"arch": served.arch, "model_name": run.base_model, "tokenizer_id": served.tokenizer_id},
         "is_lora": True,
         "lora_rank": run.lora_rank,
         "model_name": run.base_model,

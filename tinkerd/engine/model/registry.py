@@ -26,10 +26,13 @@ log = logging.getLogger(__name__)
 class LoadedModel:
     name: str
     model: PreTrainedModel  # fp32 on CPU, eval mode
-    # A directory `AutoTokenizer.from_pretrained` loads (also what get_info reports as tokenizer_id).
+    # What the server's own `AutoTokenizer.from_pretrained` loads: a directory or a hub name.
     tokenizer_dir: str
     max_context_length: int
     eos_token_ids: list[int] = field(default_factory=list)
+    # What get_info reports, for a client's `from_pretrained`: the hub name where the model has one
+    # (a client on another machine can resolve nothing else), else the server-side directory.
+    tokenizer_id: str = ""
 
 
 def cache_dir_for(name: str, models_dir: Path) -> Path:
@@ -54,12 +57,12 @@ def _build_once(name: str, models_dir: Path, build) -> Path:
     return target
 
 
-def _load_dir(name: str, path: Path) -> LoadedModel:
+def _load_dir(name: str, path: Path, tokenizer_id: str | None = None) -> LoadedModel:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    return _finish(name, model, str(path))
+    return _finish(name, model, str(path), tokenizer_id)
 
 
-def _finish(name: str, model: PreTrainedModel, tokenizer_dir: str) -> LoadedModel:
+def _finish(name: str, model: PreTrainedModel, tokenizer_dir: str, tokenizer_id: str | None = None) -> LoadedModel:
     model.eval()
     cfg = model.config
     eos = model.generation_config.eos_token_id if model.generation_config is not None else None
@@ -67,7 +70,8 @@ def _finish(name: str, model: PreTrainedModel, tokenizer_dir: str) -> LoadedMode
         eos = cfg.eos_token_id
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
     max_ctx = int(getattr(cfg, "max_position_embeddings", 2048) or 2048)
-    return LoadedModel(name=name, model=model, tokenizer_dir=tokenizer_dir, max_context_length=max_ctx, eos_token_ids=eos_ids)
+    return LoadedModel(name=name, model=model, tokenizer_dir=tokenizer_dir, max_context_length=max_ctx,
+                       eos_token_ids=eos_ids, tokenizer_id=tokenizer_id or tokenizer_dir)
 
 
 def load_model(name: str, models_dir: Path) -> LoadedModel:
@@ -75,7 +79,7 @@ def load_model(name: str, models_dir: Path) -> LoadedModel:
         return _load_dir(name, _build_once(name, models_dir, tiny.build_tiny))
     if os.path.isdir(name) and os.path.exists(os.path.join(name, "config.json")):
         return _load_dir(name, Path(name))
-    from tinkerd.engine.model import offline
+    from tinkerd.engine.model import hub_alias, offline
 
     offline_error: UserError | None = None
     if name in offline.OFFLINE_SOURCES:
@@ -85,7 +89,9 @@ def load_model(name: str, models_dir: Path) -> LoadedModel:
             # No offline copy here: a machine with a model hub can still download it below.
             path, offline_error = None, e
         if path is not None:
-            return _load_dir(name, path)
+            # Converted here: its hub name resolves on this machine once the alias is in the cache.
+            published = hub_alias.publish(name, path, offline.OFFLINE_SOURCES[name].sha256[:40])
+            return _load_dir(name, path, tokenizer_id=name if published else None)
     try:
         model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)
     except (OSError, ValueError) as e:
