@@ -40,7 +40,7 @@ def _sdk_of(python: Path) -> tuple[str, str] | None:
         return None
     proc = subprocess.run([str(python), "-c", "import tinker; print(tinker.__version__); print(tinker.__file__)"],
                           capture_output=True, text=True, timeout=120)
-    return tuple(proc.stdout.split()) if proc.returncode == 0 else None
+    return tuple(proc.stdout.splitlines()[-2:]) if proc.returncode == 0 else None
 
 
 def _build_venv() -> None:
