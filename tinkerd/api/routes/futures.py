@@ -25,6 +25,8 @@ async def retrieve_future(request: Request) -> Response:
     row = await st.control.retrieve(req.request_id, st.config.retrieve_future_timeout_s)
     if row is None:
         raise NotFoundError(f"unknown request_id {req.request_id!r}")
+    if row.expired_at is not None:  # only its owner gets here: see control/retention.py for the 404
+        raise NotFoundError(st.control.expired_message(row.request_id))
     if row.status == "pending":
         # The SDK re-polls a try_again at once, so this answer only comes after the long-poll hold.
         # An op its account's quota holds back is "paused_rate_limit" (why: control/quotas.py); the
