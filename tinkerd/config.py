@@ -48,6 +48,14 @@ class ServerConfig(BaseModel):
     # heartbeats, well past the SDK's own 120 s warning. 0 never releases a quiet session's runs (an
     # ended session's runs are released at once either way).
     session_expiry_s: float = Field(default=300.0, ge=0)
+    # Retention of finished futures (control/retention.py): a result or error expires this long
+    # after retrieve_future first handed it out (room for a re-poll after a lost response: 20x the
+    # SDK's 30 s longest reconnect backoff), or this long after its op finished if never retrieved;
+    # an expired future is remembered as expired for future_tombstone_s, then deleted. Ops recovery
+    # still replays are never deleted.
+    future_retrieved_grace_s: float = Field(default=600.0, gt=0)
+    future_max_age_s: float = Field(default=86400.0, gt=0)
+    future_tombstone_s: float = Field(default=86400.0, gt=0)
     # save_weights_and_get_sampling_client writes a sampler per call (an RL loop: one per step).
     # The newest this many per session are kept; older ones are deleted once no queued or decoding
     # request uses them, and asking for one later is a 404.

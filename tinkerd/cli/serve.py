@@ -51,6 +51,12 @@ def add_parser(sub) -> None:
     p.add_argument("--sample-kv-cache-gb", type=_positive, default=None,
                    help="memory the sampler's KV cache may take, in GiB (default: a quarter of the machine's); "
                         "a sample request needing more alone is refused, others wait for room")
+    p.add_argument("--future-retrieved-grace-s", type=_positive, default=None,
+                   help="a finished future's result is deleted this long after it was first retrieved (default 600)")
+    p.add_argument("--future-max-age-s", type=_positive, default=None,
+                   help="a finished future's result is deleted this long after its op finished, even if never retrieved (default 86400)")
+    p.add_argument("--future-tombstone-s", type=_positive, default=None,
+                   help="an expired future answers 'expired' to its owner this long, then is forgotten (default 86400)")
     p.add_argument("--retrieve-future-timeout-s", type=_positive, default=None,
                    help="how long retrieve_future holds a pending request before try_again (default 20)")
     p.set_defaults(func=run)
@@ -89,7 +95,7 @@ def build_config(args) -> ServerConfig:
     if args.ephemeral_samplers_kept is not None:
         values["ephemeral_samplers_kept"] = args.ephemeral_samplers_kept
     for name in ("max_concurrent_runs", "max_tokens_per_minute", "quota_window_s", "retrieve_future_timeout_s",
-                 "sample_kv_cache_gb"):
+                 "sample_kv_cache_gb", "future_retrieved_grace_s", "future_max_age_s", "future_tombstone_s"):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
     return ServerConfig(**values)
@@ -105,6 +111,7 @@ def build_app(config: ServerConfig):
     from tinkerd.control.quotas import Quotas
     from tinkerd.control.recovery import Recovery
     from tinkerd.control.residency import Residency
+    from tinkerd.control.retention import FutureRetention
     from tinkerd.control.runs import Runs
     from tinkerd.control.store.db import Store
 
@@ -114,7 +121,9 @@ def build_app(config: ServerConfig):
     # rebuild needs the app state, which needs control: wired right below.
     recovery = Recovery(store, config.data_dir / "snapshots", rebuild=None, snapshot_interval_s=config.snapshot_interval_s)
     control = Control(store, client, recovery, quotas=Quotas(store, config),
-                      residency=Residency(store, recovery, config.session_expiry_s))
+                      residency=Residency(store, recovery, config.session_expiry_s),
+                      retention=FutureRetention(store, recovery, config.future_retrieved_grace_s,
+                                                config.future_max_age_s, config.future_tombstone_s))
     runs = Runs(store, config.checkpoints_dir)
     served = {m.name: m for m in client.models()}
     accounts = Accounts(store)

@@ -24,6 +24,7 @@ from tinkerd.control.queue import OpQueue, QueuedOp
 from tinkerd.control.quotas import Quotas
 from tinkerd.control.recovery import Recovery
 from tinkerd.control.residency import Residency
+from tinkerd.control.retention import FutureRetention, forgotten
 from tinkerd.control.scheduler import Picked, Scheduler
 from tinkerd.control.store.db import Store, utcnow
 from tinkerd.control.store.tables import FutureRow
@@ -77,7 +78,8 @@ class Accepted:
 
 class Control:
     def __init__(self, store: Store, engine: EngineClient, recovery: Recovery | None = None,
-                 quotas: Quotas | None = None, residency: Residency | None = None):
+                 quotas: Quotas | None = None, residency: Residency | None = None,
+                 retention: FutureRetention | None = None):
         self.store = store
         self.engine = engine
         # Snapshots and replay; None runs without (unit tests of the queue, say).
@@ -85,6 +87,8 @@ class Control:
         # Releases adapters of sessions that stopped heart-beating and rebuilds them on their next
         # op; None keeps every adapter loaded.
         self.residency = residency
+        # Expires and deletes finished futures in the background; None keeps them all.
+        self.retention = retention
         self.queue = OpQueue(lane_of=lambda work: Scheduler.lane_of(work.op))
         # Ops in flight when the engine died of what it was doing: request_id -> such deaths. The
         # scheduler runs them apart from other work (scheduler.py), so a death with one alone names it.
@@ -109,6 +113,8 @@ class Control:
         self._worker.start()
         if self.residency is not None:
             self.residency.start(self._enqueue_internal, self.busy)
+        if self.retention is not None:  # after recovery, which reads the rows it may delete
+            self.retention.start()
 
     def _recover_from_store(self) -> None:
         # Runs of sessions that went away while the server was down are rebuilt on their next op.
@@ -134,6 +140,8 @@ class Control:
                         report.models, report.replayed_ops, report.seconds, requeued)
 
     def stop(self) -> None:
+        if self.retention is not None:
+            self.retention.stop()
         if self.residency is not None:
             self.residency.stop()
         self.queue.close()
@@ -159,6 +167,10 @@ class Control:
             existing = self.store.future_by_dedupe_key(dedupe_key)
             if existing is not None:
                 return Accepted(existing.request_id, new=False)
+            if forgotten(self.store, request_type, account_id, target, seq_id):
+                # Its future was deleted by retention (control/retention.py): the op ran once already.
+                raise UserError(f"{request_type} seq_id {seq_id} of {target} was accepted before and its record has "
+                                f"since expired; it is not run again. New work needs a new seq_id")
         request_id = f"req-{uuid.uuid4().hex}"
         row = FutureRow(
             request_id=request_id,
@@ -208,7 +220,7 @@ class Control:
         """The future's row once it is done, or still pending after `timeout_s`; None if unknown."""
         row = self.store.get(FutureRow, request_id)
         if row is None or row.status != "pending":
-            return row
+            return self._retrieved(row)
 
         def is_done() -> bool:
             done = self.store.get(FutureRow, request_id)
@@ -217,7 +229,19 @@ class Control:
         if await self.hub.wait(request_id, timeout_s, is_done):
             # Read again: the wake-up means the result is stored now, whatever an earlier check read
             # (returning that stale pending row cost every op a second round trip and a warning).
-            return self.store.get(FutureRow, request_id)
+            return self._retrieved(self.store.get(FutureRow, request_id))
+        return row
+
+    def expired_message(self, request_id: str) -> str:
+        if self.retention is not None:
+            return self.retention.expired_message(request_id)
+        return f"request_id {request_id!r} has expired"
+
+    def _retrieved(self, row: FutureRow | None) -> FutureRow | None:
+        """Note when a result or error is first handed out: its retention grace starts then."""
+        if row is not None and row.status != "pending" and row.retrieved_at is None and row.expired_at is None:
+            row.retrieved_at = utcnow()
+            self.store.update(FutureRow, row.request_id, retrieved_at=row.retrieved_at)
         return row
 
     # -- the worker ------------------------------------------------------------------------------

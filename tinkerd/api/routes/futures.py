@@ -25,6 +25,8 @@ async def retrieve_future(request: Request) -> Response:
     row = await st.control.retrieve(req.request_id, st.config.retrieve_future_timeout_s)
     if row is None:
         raise NotFoundError(f"unknown request_id {req.request_id!r}")
+    if row.expired_at is not None:  # only its owner gets here: see control/retention.py for the 404
+        raise NotFoundError(st.control.expired_message(row.request_id))
     if row.status == "pending":
         # Only after the long-poll hold. The try_again body goes out as a 408: the SDK (0.36 and 0.38,
         # api_future_impl) re-polls a 408 at once and quietly, reading queue_state from its body,

@@ -7,9 +7,10 @@ on local disk, so storing every accepted op before answering (the write-ahead ru
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Iterator, TypeVar
 
 from sqlalchemy import create_engine, event, inspect, select, text
 from sqlalchemy.exc import IntegrityError
@@ -78,6 +79,13 @@ class Store:
     def future_by_dedupe_key(self, key: str) -> FutureRow | None:
         rows = self.query(select(FutureRow).where(FutureRow.dedupe_key == key))
         return rows[0] if rows else None
+
+    @contextmanager
+    def write(self) -> Iterator[Session]:
+        """A multi-statement write transaction under the writer lock; commits on a clean exit."""
+        with self._lock, self._sessions() as s:
+            yield s
+            s.commit()
 
     def session(self) -> Session:
         """A raw session for multi-statement work; callers must hold no other store call inside."""

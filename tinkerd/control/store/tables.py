@@ -86,6 +86,21 @@ class FutureRow(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime)
     completed_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
     compute_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # Retention (control/retention.py): when retrieve_future first handed out the result or error,
+    # and when the retention sweep cleared it (the row is then a tombstone: the result, error and, once
+    # recovery no longer replays it, the body are gone; its owner's retrieve_future answers "expired").
+    retrieved_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    expired_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+
+
+class FutureWatermarkRow(Base):
+    """Per dedupe identity (request_type|account_id|target), the highest seq_id whose future the
+    retention sweep deleted: a re-send at or below it is refused, never run a second time. One row
+    per run or sampling session and request type, not per op."""
+
+    __tablename__ = "future_watermarks"
+    dedupe_prefix: Mapped[str] = mapped_column(String, primary_key=True)
+    seq_id: Mapped[int] = mapped_column(BigInteger)
 
 
 class UsageRow(Base):
