@@ -181,8 +181,7 @@ class Runs:
         ids = sorted(set(model_ids))
         if not ids:
             return {}
-        stmt = select(TrainingRunRow.model_id, TrainingRunRow.base_model).where(TrainingRunRow.model_id.in_(ids))
-        return dict(self.store.query(stmt))
+        return {r.model_id: r.base_model for r in self.store.query(select(TrainingRunRow).where(TrainingRunRow.model_id.in_(ids)))}
 
     # -- checkpoints -----------------------------------------------------------------------------
     #
