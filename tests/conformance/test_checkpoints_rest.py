@@ -142,6 +142,24 @@ def test_a_save_that_fails_on_disk_registers_nothing(service_client, rest, serve
     assert [c.tinker_path for c in rest.list_checkpoints(tc.model_id).result().checkpoints] == [path]
 
 
+def test_an_absurd_ttl_is_a_user_error_before_anything_is_written(service_client, rest, server):
+    """One TTL validation for every save, before the op is queued: 10**12 s (31,700 years) once wrote
+    the files and then failed as a server error, leaving the directory behind."""
+    tc = service_client.create_lora_training_client(base_model=TINY, rank=2, seed=1).result()
+    run_dir = server.data_dir / "checkpoints" / tc.model_id
+    for save in (lambda: tc.save_state("forever", ttl_seconds=10**12),
+                 lambda: tc.save_weights_for_sampler("forever", ttl_seconds=10**12),
+                 lambda: tc.save_state("never", ttl_seconds=0)):
+        with pytest.raises(tinker.BadRequestError) as info:
+            save().result()
+        assert "ttl_seconds must be between 1 and" in str(info.value)
+    assert rest.list_checkpoints(tc.model_id).result().checkpoints == []
+    assert not run_dir.exists() or not any(run_dir.rglob("*")), list(run_dir.rglob("*"))
+    # The run goes on: the longest allowed TTL saves.
+    path = tc.save_state("ten-years", ttl_seconds=10 * 365 * 24 * 3600).result().path
+    assert [c.tinker_path for c in rest.list_checkpoints(tc.model_id).result().checkpoints] == [path]
+
+
 def _fetch(url: str) -> bytes:
     with urllib.request.urlopen(url, timeout=30) as r:  # plain urllib, no API key: the URL is the credential
         return r.read()

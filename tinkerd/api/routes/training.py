@@ -13,7 +13,7 @@ from tinkerd.api.deps import AppState, Prepared, account, authenticate, json_byt
 from tinkerd.control.control import Work
 from tinkerd.control.metering import Billing, Usage
 from tinkerd.control.store.tables import TrainingRunRow
-from tinkerd.control.runs import TinkerPath, check_name, parse_tinker_path
+from tinkerd.control.runs import TinkerPath, check_name, check_ttl, parse_tinker_path
 from tinkerd.errors import UserError
 from tinkerd.types import (
     AdamParams,
@@ -117,17 +117,11 @@ def prepare_optim_step(st: AppState, body: bytes, account_id: str | None = None)
     return Prepared("OptimStep", req.model_id, req.seq_id, work)
 
 
-def _ttl(ttl_seconds: int | None) -> int | None:
-    if ttl_seconds is not None and ttl_seconds <= 0:
-        raise UserError(f"ttl_seconds must be positive, got {ttl_seconds}")
-    return ttl_seconds
-
-
 def prepare_save_weights(st: AppState, body: bytes, account_id: str | None = None) -> Prepared:
     req = parse(t.SaveWeightsRequest, body)
     run = st.runs.owned_run(req.model_id, account_id)
     path = TinkerPath(req.model_id, "weights", check_name(req.path or f"step-{req.seq_id}"))
-    ttl = _ttl(req.ttl_seconds)
+    ttl = check_ttl(req.ttl_seconds)  # before the op is queued: a bad TTL writes nothing
     if not req.overwrite and st.runs.checkpoint_exists(path):
         raise UserError(f"checkpoint {path} already exists; pass overwrite=True to replace it")
     op = SaveWeightsOp(req.model_id, str(st.runs.checkpoint_dir(path)), with_optimizer=True)
@@ -144,7 +138,7 @@ def prepare_save_weights_for_sampler(st: AppState, body: bytes, account_id: str 
     run = st.runs.owned_run(req.model_id, account_id)
     if req.path is not None:
         path = TinkerPath(req.model_id, "sampler_weights", check_name(req.path))
-        ttl = _ttl(req.ttl_seconds)
+        ttl = check_ttl(req.ttl_seconds)  # before the op is queued: a bad TTL writes nothing
         op = SaveWeightsOp(req.model_id, str(st.runs.checkpoint_dir(path)), with_optimizer=False)
 
         def finalize(_):
