@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import socket
+import sys
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -232,5 +233,12 @@ def run(args) -> int:
             sweeper.stop()
             control.stop()
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except KeyboardInterrupt:
+        # uvicorn shuts down on Ctrl-C, then raises the signal again once it is done; by then main()'s
+        # finally has stopped the control plane and the engine process: a clean stop, not an error.
+        if not server.started:
+            raise  # Ctrl-C before the server was up: cli/main.py says "interrupted"
+        print("tinkerd serve: stopped", file=sys.stderr, flush=True)
     return 0
