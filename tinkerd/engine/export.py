@@ -19,6 +19,8 @@ to a key it generated for that one download).
 from __future__ import annotations
 
 import json
+import logging
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,6 +33,8 @@ from tinkerd.types import ExportWeightsOp
 
 if TYPE_CHECKING:
     from tinkerd.engine.engine import Engine
+
+log = logging.getLogger(__name__)
 
 AGE_SUFFIX = ".age"
 # The SDK documents "at most 10" recipients.
@@ -70,8 +74,13 @@ def export_files(tensors: dict, config: dict, recipients: list | None) -> dict[s
 def export_weights(engine: "Engine", op: ExportWeightsOp) -> dict[str, int]:
     # Recipients are checked before anything is written: a bad key fails the op with nothing on disk.
     recipients = parse_recipients(op.age_encryption_recipients) if op.age_encryption_recipients else None
+    t0 = time.monotonic()
     rt = engine.runtime_of(op.model_id)
     adapter = rt.pool.get(op.model_id)
     config = checkpoints.peft_config(adapter.spec, sorted(adapter.weights), rt.name)
     files = export_files(checkpoints.lora_tensors(adapter), config, recipients)
-    return {"size_bytes": checkpoints.write_files_atomically(Path(op.dir_path), files)}
+    size = checkpoints.write_files_atomically(Path(op.dir_path), files)
+    # The operator's record of what left the server: which run, how big, encrypted or not.
+    log.info("exported %s to %s: %.1f MB%s in %.2f s", op.model_id, op.dir_path, size / 1e6,
+             f", age-encrypted to {len(recipients)} recipient(s)" if recipients else "", time.monotonic() - t0)
+    return {"size_bytes": size}
