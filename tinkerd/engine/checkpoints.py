@@ -202,7 +202,7 @@ def _write_error(target: Path, e: OSError) -> ServerError:
     except OSError:
         space = f"free space on {where} unknown"
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return ServerError(f"cannot write checkpoint {target.name!r}: the server's disk is full ({space}); "
+        return ServerError(f"cannot write checkpoint {target.name!r}: the server's disk is full ({e.strerror}: {space}); "
                            f"nothing was saved, save it again once space is freed")
     return ServerError(f"cannot write checkpoint {target.name!r}: {e.strerror or e} ({space}); nothing was saved")
 
