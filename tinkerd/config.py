@@ -78,6 +78,10 @@ class ServerConfig(BaseModel):
     # The sliding window's length; the budget in it is max_tokens_per_minute * window / 60. 60 s
     # except in tests, where a short window lets a paused op resume in seconds.
     quota_window_s: float = Field(default=60.0, gt=0)
+    # Free space the data directory keeps for work already accepted (results, saves, snapshots):
+    # under it new sessions and ops are refused with a 503 naming the cause. None: min(1 GiB, 5% of
+    # the filesystem), see control/diskspace.py for why; 0 never refuses.
+    min_free_disk_gb: float | None = Field(default=None, ge=0)
 
     def token_price_usd_per_mtok(self, kind: str) -> float:
         """The price of a metered token kind (a UsageRow column name)."""
@@ -87,6 +91,10 @@ class ServerConfig(BaseModel):
     @property
     def sample_kv_cache_bytes(self) -> int | None:
         return None if self.sample_kv_cache_gb is None else int(self.sample_kv_cache_gb * 2**30)
+
+    @property
+    def min_free_disk_bytes(self) -> int | None:
+        return None if self.min_free_disk_gb is None else int(self.min_free_disk_gb * 2**30)
 
     @property
     def db_path(self) -> Path:

@@ -34,6 +34,25 @@ class ServerError(TinkerdError):
     status_code = 500
 
 
+class StorageUnavailable(ServerError):
+    """The data directory cannot take new writes: its free space is under the reserve
+    (control/diskspace.py), or the store failed a write (disk full, I/O error, database locked).
+
+    HTTP 503 with Retry-After: the SDK retries 5xx submissions (its training calls back off 0.5 s
+    doubling to 10 s, for up to 2 h without progress; plain calls honour a Retry-After of up to
+    60 s), which is the intended "wait as for capacity". Accepted ops never fail with it: their
+    results are retried until stored (control/results.py)."""
+
+    status_code = 503
+    # Long enough that a waiting client does not hammer a full server, short enough that work
+    # resumes within ~10 s of an operator freeing space; the SDK's own retry cap is 10 s too.
+    retry_after_s = 10
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)}
+
+
 class EngineCrashed(RuntimeError):
     """The engine process died mid-step; nothing of that step was stored. Not a request's error:
     control restarts the engine, rebuilds its adapters and runs the step's ops again.

@@ -114,7 +114,9 @@ def json_bytes(obj: dict) -> tuple[bytes, str]:
 
 
 def error_response(e: TinkerdError) -> JSONResponse:
-    return JSONResponse({"error": e.message, "category": e.category}, status_code=e.status_code)
+    # `headers`: Retry-After of a 503 StorageUnavailable (errors.py); other errors have none.
+    return JSONResponse({"error": e.message, "category": e.category}, status_code=e.status_code,
+                        headers=getattr(e, "headers", None))
 
 
 def future_response(request_id: str, **extra) -> JSONResponse:

@@ -58,6 +58,9 @@ def add_parser(sub) -> None:
                    help="a finished future's result is deleted this long after its op finished, even if never retrieved (default 86400)")
     p.add_argument("--future-tombstone-s", type=_positive, default=None,
                    help="an expired future answers 'expired' to its owner this long, then is forgotten (default 86400)")
+    p.add_argument("--min-free-disk-gb", type=float, default=None,
+                   help="free space (GiB) the data directory keeps for accepted work; under it new sessions and ops "
+                        "are refused with 503 (default: 1, or 5%% of the filesystem if less; 0: never refuse)")
     p.add_argument("--retrieve-future-timeout-s", type=_positive, default=None,
                    help="how long retrieve_future holds a pending request before try_again (default 20)")
     p.set_defaults(func=run)
@@ -96,7 +99,8 @@ def build_config(args) -> ServerConfig:
     if args.ephemeral_samplers_kept is not None:
         values["ephemeral_samplers_kept"] = args.ephemeral_samplers_kept
     for name in ("max_concurrent_runs", "max_tokens_per_minute", "quota_window_s", "retrieve_future_timeout_s",
-                 "sample_kv_cache_gb", "future_retrieved_grace_s", "future_max_age_s", "future_tombstone_s"):
+                 "sample_kv_cache_gb", "future_retrieved_grace_s", "future_max_age_s", "future_tombstone_s",
+                 "min_free_disk_gb"):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
     return ServerConfig(**values)
@@ -109,6 +113,7 @@ def build_app(config: ServerConfig):
     from tinkerd.api.replay import make_rebuild
     from tinkerd.control.accounts import Accounts
     from tinkerd.control.control import Control
+    from tinkerd.control.diskspace import DiskReserve
     from tinkerd.control.quotas import Quotas
     from tinkerd.control.recovery import Recovery
     from tinkerd.control.residency import Residency
@@ -120,12 +125,15 @@ def build_app(config: ServerConfig):
     client = build_engine_client(config)
     store = Store.sqlite(config.db_path)
     # rebuild needs the app state, which needs control: wired right below.
+    reserve = DiskReserve(config.data_dir, config.min_free_disk_bytes)
     recovery = Recovery(store, config.data_dir / "snapshots", rebuild=None, snapshot_interval_s=config.snapshot_interval_s)
     control = Control(store, client, recovery, quotas=Quotas(store, config),
                       residency=Residency(store, recovery, config.session_expiry_s),
                       retention=FutureRetention(store, recovery, config.future_retrieved_grace_s,
-                                                config.future_max_age_s, config.future_tombstone_s))
+                                                config.future_max_age_s, config.future_tombstone_s),
+                      reserve=reserve)
     runs = Runs(store, config.checkpoints_dir)
+    runs.reserve = reserve
     served = {m.name: m for m in client.models()}
     accounts = Accounts(store)
     app_state = AppState(config=config, control=control, runs=runs, served=served, accounts=accounts)

@@ -18,12 +18,14 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
+from tinkerd.control.diskspace import DiskReserve
 from tinkerd.control.futures import FutureHub
 from tinkerd.control.metering import Billing, Meter
 from tinkerd.control.queue import OpQueue, QueuedOp
 from tinkerd.control.quotas import Quotas
 from tinkerd.control.recovery import Recovery
 from tinkerd.control.residency import Residency
+from tinkerd.control.results import ResultStore
 from tinkerd.control.retention import FutureRetention, forgotten
 from tinkerd.control.scheduler import Picked, Scheduler
 from tinkerd.control.store.db import Store, utcnow
@@ -79,7 +81,7 @@ class Accepted:
 class Control:
     def __init__(self, store: Store, engine: EngineClient, recovery: Recovery | None = None,
                  quotas: Quotas | None = None, residency: Residency | None = None,
-                 retention: FutureRetention | None = None):
+                 retention: FutureRetention | None = None, reserve: DiskReserve | None = None):
         self.store = store
         self.engine = engine
         # Snapshots and replay; None runs without (unit tests of the queue, say).
@@ -89,6 +91,9 @@ class Control:
         self.residency = residency
         # Expires and deletes finished futures in the background; None keeps them all.
         self.retention = retention
+        # The data directory's free-space reserve: new work is refused under it (diskspace.py); None
+        # never refuses.
+        self.reserve = reserve
         self.queue = OpQueue(lane_of=lambda work: Scheduler.lane_of(work.op))
         # Ops in flight when the engine died of what it was doing: request_id -> such deaths. The
         # scheduler runs them apart from other work (scheduler.py), so a death with one alone names it.
@@ -102,6 +107,11 @@ class Control:
         self._worker: threading.Thread | None = None
         # Ops handed to the engine and not finished yet: request_id -> (op, monotonic admit time).
         self._inflight: dict[str, tuple[QueuedOp, float]] = {}
+        self._stopping = threading.Event()
+        # Stores finished ops' outcomes, retrying storage faults until they land (results.py).
+        self.results = ResultStore(store, self.meter, self.hub, self._stopping.is_set)
+        # "running", "restarting" (rebuilding after a crash), or "down" (the last restart gave up).
+        self.engine_state = "running"
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -140,6 +150,7 @@ class Control:
                         report.models, report.replayed_ops, report.seconds, requeued)
 
     def stop(self) -> None:
+        self._stopping.set()  # a result stuck on storage is abandoned: it stays pending in the log
         if self.retention is not None:
             self.retention.stop()
         if self.residency is not None:
@@ -171,6 +182,8 @@ class Control:
                 # Its future was deleted by retention (control/retention.py): the op ran once already.
                 raise UserError(f"{request_type} seq_id {seq_id} of {target} was accepted before and its record has "
                                 f"since expired; it is not run again. New work needs a new seq_id")
+        if self.reserve is not None:  # after the re-send check: a re-sent op is not new work
+            self.reserve.check()
         request_id = f"req-{uuid.uuid4().hex}"
         row = FutureRow(
             request_id=request_id,
@@ -292,6 +305,7 @@ class Control:
         and the log, and queue again everything it held (nothing of it was stored), except an op
         that has now killed it _POISON_CRASHES times, the last alone: that one is failed."""
         t0 = time.perf_counter()
+        self.engine_state = "restarting"
         inflight = [q for q, _ in self._inflight.values()]
         self._inflight.clear()
         poison = self._suspect(inflight, crash)
@@ -306,6 +320,7 @@ class Control:
                 time.sleep(min(0.1 * 2**attempt, 5.0))
         else:
             # It cannot come back (a model that no longer loads, say): fail what it held, keep serving.
+            self.engine_state = "down"
             for q in inflight:
                 self._complete(q, ServerError(f"the engine crashed and could not restart: {crash}"), 0.0)
             return
@@ -317,6 +332,7 @@ class Control:
                     f"tokens, or a batch's tokens), send it smaller"), 0.0)
             else:
                 self.queue.put(q.request_id, q.target, q.seq_id, q.request_type, q.op)
+        self.engine_state = "running"
         replayed = report.replayed_ops if report else 0
         log.warning("engine recovered in %.2f s (restart %.2f s) after %s; replayed %d ops, re-queued %d",
                     time.perf_counter() - t0, restart_s, crash, replayed, len(inflight))
@@ -336,23 +352,34 @@ class Control:
 
     def _complete(self, q: QueuedOp, result: Any, compute_s: float, queue_wait_s: float = 0.0) -> None:
         self._suspects.pop(q.request_id, None)
-        values: dict[str, Any] = {"completed_at": utcnow(), "compute_s": compute_s}
-        if not isinstance(result, TinkerdError):
-            try:
-                payload, media_type = q.op.finalize(result)
-                values.update(status="complete", result=payload, result_media_type=media_type)
-            except TinkerdError as e:
-                result = e
-            except Exception as e:
-                log.exception("finalizing %s failed", q.request_type)
-                result = ServerError(f"{type(e).__name__}: {e}")
-        if isinstance(result, TinkerdError):
-            values.update(status="failed", error=result.message, error_category=result.category)
-        if values.get("status") == "complete" and q.op.billing is not None:
-            # Recorded before the result is visible, so a caller that saw the result sees its usage.
-            try:
-                self.meter.record(q.request_id, q.request_type, q.target, q.op.billing, result, queue_wait_s, compute_s)
-            except Exception:  # metering must never fail or lose a finished op
-                log.exception("recording usage of %s failed", q.request_id)
-        self.store.update(FutureRow, q.request_id, **values)
-        self.hub.notify(q.request_id)
+        self.results.complete(q, result, compute_s, queue_wait_s)
+
+    # -- readiness -------------------------------------------------------------------------------
+
+    def health(self) -> dict:
+        """What a load balancer needs (GET /api/v1/readyz): whether this server should get new work,
+        and why not. Not ready while storage is under its reserve, a result waits on storage, the
+        engine is restarting or down, or the worker thread is gone."""
+        reasons = []
+        storage = None
+        if self.reserve is not None:
+            disk = self.reserve.state()
+            storage = disk.as_dict()
+            if not disk.ok:
+                reasons.append("storage under its free-space reserve")
+        stalled = self.results.stalled_since
+        if stalled is not None:
+            reasons.append("a finished op's result cannot be stored")
+        if self.engine_state != "running":
+            reasons.append(f"engine {self.engine_state}")
+        worker_alive = self._worker is not None and self._worker.is_alive()
+        if not worker_alive:
+            reasons.append("engine worker not running")
+        return {
+            "ready": not reasons,
+            "reasons": reasons,
+            "storage": storage,
+            "engine": {"state": self.engine_state, "worker_alive": worker_alive, "queued_ops": self.queue.depth(),
+                       "ops_in_flight": len(self._inflight),
+                       "result_unstored_s": None if stalled is None else round(time.monotonic() - stalled, 1)},
+        }

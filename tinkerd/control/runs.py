@@ -97,11 +97,16 @@ class Runs:
         self.checkpoints_dir = Path(checkpoints_dir)
         # GB-hour storage billing: told when a checkpoint goes (its storage ends then).
         self.storage = StorageLedger(store)
+        # The data directory's free-space reserve (control/diskspace.py): a new session is new work,
+        # refused under it. None (tests) never refuses.
+        self.reserve = None
 
     # -- sessions --------------------------------------------------------------------------------
 
     def create_session(self, tags: list[str], user_metadata: dict, sdk_version: str | None,
                        account_id: str | None = None) -> str:
+        if self.reserve is not None:
+            self.reserve.check()
         session_id = f"sess-{secrets.token_hex(8)}"
         now = utcnow()
         self.store.add(

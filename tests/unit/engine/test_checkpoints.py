@@ -97,3 +97,25 @@ def test_reads_a_plain_peft_adapter_directory(tiny_runtime, tiny_model_dir, tmp_
     adapter = tiny_runtime.pool.create_from_tensors("peft-import", files.spec, files.weights, trainable=False)
     assert adapter.optimizer is None
     tiny_runtime.pool.remove("peft-import")
+
+
+def test_a_save_that_runs_out_of_disk_names_the_disk_and_leaves_no_files(engine, trained, tmp_path):
+    """On a real full filesystem (a 16 MiB tmpfs; the rank-4 state with its AdamW moments is 7.4 MB),
+    torch.save used to fail as "[enforce fail at inline_container.cc] unexpected pos": the error must
+    name the disk, and neither the target nor a temporary directory may be left."""
+    from tests.tmpfs import fill, small_tmpfs
+
+    with small_tmpfs(tmp_path / "disk", "16m") as disk:
+        (ok,) = engine.step([SaveWeightsOp(trained, str(disk / "ckpts" / "old"), with_optimizer=True)])
+        assert not isinstance(ok, Exception), ok
+        before = {p.name: p.read_bytes() for p in (disk / "ckpts" / "old").iterdir()}
+        fill(disk / "ballast", leave_bytes=8192)
+        for name in ("new", "old"):  # a new checkpoint, and an overwrite of an existing one
+            (failed,) = engine.step([SaveWeightsOp(trained, str(disk / "ckpts" / name), with_optimizer=True)])
+            assert isinstance(failed, ServerError) and failed.category == "server", failed
+            assert "disk is full" in failed.message and f"free of 16.8 MB on {disk}" in failed.message, failed.message
+            assert sorted(os.listdir(disk / "ckpts")) == ["old"]  # no temporary directory, no half 'new'
+        assert {p.name: p.read_bytes() for p in (disk / "ckpts" / "old").iterdir()} == before
+        (disk / "ballast").unlink()
+        (again,) = engine.step([SaveWeightsOp(trained, str(disk / "ckpts" / "new"), with_optimizer=True)])
+        assert not isinstance(again, Exception), again

@@ -8,6 +8,7 @@ from tinker import types as t
 
 from tinkerd.api.compat import session_warning
 from tinkerd.api.deps import account, authenticate, empty, parse, parse_ignoring_unknown, read_body, state
+from tinkerd.errors import StorageUnavailable
 
 router = APIRouter(prefix="/api/v1")
 authed = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
@@ -16,6 +17,18 @@ authed = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
 @router.get("/healthz")
 async def healthz() -> dict:
     return {"status": "ok"}
+
+
+@router.get("/readyz")
+async def readyz(request: Request) -> JSONResponse:
+    """Whether this server should get new work, for a load balancer: 200 when it should, 503 (with
+    Retry-After) when storage is under its reserve, a result waits on storage, or the engine is
+    restarting or down. Unauthenticated like healthz; it names no runs or accounts."""
+    health = state(request).control.health()
+    body = {"status": "ok" if health["ready"] else "unavailable", **health}
+    if health["ready"]:
+        return JSONResponse(body)
+    return JSONResponse(body, status_code=503, headers={"Retry-After": str(StorageUnavailable.retry_after_s)})
 
 
 @authed.post("/client/config")

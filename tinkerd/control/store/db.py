@@ -2,6 +2,11 @@
 
 SQLite in WAL mode: readers never block the writer and a commit costs well under a millisecond
 on local disk, so storing every accepted op before answering (the write-ahead rule) is cheap.
+
+A failed write or read (SQLite's "database or disk is full", "disk I/O error", "database is
+locked" after its busy timeout) raises errors.StorageUnavailable, not the driver's
+OperationalError: a request answers 503 naming the cause (the SDK retries it), and the worker
+retries storing a finished op's result until it lands (control/results.py).
 """
 
 from __future__ import annotations
@@ -13,10 +18,11 @@ from pathlib import Path
 from typing import Any, Iterator, TypeVar
 
 from sqlalchemy import create_engine, event, inspect, select, text
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from tinkerd.control.store.tables import Base, FutureRow
+from tinkerd.errors import StorageUnavailable
 
 T = TypeVar("T")
 
@@ -36,6 +42,14 @@ class Store:
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         # SQLite allows one writer; serialising here avoids "database is locked" retries.
         self._lock = threading.Lock()
+        self._where = url.split("///", 1)[-1]
+
+    @contextmanager
+    def _faults(self) -> Iterator[None]:
+        try:
+            yield
+        except OperationalError as e:
+            raise StorageUnavailable(f"server storage is failing: {e.orig} ({self._where})") from e
 
     @classmethod
     def sqlite(cls, path: Path) -> "Store":
@@ -43,12 +57,12 @@ class Store:
         return cls(f"sqlite:///{path}")
 
     def get(self, row_type: type[T], key: Any) -> T | None:
-        with self._lock, self._sessions() as s:
+        with self._faults(), self._lock, self._sessions() as s:
             return s.get(row_type, key)
 
     def add(self, row: Any) -> bool:
         """Insert; False when the primary or a unique key already exists."""
-        with self._lock, self._sessions() as s:
+        with self._faults(), self._lock, self._sessions() as s:
             s.add(row)
             try:
                 s.commit()
@@ -58,7 +72,7 @@ class Store:
             return True
 
     def update(self, row_type: type, key: Any, **values: Any) -> None:
-        with self._lock, self._sessions() as s:
+        with self._faults(), self._lock, self._sessions() as s:
             row = s.get(row_type, key)
             if row is not None:
                 for k, v in values.items():
@@ -66,14 +80,14 @@ class Store:
                 s.commit()
 
     def delete(self, row_type: type, key: Any) -> None:
-        with self._lock, self._sessions() as s:
+        with self._faults(), self._lock, self._sessions() as s:
             row = s.get(row_type, key)
             if row is not None:
                 s.delete(row)
                 s.commit()
 
     def query(self, stmt) -> list:
-        with self._lock, self._sessions() as s:
+        with self._faults(), self._lock, self._sessions() as s:
             return list(s.scalars(stmt))
 
     def future_by_dedupe_key(self, key: str) -> FutureRow | None:
@@ -83,7 +97,7 @@ class Store:
     @contextmanager
     def write(self) -> Iterator[Session]:
         """A multi-statement write transaction under the writer lock; commits on a clean exit."""
-        with self._lock, self._sessions() as s:
+        with self._faults(), self._lock, self._sessions() as s:
             yield s
             s.commit()
 
