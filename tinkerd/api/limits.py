@@ -72,13 +72,17 @@ def adam_params(p: t.AdamParams) -> None:
 
 
 def token_ids(tokens, field: str) -> None:
+    """Within int32 and >= 0; the engine checks the model's own vocabulary (rules.validate)."""
     for tok in tokens:
-        integer(tok, field, 0, TOKEN_ID_MAX)
+        if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok <= TOKEN_ID_MAX:
+            raise UserError(f"{field} {tok!r} is outside the vocabulary: token ids are integers in [0, {TOKEN_ID_MAX}]")
 
 
 def sampling_params(p: t.SamplingParams, max_context_length: int) -> None:
     # The prompt plus max_tokens must fit the context (engine/sampler/rules.py checks the sum).
-    integer(p.max_tokens, "sampling_params.max_tokens", 1, max_context_length)
+    if p.max_tokens is not None and not 1 <= p.max_tokens <= max_context_length:
+        raise UserError(f"sampling_params.max_tokens must be between 1 and the model's context length of "
+                        f"{max_context_length}, got {p.max_tokens}")
     integer(p.seed, "sampling_params.seed", INT64_MIN, INT64_MAX)
     # -1 and 0 are "off"; a k above the vocabulary is clamped to it (rules.choose_tokens).
     integer(p.top_k, "sampling_params.top_k", -1, INT64_MAX)
@@ -87,7 +91,7 @@ def sampling_params(p: t.SamplingParams, max_context_length: int) -> None:
     if p.stop is not None and not isinstance(p.stop, str):
         for s in p.stop:
             if isinstance(s, int):
-                integer(s, "sampling_params.stop token id", 0, TOKEN_ID_MAX)
+                token_ids([s], "sampling_params.stop token id")
 
 
 def sample_request(req: t.SampleRequest, max_context_length: int) -> None:
