@@ -42,6 +42,11 @@ class ServerConfig(BaseModel):
     # SmolLM2 adapter with its AdamW state is ~120 MB: after every 5 s step that cost ~7% of
     # throughput (benchmarks/training.py); every 10 s bounds replay to ~10 s of recompute.
     snapshot_interval_s: float = 10.0
+    # A forward_backward whose loss or gradients are NaN or inf, or an optim_step whose update would
+    # leave weights or AdamW state so, fails with a user error and changes nothing (engine/training.py).
+    # True applies them anyway: for studying divergence. It is server-wide because the SDK's request
+    # schemas are fixed and carry no field for it.
+    allow_non_finite: bool = False
     # A session whose last heartbeat (the SDK sends one every 10 s) and whose runs' last requests
     # are all older than this has its adapters released from the engine: training adapters are
     # snapshotted first and rebuilt, bit-exact, on the run's next op. 300 s is 30 missed

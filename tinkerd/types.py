@@ -59,6 +59,9 @@ class ForwardBackwardOp:
     loss_fn: str
     loss_fn_config: dict[str, float | str] = field(default_factory=dict)
     forward_only: bool = False
+    # Accumulate a non-finite loss or gradient instead of failing the op (engine/training.py):
+    # `--allow-non-finite`, and replay of ops that completed before the guard existed.
+    allow_non_finite: bool = False
 
 
 @dataclass
@@ -73,6 +76,8 @@ class ForwardBackwardResult:
 class OptimStepOp:
     model_id: str
     adam_params: AdamParams
+    # Apply an update that leaves weights or AdamW state non-finite instead of failing the op.
+    allow_non_finite: bool = False
     # Set by control's snapshot policy: after the step, write the adapter with its optimizer state
     # here (and drop older snapshots beside it), so recovery replays only the ops after this one.
     snapshot_dir: str | None = None

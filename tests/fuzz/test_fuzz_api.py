@@ -17,6 +17,7 @@ still alive, and a run of another account made before the fuzz gives the same fo
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import time
@@ -283,8 +284,14 @@ def test_protobuf_forward_backward_fuzz(fuzz_env):
 
 # -- JSON bodies around real ids --------------------------------------------------------------------
 
+# Values at the edges that once got through: int64 and uint64 limits (SQLite's OverflowError was a
+# 500), non-finite and overflowing floats (an optim_step with lr=inf "succeeded" into NaN weights),
+# and empty or absurd names (path="" saved weights/step-None).
+_edges = st.sampled_from([2**63, 2**63 - 1, -(2**63) - 1, -(2**63), 2**64, -1, 0,
+                          math.inf, -math.inf, math.nan, 1e300, 1e39, 0.0,
+                          "", "a/b", "..", "x\x00y", "n" * 300])
 _json_value = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**63) | st.floats() | st.text(max_size=20),
+    st.none() | st.booleans() | st.integers(-(2**63), 2**63) | st.floats() | st.text(max_size=20) | _edges,
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
     max_leaves=8,
 )

@@ -85,6 +85,11 @@ def decode_forward_backward(body: bytes) -> ForwardBackwardOp:
             tokens.append(_frombuffer(chunk.encoded_text.tokens, np.dtype(np.int32), f"datum {i} tokens"))
         toks = np.concatenate(tokens).astype(np.int64) if tokens else np.zeros(0, dtype=np.int64)
         inputs = {name: decode_tensor(t, f"datum {i} loss_fn_inputs[{name!r}]") for name, t in d.loss_fn_inputs.items()}
+        for name, arr in inputs.items():
+            # Weights or advantages of inf or NaN make the loss NaN; refused here (a 400) before
+            # the op is queued, as the engine refuses them too (engine/training.py: _validate_datum).
+            if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+                raise UserError(f"datum {i} loss_fn_inputs[{name!r}] contains NaN or infinite values")
         # d.model_input_spans / d.loss_fn_input_spans (provenance) are parsed and dropped on purpose:
         # only stable_reinforce reads them, which tinkerd refuses, but the cookbook's rl/train.py
         # attaches them to every RL datum whatever the loss, so they must not be an error.

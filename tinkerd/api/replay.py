@@ -17,6 +17,14 @@ PREPARERS = {**training.PREPARERS, **sampling.PREPARERS, **export.PREPARERS}
 def make_rebuild(st: AppState):
     def rebuild(row: FutureRow) -> Work:
         # As the account that submitted it: ownership checks and billing are the original ones.
-        return PREPARERS[row.request_type](st, row.body, row.account_id).work
+        prepare = PREPARERS[row.request_type]
+        if row.status == "complete":
+            # A completed op is part of its adapter's state: it is rebuilt as it ran, without the
+            # input bounds (api/limits.py) and the non-finite guard added since, so a run accepted
+            # before them (model_seq_id -1, an optim_step with eps=0) replays to the same state
+            # instead of being dropped. Only state-changing ops are replayed (control/recovery.py).
+            return prepare(st, row.body, row.account_id, completed=True).work
+        # A pending op never ran: it is checked like a new request, and fails if it no longer passes.
+        return prepare(st, row.body, row.account_id).work
 
     return rebuild

@@ -33,6 +33,9 @@ def add_parser(sub) -> None:
                         "thread: in the server process")
     p.add_argument("--snapshot-interval-s", type=float, default=None,
                    help="least seconds between a run's recovery snapshots, taken after an optim_step (default 10)")
+    p.add_argument("--allow-non-finite", action="store_true",
+                   help="apply training steps whose loss, gradients or update are NaN or inf (default: such a "
+                        "step fails with a user error and changes nothing)")
     p.add_argument("--checkpoint-sweep-interval-s", type=_positive, default=60.0,
                    help="how often files of expired checkpoints are deleted (default: 60)")
     p.add_argument("--session-expiry-s", type=float, default=None,
@@ -94,6 +97,8 @@ def build_config(args) -> ServerConfig:
         values["engine"] = args.engine
     if args.snapshot_interval_s is not None:
         values["snapshot_interval_s"] = args.snapshot_interval_s
+    if args.allow_non_finite:
+        values["allow_non_finite"] = True
     if args.session_expiry_s is not None:
         values["session_expiry_s"] = args.session_expiry_s
     if args.ephemeral_samplers_kept is not None:

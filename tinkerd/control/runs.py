@@ -60,11 +60,14 @@ class TinkerPath:
         return f"{self.segment}/{self.name}"
 
 
-def check_name(name: str) -> str:
-    """Checkpoint names become one path segment on disk and in tinker:// paths."""
-    if not _NAME_RE.match(name or "") or name in (".", ".."):
+def check_name(name: str, field: str = "checkpoint name") -> str:
+    """Checkpoint names become one path segment on disk and in tinker:// paths: no '' (it made
+    `weights/step-None`), '/', '..', NUL or names over 128 characters. `field` names the request
+    field in the error."""
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name) or name in (".", ".."):
+        shown = name if not isinstance(name, str) or len(name) <= 140 else f"{name[:128]}... ({len(name)} characters)"
         raise UserError(
-            f"invalid checkpoint name {name!r}: use 1-128 characters from letters, digits, '.', '_' and '-'"
+            f"invalid {field} {shown!r}: use 1-128 characters from letters, digits, '.', '_' and '-'"
         )
     return name
 

@@ -2,7 +2,8 @@
 
 Every op validates everything it can before it touches the adapter, and forward_backward computes
 its gradients into fresh tensors (torch.autograd.grad) that are added to `.grad` only once the
-whole batch succeeded: a failed op leaves weights, grads and optimizer state as they were.
+whole batch succeeded: a failed op leaves weights, grads and optimizer state as they were. A step
+whose loss, gradients or update are NaN or inf is such a failed op too (engine/finite.py).
 
 Shapes: B datums (rows), T longest datum, M total real positions, V vocab, H hidden, K soft targets.
 """
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from tinkerd.engine import checkpoints
+from tinkerd.engine import checkpoints, finite
 from tinkerd.engine.losses import DATUM_INDEX, LossFn, get_loss
 from tinkerd.errors import UserError
 from tinkerd.types import (
@@ -203,7 +204,7 @@ def _chunks(rt: "ModelRuntime", m: int) -> list[slice]:
 
 
 def _logprobs_and_grads(rt, input_ids, mask, inputs, loss: LossFn, config, params, forward_only: bool):
-    """Target logprobs, the loss, and d loss / d params (None when forward_only).
+    """Target logprobs, the loss, its metrics, and d loss / d params (None when forward_only).
 
     Every Tinker loss is a function of the target logprobs alone, so the backward splits at them:
     (1) the head runs chunk by chunk without a graph to get logprobs [M]; (2) the loss and its
@@ -220,7 +221,7 @@ def _logprobs_and_grads(rt, input_ids, mask, inputs, loss: LossFn, config, param
         target_logprobs = torch.cat([_head_logprobs(rt, hidden[c], targets[c]) for c in _chunks(rt, m)])
     if forward_only:
         loss_sum, metrics = loss(target_logprobs, inputs, config)
-        return target_logprobs, metrics, None
+        return target_logprobs, loss_sum, metrics, None
     lp_leaf = target_logprobs.clone().requires_grad_(True)
     loss_sum, metrics = loss(lp_leaf, inputs, config)
     (g_lp,) = torch.autograd.grad(loss_sum, lp_leaf)
@@ -239,7 +240,7 @@ def _logprobs_and_grads(rt, input_ids, mask, inputs, loss: LossFn, config, param
     body_params = [p for p in params if not any(p is h for h in head_params)]
     body_grads = torch.autograd.grad(hidden, body_params, grad_outputs=g_hidden, allow_unused=True)
     by_id = {id(p): g for p, g in zip(head_params, head_grads)} | {id(p): g for p, g in zip(body_params, body_grads)}
-    return target_logprobs, metrics, [by_id[id(p)] for p in params]
+    return target_logprobs, loss_sum.detach(), metrics, [by_id[id(p)] for p in params]
 
 
 def _head_lora(rt: "ModelRuntime", params: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -276,11 +277,21 @@ def forward_backward(engine: "Engine", op: ForwardBackwardOp) -> ForwardBackward
     rt.ctx.set_single(adapter.slot)
     try:
         # Into fresh tensors first: .grad is touched only after the whole batch succeeded.
-        target_logprobs, metrics, grads = _logprobs_and_grads(
+        target_logprobs, loss_sum, metrics, grads = _logprobs_and_grads(
             rt, input_ids, mask, inputs, loss, config, params, op.forward_only
         )
     finally:
         rt.ctx.clear()
+
+    offsets = np.cumsum([0] + lengths)
+    if grads is not None and not op.allow_non_finite:
+        # Forward-only passes change nothing, so a NaN loss there is reported as it is.
+        def per_datum_loss(i: int) -> torch.Tensor:
+            rows = slice(int(offsets[i]), int(offsets[i + 1]))
+            alone = {k: v[rows] for k, v in inputs.items()} | {DATUM_INDEX: torch.zeros(lengths[i], dtype=torch.long)}
+            return loss(target_logprobs[rows], alone, config)[0]
+
+        finite.check_forward_backward(adapter, loss_sum, batch, per_datum_loss, params, grads)
 
     if grads is not None:
         with torch.no_grad():
@@ -294,7 +305,6 @@ def forward_backward(engine: "Engine", op: ForwardBackwardOp) -> ForwardBackward
         adapter.pending_grads += 1
 
     logprobs = target_logprobs.detach().numpy().astype(np.float32, copy=False)
-    offsets = np.cumsum([0] + lengths)
     outputs = [{"logprobs": logprobs[offsets[i] : offsets[i + 1]].copy()} for i in range(batch)]
     log.debug(
         "forward_backward model=%s datums=%d tokens=%d forward_only=%s %.1f ms",
@@ -326,6 +336,10 @@ def optim_step(engine: "Engine", op: OptimStepOp) -> dict[str, float]:
     p = op.adam_params
     _check_adam(p)
     optimizer = adapter.optimizer
+    undo = None
+    if not op.allow_non_finite:
+        finite.check_grads_before_step(adapter)
+        undo = finite.StepUndo(adapter)  # before the hyperparameters below are set
     # The SDK sends AdamParams whole with every step (schedules live client-side), so each step
     # overwrites the group's hyperparameters rather than keeping the ones of creation time.
     for group in optimizer.param_groups:
@@ -333,11 +347,31 @@ def optim_step(engine: "Engine", op: OptimStepOp) -> dict[str, float]:
         group["betas"] = (p.beta1, p.beta2)
         group["eps"] = p.eps
         group["weight_decay"] = p.weight_decay
-    if p.grad_clip_norm > 0:
-        # Canonical order, so a run restored from a checkpoint sums the same norms in the same order.
-        grads = [t for t in checkpoints.canonical_params(adapter) if t.grad is not None]
-        torch.nn.utils.clip_grad_norm_(grads, p.grad_clip_norm, foreach=True)
-    optimizer.step()
+    try:
+        if p.grad_clip_norm > 0:
+            # Canonical order, so a run restored from a checkpoint sums the same norms in the same order.
+            grads = [t for t in checkpoints.canonical_params(adapter) if t.grad is not None]
+            torch.nn.utils.clip_grad_norm_(grads, p.grad_clip_norm, foreach=True)
+        optimizer.step()
+        bad = finite.check_step_result(adapter) if undo is not None else None
+    except RuntimeError as e:
+        # AdamW fails part-way, after the moments moved, when a scalar does not fit fp32: learning_rate
+        # 1e39 as a step size ("value cannot be converted to type float without overflow").
+        if undo is not None:
+            undo.restore()
+        if "overflow" not in str(e):
+            raise
+        outcome = ("was not applied and the adapter is unchanged" if undo is not None else
+                   "stopped part-way (with --allow-non-finite no copy is kept to restore)")
+        raise UserError(f"the update overflows fp32 (learning_rate={p.learning_rate:g}: {e}); the optim_step "
+                        f"{outcome}") from e
+    if bad is not None:
+        undo.restore()
+        raise UserError(
+            f"the update would make {bad[0]} {bad[1]} (learning_rate={p.learning_rate:g}, eps={p.eps:g}, "
+            f"weight_decay={p.weight_decay:g}); the optim_step was not applied and the adapter's weights, "
+            f"gradients and optimizer state are unchanged {finite.OPT_OUT}"
+        )
     optimizer.zero_grad(set_to_none=True)
     adapter.step += 1
     adapter.pending_grads = 0

@@ -25,6 +25,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import FileResponse, JSONResponse
 from tinker import types as t
 
+from tinkerd.api import limits
 from tinkerd.api.deps import AppState, Prepared, account, authenticate, json_bytes, parse, read_body, state, submit
 from tinkerd.control.control import Work
 from tinkerd.control.metering import Billing, Usage
@@ -92,7 +93,8 @@ def prepare_save_weights_external(st: AppState, body: bytes, account_id: str | N
     """From the body alone, so recovery re-queues an accepted export after a server restart."""
     req = parse(t.SaveWeightsExternalRequest, body)
     run = st.runs.owned_run(req.model_id, account_id)
-    path = TinkerPath(req.model_id, "external_weights", check_name(req.path))
+    limits.seq_id(req.seq_id)
+    path = TinkerPath(req.model_id, "external_weights", check_name(req.path, "path"))
     ttl = check_ttl(req.ttl_seconds)
     # The request has no overwrite flag; like save_weights' default, an existing name is refused.
     # (Re-queued after a restart, an export that was written but not registered is written again.)

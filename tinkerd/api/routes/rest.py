@@ -16,6 +16,7 @@ import json
 
 from fastapi import APIRouter, Depends, Request, Response
 
+from tinkerd.api import limits
 from tinkerd.api.deps import account, authenticate, empty, read_body, state
 from tinkerd.control.runs import LOCAL_OWNER, TYPE_SEGMENTS, Runs, TinkerPath, check_name, iso, parse_tinker_path
 from tinkerd.control.store.tables import CheckpointRow, TrainingRunRow
@@ -67,8 +68,7 @@ def run_json(runs: Runs, row: TrainingRunRow) -> dict:
 def _page(limit: int, offset: int) -> tuple[int, int]:
     if not 0 <= limit <= MAX_PAGE:
         raise UserError(f"limit must be between 0 and {MAX_PAGE}, got {limit}")
-    if offset < 0:
-        raise UserError(f"offset must be >= 0, got {offset}")
+    limits.integer(offset, "offset")  # an SQLite OFFSET is int64: 2^63 was a 500
     return limit, offset
 
 

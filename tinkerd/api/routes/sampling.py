@@ -7,7 +7,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from tinker import types as t
 
-from tinkerd.api import codec
+from tinkerd.api import codec, limits
 from tinkerd.api.deps import AppState, Prepared, account, authenticate, future_response, parse, read_body, state
 from tinkerd.control.control import Work
 from tinkerd.control.metering import Billing, Usage
@@ -22,6 +22,7 @@ router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
 async def create_sampling_session(request: Request) -> dict:
     st = state(request)
     req = parse(t.CreateSamplingSessionRequest, await read_body(request))
+    limits.integer(req.sampling_session_seq_id, "sampling_session_seq_id")
     if req.model_path is not None:
         path = parse_tinker_path(req.model_path)
         if path.segment not in ("sampler_weights", "weights"):
@@ -101,7 +102,8 @@ def prepare_asample(st: AppState, body: bytes, account_id: str | None = None) ->
         # A base model or published checkpoint is shared between accounts; the queue target (a FIFO
         # lane, and a quota pause holds its whole lane) and the (target, seq_id) dedupe key are not.
         target = f"{target}#{account_id}"
-    st.served_model(base_model)
+    served = st.served_model(base_model)
+    limits.sample_request(req, served.max_context_length)
     if not 1 <= req.num_samples <= st.config.max_num_samples:
         raise UserError(f"num_samples must be between 1 and {st.config.max_num_samples}, got {req.num_samples}")
     # Refused, not ignored: the SDK raises when prompt_alt_tokens are missing from the result, and

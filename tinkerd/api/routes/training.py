@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from tinker import types as t
 
-from tinkerd.api import codec
+from tinkerd.api import codec, limits
 from tinkerd.api.deps import AppState, Prepared, account, authenticate, json_bytes, parse, read_body, state, submit
 from tinkerd.control.control import Work
 from tinkerd.control.metering import Billing, Usage
@@ -54,8 +54,17 @@ def _saved(_) -> Usage:
     return Usage(checkpoints=1)
 
 
-def prepare_create_model(st: AppState, body: bytes, account_id: str | None = None) -> Prepared:
+# `completed`: the op is in the write-ahead log as complete and is being replayed (api/replay.py).
+# It ran under the rules of its day, and the adapter's state is a function of it, so the bounds
+# added since (api/limits.py) are not applied to it, and neither is the engine's non-finite guard.
+
+
+def prepare_create_model(st: AppState, body: bytes, account_id: str | None = None, completed: bool = False) -> Prepared:
     req = parse(t.CreateModelRequest, body)
+    if not completed:
+        limits.integer(req.model_seq_id, "model_seq_id")
+        if req.lora_config is not None:
+            limits.integer(req.lora_config.seed, "lora_config.seed", limits.INT64_MIN, limits.INT64_MAX)
     st.served_model(req.base_model)
     if req.lora_config is None:
         raise UserError("only LoRA training is supported: send a lora_config")
@@ -93,10 +102,14 @@ async def get_info(request: Request) -> dict:
     }
 
 
-def prepare_forward_backward(st: AppState, body: bytes, account_id: str | None = None) -> Prepared:
+def prepare_forward_backward(st: AppState, body: bytes, account_id: str | None = None,
+                             completed: bool = False) -> Prepared:
     op = codec.decode_forward_backward(body)
     run = st.runs.owned_run(op.model_id, account_id)
     seq_id = codec.forward_backward_seq_id(body)[1]
+    if not completed:
+        limits.seq_id(seq_id)
+    op.allow_non_finite = st.config.allow_non_finite or completed
     n = _target_tokens(op)
     usage = (lambda _: Usage(forward_tokens=n)) if op.forward_only else (lambda _: Usage(trained_tokens=n))
     work = Work(op, lambda res: (codec.encode_forward_backward_output(res), codec.PROTO_MEDIA_TYPE),
@@ -105,13 +118,17 @@ def prepare_forward_backward(st: AppState, body: bytes, account_id: str | None =
     return Prepared(kind, op.model_id, seq_id, work)
 
 
-def prepare_optim_step(st: AppState, body: bytes, account_id: str | None = None) -> Prepared:
+def prepare_optim_step(st: AppState, body: bytes, account_id: str | None = None, completed: bool = False) -> Prepared:
     req = parse(t.OptimStepRequest, body)
     run = st.runs.owned_run(req.model_id, account_id)
     if not isinstance(req.optim_params, t.AdamParams):
         raise UserError(f"optimizer {req.optim_params.type!r} is not supported; send adam_params")
     p = req.optim_params
-    op = OptimStepOp(req.model_id, AdamParams(p.learning_rate, p.beta1, p.beta2, p.eps, p.weight_decay, p.grad_clip_norm))
+    if not completed:
+        limits.seq_id(req.seq_id)
+        limits.adam_params(p)
+    op = OptimStepOp(req.model_id, AdamParams(p.learning_rate, p.beta1, p.beta2, p.eps, p.weight_decay, p.grad_clip_norm),
+                     allow_non_finite=st.config.allow_non_finite or completed)
     work = Work(op, lambda metrics: json_bytes({"metrics": dict(metrics or {}), "type": "optim_step"}),
                 _billing(st, run, account_id))
     return Prepared("OptimStep", req.model_id, req.seq_id, work)
@@ -120,7 +137,12 @@ def prepare_optim_step(st: AppState, body: bytes, account_id: str | None = None)
 def prepare_save_weights(st: AppState, body: bytes, account_id: str | None = None) -> Prepared:
     req = parse(t.SaveWeightsRequest, body)
     run = st.runs.owned_run(req.model_id, account_id)
-    path = TinkerPath(req.model_id, "weights", check_name(req.path or f"step-{req.seq_id}"))
+    limits.seq_id(req.seq_id)
+    if req.path is None and req.seq_id is None:  # the default name would be "step-None"
+        raise UserError("save_weights needs a path (a checkpoint name) or a seq_id")
+    # path="" is a mistake, not "use the default": check_name refuses it.
+    name = check_name(req.path, "path") if req.path is not None else f"step-{req.seq_id}"
+    path = TinkerPath(req.model_id, "weights", name)
     ttl = check_ttl(req.ttl_seconds)  # before the op is queued: a bad TTL writes nothing
     if not req.overwrite and st.runs.checkpoint_exists(path):
         raise UserError(f"checkpoint {path} already exists; pass overwrite=True to replace it")
@@ -136,8 +158,10 @@ def prepare_save_weights(st: AppState, body: bytes, account_id: str | None = Non
 def prepare_save_weights_for_sampler(st: AppState, body: bytes, account_id: str | None = None) -> Prepared:
     req = parse(t.SaveWeightsForSamplerRequest, body)
     run = st.runs.owned_run(req.model_id, account_id)
+    limits.seq_id(req.seq_id)
+    limits.integer(req.sampling_session_seq_id, "sampling_session_seq_id")
     if req.path is not None:
-        path = TinkerPath(req.model_id, "sampler_weights", check_name(req.path))
+        path = TinkerPath(req.model_id, "sampler_weights", check_name(req.path, "path"))
         ttl = check_ttl(req.ttl_seconds)  # before the op is queued: a bad TTL writes nothing
         op = SaveWeightsOp(req.model_id, str(st.runs.checkpoint_dir(path)), with_optimizer=False)
 
@@ -165,8 +189,11 @@ def prepare_save_weights_for_sampler(st: AppState, body: bytes, account_id: str 
     return Prepared("SaveWeightsForSampler", req.model_id, req.seq_id, Work(op, finalize, _billing(st, run, account_id, usage)))
 
 
-def prepare_load_weights(st: AppState, body: bytes, account_id: str | None = None) -> Prepared:
+def prepare_load_weights(st: AppState, body: bytes, account_id: str | None = None, completed: bool = False) -> Prepared:
     req = parse(t.LoadWeightsRequest, body)
+    if not completed:
+        limits.seq_id(req.seq_id)
+        limits.integer(req.model_seq_id, "model_seq_id")
     path = parse_tinker_path(req.path)
     if path.segment != "weights":
         raise UserError(f"load_weights needs a training checkpoint (tinker://.../weights/<name>), got {req.path}")
