@@ -18,6 +18,7 @@ from tests.conformance.test_sdk_errors import _fwdbwd_proto
 from tests.serverproc import API_KEY, start_server
 
 HEAD_TIMEOUT_S, BODY_TIMEOUT_S, LONG_POLL_S = 2.0, 3.0, 5.0
+MAX_CONNECTIONS = 260  # above the 200 half-sent connections plus the SDK's few
 SLACK_S = 1.5  # event-loop and scheduling delay on 2 shared cores
 HEADERS = {"X-API-Key": API_KEY}
 
@@ -29,7 +30,7 @@ def edge_server(tmp_path_factory):
     srv = start_server(tmp_path_factory.mktemp("edge-data"), [TINY], [
         "--threads", "1", "--request-head-timeout-s", str(HEAD_TIMEOUT_S),
         "--request-body-timeout-s", str(BODY_TIMEOUT_S), "--retrieve-future-timeout-s", str(LONG_POLL_S),
-        "--max-tokens-per-minute", "1"], log_level="INFO")
+        "--max-tokens-per-minute", "1", "--max-connections", str(MAX_CONNECTIONS)], log_level="INFO")
     yield srv
     srv.stop()
 
@@ -185,3 +186,16 @@ def test_deep_json_and_unknown_routes_are_user_errors_in_the_sdks_shape(edge_ser
     assert (r.status_code, r.json()) == (404, {"error": "Not Found", "category": "user"})
     r = httpx.get(edge_server.url + "/api/v1/weights_info", headers=HEADERS)
     assert (r.status_code, r.json(), r.headers["allow"]) == (405, {"error": "Method Not Allowed", "category": "user"}, "POST")
+
+
+def test_past_max_connections_requests_get_a_503_until_the_deadlines_free_places(edge_server):
+    port = _port(edge_server)
+    silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(MAX_CONNECTIONS)]
+    try:
+        with httpx.Client(base_url=edge_server.url, headers=HEADERS) as plain:  # no retries, unlike the SDK
+            assert plain.get("/api/v1/get_server_capabilities").status_code == 503  # which the SDK retries
+            time.sleep(HEAD_TIMEOUT_S + SLACK_S)  # the silent ones are closed at their head deadline
+            assert plain.get("/api/v1/get_server_capabilities").status_code == 200
+    finally:
+        for s in silent:
+            s.close()
