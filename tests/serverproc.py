@@ -31,10 +31,11 @@ class ServerProcess:
 
 
 def start_server(data_dir: Path, base_models: list[str], extra_args: list[str] = (), timeout_s: float = 300,
-                 env: dict | None = None, api_key: str | None = API_KEY, launcher: list[str] = ()) -> ServerProcess:
+                 env: dict | None = None, api_key: str | None = API_KEY, launcher: list[str] = (),
+                 log_level: str = "WARNING") -> ServerProcess:
     """`launcher`: a command the server command line is appended to (one that execs it, so the PID
     is the server's)."""
-    cmd = [*launcher, sys.executable, "-m", "tinkerd.cli.main", "--log-level", "WARNING", "serve", "--port", "0",
+    cmd = [*launcher, sys.executable, "-m", "tinkerd.cli.main", "--log-level", log_level, "serve", "--port", "0",
            "--data-dir", str(data_dir), *(["--api-key", api_key] if api_key else []), *extra_args]
     for m in base_models:
         cmd += ["--base-model", m]

@@ -29,6 +29,27 @@ class ServerConfig(BaseModel):
     retrieve_future_timeout_s: float = 20.0
     # forward_backward bodies: the SDK chunks at ~5 MB estimated; leave headroom.
     max_body_bytes: int = 64 * 1024 * 1024
+    # The HTTP edge (api/connection.py, cli/serve.py). Deadlines for reading one request, never
+    # extended by trickled bytes: the head within request_head_timeout_s of the connection opening
+    # (or of the next request's first byte), the body within request_body_timeout_s of the head. An
+    # SDK head is ~1 KB sent in one write, so 10 s only ever cuts off a stalled or hostile client; 60 s
+    # takes the SDK's ~5 MB forward_backward chunks at 85 KB/s (the 64 MiB max_body_bytes needs
+    # 1.1 MB/s). Then the connection is closed; the SDK retries a dropped connection.
+    request_head_timeout_s: float = Field(default=10.0, gt=0)
+    request_body_timeout_s: float = Field(default=60.0, gt=0)
+    # An idle kept-alive connection is closed after this. Longer than the SDK's 5 s (httpx) idle
+    # expiry, so the client, not the server, ends idle connections: no request races a server close.
+    # A proxy's upstream keep-alive must be shorter than this, for the same reason.
+    keep_alive_timeout_s: float = Field(default=75.0, gt=0)
+    # Open connections (idle, reading and long-polling ones alike) before new requests get 503, which
+    # the SDK retries. The SDK's own pool allows 1000 per client; each connection is a file descriptor,
+    # so `ulimit -n` must be above this (serve warns when it is not).
+    max_connections: int = Field(default=2048, ge=1)
+    # The listen queue of connections not yet accepted (the kernel caps it at net.core.somaxconn).
+    listen_backlog: int = Field(default=2048, ge=1)
+    # A request head (request line and headers) larger than this is a 400 from h11 and a close. SDK
+    # heads are ~1 KB; 16 KiB (h11's default) leaves room for a proxy's X-Forwarded-* headers.
+    max_request_head_bytes: int = Field(default=16 * 1024, ge=1024)
     max_sample_tokens_default: int = 256
     max_num_samples: int = 128
     # The sampler's KV cache budget in GiB (None: a quarter of the device's memory). A sample request

@@ -8,7 +8,9 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from tinkerd.api.deps import AppState, error_response
 from tinkerd.api.routes import admin, export, futures, rest, sampling, service, training
@@ -33,6 +35,25 @@ def create_app(app_state: AppState) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
         return error_response(UserError(f"invalid request: {e.errors()[:3]}"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        # Unknown routes (404) and wrong methods (405, with its Allow header) in the SDK's error shape
+        # rather than FastAPI's {"detail": ...}: the SDK puts the body in its error's message.
+        category = "user" if e.status_code < 500 else "server"
+        return JSONResponse({"error": f"{e.detail}", "category": category}, status_code=e.status_code,
+                            headers=e.headers)
+
+    @app.exception_handler(ClientDisconnect)
+    async def on_client_gone(request: Request, _: ClientDisconnect) -> Response:
+        # The client closed the connection while its body was being read (a cancelled call, a killed
+        # process, a timed-out proxy). Nothing is wrong here and nobody will read an answer: one line,
+        # no traceback. Handled here rather than by on_unexpected, whose middleware re-raises to
+        # uvicorn, which logged a second traceback (two tracebacks, ~8.5 KB of log per drop).
+        client = request.client
+        log.info("client %s closed the connection during %s %s", f"{client.host}:{client.port}" if client else "?",
+                 request.method, request.url.path)
+        return Response(status_code=400)  # never sent: uvicorn drops writes to a closed connection
 
     @app.exception_handler(Exception)
     async def on_unexpected(_: Request, e: Exception) -> JSONResponse:

@@ -66,6 +66,20 @@ def add_parser(sub) -> None:
                         "are refused with 503 (default: 1, or 5%% of the filesystem if less; 0: never refuse)")
     p.add_argument("--retrieve-future-timeout-s", type=_positive, default=None,
                    help="how long retrieve_future holds a pending request before try_again (default 20)")
+    edge = p.add_argument_group("HTTP connections (docs/configuration.md: behind a proxy)")
+    edge.add_argument("--request-head-timeout-s", type=_positive, default=None,
+                      help="close a connection whose request head is not complete this long after it opened "
+                           "or after the request's first byte (default 10)")
+    edge.add_argument("--request-body-timeout-s", type=_positive, default=None,
+                      help="close a connection whose request body is not complete this long after its head (default 60)")
+    edge.add_argument("--keep-alive-timeout-s", type=_positive, default=None,
+                      help="close an idle kept-alive connection after this long (default 75)")
+    edge.add_argument("--max-connections", type=_positive_int, default=None,
+                      help="open connections before new requests get 503, which the SDK retries (default 2048)")
+    edge.add_argument("--listen-backlog", type=_positive_int, default=None,
+                      help="connections waiting to be accepted (default 2048)")
+    edge.add_argument("--max-request-head-bytes", type=_positive_int, default=None,
+                      help="largest request line plus headers; larger is a 400 (default 16384)")
     p.set_defaults(func=run)
 
 
@@ -105,7 +119,8 @@ def build_config(args) -> ServerConfig:
         values["ephemeral_samplers_kept"] = args.ephemeral_samplers_kept
     for name in ("max_concurrent_runs", "max_tokens_per_minute", "quota_window_s", "retrieve_future_timeout_s",
                  "sample_kv_cache_gb", "future_retrieved_grace_s", "future_max_age_s", "future_tombstone_s",
-                 "min_free_disk_gb"):
+                 "min_free_disk_gb", "request_head_timeout_s", "request_body_timeout_s", "keep_alive_timeout_s",
+                 "max_connections", "listen_backlog", "max_request_head_bytes"):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
     return ServerConfig(**values)
@@ -205,6 +220,31 @@ def hub_unreachable(timeout_s: float = 2.0) -> bool:
         return True
 
 
+def uvicorn_config(app, config: ServerConfig) -> uvicorn.Config:
+    """uvicorn with tinkerd's connection limits. The protocol is h11 with request deadlines
+    (api/connection.py), not the faster httptools: uvicorn has no deadline for reading a request,
+    and h11 takes a head size limit. Requests here are few and long (a step, a long-poll), so the
+    parser's speed does not show."""
+    from tinkerd.api.connection import TimedH11Protocol
+
+    return uvicorn.Config(
+        app, log_level="warning",
+        http=TimedH11Protocol.with_timeouts(config.request_head_timeout_s, config.request_body_timeout_s),
+        timeout_keep_alive=config.keep_alive_timeout_s, limit_concurrency=config.max_connections,
+        backlog=config.listen_backlog, h11_max_incomplete_event_size=config.max_request_head_bytes)
+
+
+def warn_if_few_file_descriptors(max_connections: int) -> None:
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    # ~100 descriptors go to the database, the engine pipe, model files and logs.
+    if soft != resource.RLIM_INFINITY and soft < max_connections + 100:
+        log.warning("the open-file limit (ulimit -n) is %d, below --max-connections %d plus ~100 the server "
+                    "itself uses: past it accept() fails and new clients wait unanswered instead of getting a 503",
+                    soft, max_connections)
+
+
 def run(args) -> int:
     config = build_config(args)
     app, control = build_app(config)
@@ -214,7 +254,8 @@ def run(args) -> int:
     host, port = sock.getsockname()[:2]
     url = f"http://{host}:{port}"
     key = local_key(config, app.state.tinkerd.accounts)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_keep_alive=75))
+    server = uvicorn.Server(uvicorn_config(app, config))
+    warn_if_few_file_descriptors(config.max_connections)
 
     # Asked before serving, not on the event loop: a resolver can take seconds to fail.
     offline_env = " HF_HUB_OFFLINE=1" if hub_unreachable() else ""

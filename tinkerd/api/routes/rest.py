@@ -17,7 +17,7 @@ import json
 from fastapi import APIRouter, Depends, Request, Response
 
 from tinkerd.api import limits
-from tinkerd.api.deps import account, authenticate, empty, read_body, state
+from tinkerd.api.deps import account, authenticate, empty, load_json, read_body, state
 from tinkerd.control.runs import LOCAL_OWNER, TYPE_SEGMENTS, Runs, TinkerPath, check_name, iso, parse_tinker_path
 from tinkerd.control.store.tables import CheckpointRow, TrainingRunRow
 from tinkerd.errors import NotFoundError, UserError
@@ -146,10 +146,7 @@ async def publish_checkpoint(run_id: str, type_seg: str, name: str, request: Req
 @router.put("/training_runs/{run_id}/checkpoints/{type_seg}/{name}/ttl")
 async def set_checkpoint_ttl(run_id: str, type_seg: str, name: str, request: Request) -> dict:
     path = _path(run_id, type_seg, name)
-    try:
-        body = json.loads(await read_body(request) or b"{}")
-    except ValueError as e:
-        raise UserError(f"invalid JSON body: {e}") from e
+    body = load_json(await read_body(request))
     if not isinstance(body, dict) or "ttl_seconds" not in body:
         raise UserError('send {"ttl_seconds": <seconds> or null}')
     runs = state(request).runs
@@ -165,10 +162,7 @@ async def delete_checkpoint(run_id: str, type_seg: str, name: str, request: Requ
 
 @router.post("/weights_info")
 async def weights_info(request: Request) -> dict:
-    try:
-        body = json.loads(await read_body(request) or b"{}")
-    except ValueError as e:
-        raise UserError(f"invalid JSON body: {e}") from e
+    body = load_json(await read_body(request))
     tinker_path = body.get("tinker_path") if isinstance(body, dict) else None
     if not isinstance(tinker_path, str):
         raise UserError('send {"tinker_path": "tinker://<run_id>/<type>/<name>"}')

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from tinker import types as t
 
 from tinkerd.api.compat import session_warning
-from tinkerd.api.deps import account, authenticate, empty, parse, parse_ignoring_unknown, read_body, state
+from tinkerd.api.deps import account, authenticate, check_json_depth, empty, parse, parse_ignoring_unknown, read_body, state
 from tinkerd.errors import StorageUnavailable
 
 router = APIRouter(prefix="/api/v1")
@@ -71,12 +73,11 @@ async def session_heartbeat(request: Request) -> dict:
 async def finish_session(session_id: str, request: Request):
     body = await read_body(request)
     reason = None
+    check_json_depth(body)  # deeper JSON was a RecursionError, a 500 the SDK retries
     try:
-        import json
-
         reason = (json.loads(body or b"{}").get("reason") or {}).get("type")
     except (ValueError, AttributeError):
-        pass
+        pass  # no reason, or one of another shape: the session still finishes
     st = state(request)
     st.runs.finish_session(session_id, reason, account(request))
     if st.control.residency is not None:

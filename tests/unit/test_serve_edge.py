@@ -1,0 +1,31 @@
+"""`tinkerd serve`'s HTTP connection flags reach ServerConfig and uvicorn (cli/serve.py: uvicorn_config)."""
+
+from __future__ import annotations
+
+import argparse
+
+from tinkerd.api.connection import TimedH11Protocol
+from tinkerd.cli import serve
+from tinkerd.config import ServerConfig
+
+
+def _args(*argv: str):
+    parser = argparse.ArgumentParser()
+    serve.add_parser(parser.add_subparsers())
+    return parser.parse_args(["serve", *argv])
+
+
+def test_flags_reach_uvicorn():
+    config = serve.build_config(_args("--request-head-timeout-s", "3", "--request-body-timeout-s", "7",
+                                      "--keep-alive-timeout-s", "30", "--max-connections", "10",
+                                      "--listen-backlog", "64", "--max-request-head-bytes", "4096"))
+    u = serve.uvicorn_config(object(), config)
+    assert issubclass(u.http, TimedH11Protocol) and (u.http.head_timeout_s, u.http.body_timeout_s) == (3, 7)
+    assert (u.timeout_keep_alive, u.limit_concurrency, u.backlog, u.h11_max_incomplete_event_size) == (30, 10, 64, 4096)
+
+
+def test_defaults():
+    u = serve.uvicorn_config(object(), serve.build_config(_args()))
+    assert (u.http.head_timeout_s, u.http.body_timeout_s) == (10, 60)
+    assert (u.timeout_keep_alive, u.limit_concurrency, u.backlog, u.h11_max_incomplete_event_size) == (75, 2048, 2048, 16384)
+    assert ServerConfig().request_head_timeout_s == 10  # the same defaults without the CLI
