@@ -116,7 +116,12 @@ def test_a_restart_after_the_sweep_rebuilds_a_run_exactly(tmp_path):
         sc = tinker.ServiceClient(base_url=srv.url, api_key=API_KEY)
         reference = _train(sc.create_lora_training_client(base_model=TINY, rank=8, seed=5).result(), range(steps))
         tc = sc.create_lora_training_client(base_model=TINY, rank=8, seed=5).result()
-        first = _train(tc, range(steps // 2))
+        first = _train(tc, range(steps // 2 - 1))
+        # A snapshot is taken after an optim_step once 1 s has passed since the last: on a fast machine
+        # all 8 steps take under 1 s and only the first step's snapshot would exist. Waiting out the
+        # interval before the last step makes its snapshot the latest (sleeping changes no loss).
+        time.sleep(1.2)
+        first += _train(tc, range(steps // 2 - 1, steps // 2))
         # The sweep deleted the ops before the run's latest snapshot.
         _wait(lambda: len(_rows(tmp_path, tc.model_id)) < steps // 2)
         os.kill(srv.proc.pid, signal.SIGKILL)
