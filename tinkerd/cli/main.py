@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from tinkerd.cli import LOG_FORMAT, accounts, keys, serve, usage
+from tinkerd.cli import LOG_FORMAT, accounts, fsck, keys, serve, usage
 from tinkerd.engine.process import EngineStartFailed
 from tinkerd.errors import TinkerdError
 
@@ -19,6 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     keys.add_parser(sub)
     accounts.add_parser(sub)
     usage.add_parser(sub)
+    fsck.add_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     try:

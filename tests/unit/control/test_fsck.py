@@ -1,0 +1,175 @@
+"""`tinkerd fsck` on a hand-made broken data directory: each kind of problem is found, --repair removes
+the debris (and puts a set-aside checkpoint back) and leaves every registered checkpoint alone."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from tinker import types as t
+
+from tinkerd.cli import fsck as cli_fsck
+from tinkerd.cli.main import main
+from tinkerd.control import fsck
+from tinkerd.control.runs import Runs, TinkerPath
+from tinkerd.control.store.db import Store, utcnow
+from tinkerd.control.store.tables import FutureRow, FutureWatermarkRow, SamplingSessionRow
+from tinkerd.engine import checkpoints
+
+
+def test_file_names_are_the_engines():
+    assert (fsck.WEIGHTS_FILE, fsck.CONFIG_FILE, fsck.META_FILE, fsck.OPTIMIZER_FILE) == (
+        checkpoints.WEIGHTS_FILE, checkpoints.CONFIG_FILE, checkpoints.META_FILE, checkpoints.OPTIMIZER_FILE)
+
+
+def _files(d: Path, names=fsck.SNAPSHOT_FILES) -> Path:
+    d.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        (d / name).write_bytes(b"x" * 10)
+    return d
+
+
+def _pending(store: Store, request_id: str, request_type: str, target: str, body: bytes, seq_id: int = 1) -> None:
+    store.add(FutureRow(request_id=request_id, request_type=request_type, target=target, seq_id=seq_id,
+                        body=body, status="pending", created_at=utcnow()))
+
+
+def _complete(store: Store, request_id: str, request_type: str, target: str, seq_id: int) -> None:
+    store.add(FutureRow(request_id=request_id, request_type=request_type, target=target, seq_id=seq_id,
+                        body=b"{}", status="complete", created_at=utcnow(), completed_at=utcnow()))
+
+
+@pytest.fixture
+def data(tmp_path):
+    """A data directory whose store and files agree: two runs, checkpoints of every type, a usable
+    snapshot, an ephemeral sampler and a pending op that parses."""
+    store = Store.sqlite(tmp_path / "tinkerd.sqlite")
+    runs = Runs(store, tmp_path / "checkpoints")
+    session = runs.create_session([], {}, "test")
+    run = runs.create_run(session, 0, "tiny", {"rank": 4}, {})[0].model_id
+    other = runs.create_run(session, 1, "tiny", {"rank": 4}, {})[0].model_id
+    for segment, name, names in (("weights", "keep", fsck.REQUIRED_FILES["training"]),
+                                 ("sampler_weights", "s", fsck.REQUIRED_FILES["sampler"]),
+                                 ("external_weights", "e", fsck.REQUIRED_FILES["external"])):
+        path = TinkerPath(run, segment, name)
+        _files(runs.checkpoint_dir(path), names)
+        runs.register_checkpoint(path, None, None)
+    sid = f"{session}:sample:0"
+    runs.create_sampling_session(session, 0, "tiny", None, str(_files(runs.ephemeral_dir(sid))))
+    _complete(store, "req-create", "CreateModel", run, 0)
+    _complete(store, "req-optim", "OptimStep", run, 2)
+    _files(tmp_path / "snapshots" / run / "seq-000000000002")
+    body = t.OptimStepRequest(adam_params=t.AdamParams(learning_rate=1e-2), model_id=run, seq_id=3).model_dump_json()
+    _pending(store, "req-ok", "OptimStep", run, body.encode(), 3)
+    return tmp_path, store, runs, run, other, session
+
+
+def _check(data_dir: Path, store: Store) -> fsck.Report:
+    return fsck.Fsck(store, data_dir, parse_body=cli_fsck.parse_body).check()
+
+
+def test_a_consistent_data_dir_is_clean(data, capsys):
+    data_dir, store, *_ = data
+    report = _check(data_dir, store)
+    assert report.clean, [p.line() for p in report.problems]
+    assert (report.checkpoints, report.runs, report.snapshots, report.pending) == (3, 2, 1, 1)
+    assert main(["fsck", "--data-dir", str(data_dir)]) == 0
+    assert "clean (3 checkpoints, 2 runs, 1 snapshots, 1 pending ops)" in capsys.readouterr().out
+
+
+def test_each_kind_of_problem_is_found_and_repair_removes_only_debris(data, capsys):
+    data_dir, store, runs, run, other, session = data
+    ck = data_dir / "checkpoints" / run
+    # Registered, then damaged from outside: not debris, never touched by repair.
+    gone = TinkerPath(run, "weights", "gone")
+    _files(runs.checkpoint_dir(gone), fsck.REQUIRED_FILES["training"])
+    runs.register_checkpoint(gone, None, None)
+    for f in runs.checkpoint_dir(gone).iterdir():
+        f.unlink()
+    runs.checkpoint_dir(gone).rmdir()
+    (ck / "sampler_weights" / "s" / fsck.META_FILE).unlink()  # incomplete
+    with open(ck / "external_weights" / "e" / fsck.WEIGHTS_FILE, "ab") as f:  # size differs from the row's
+        f.write(b"more")
+    # A save that crashed between its two renames: the registered checkpoint sits set aside.
+    aside = TinkerPath(run, "weights", "aside")
+    _files(runs.checkpoint_dir(aside), fsck.REQUIRED_FILES["training"])
+    runs.register_checkpoint(aside, None, None)
+    (ck / "weights" / ".aside.old-x1").mkdir()
+    runs.checkpoint_dir(aside).rename(ck / "weights" / ".aside.old-x1" / "ckpt")
+    # Debris.
+    _files(ck / "weights" / "orphan")
+    _files(data_dir / "checkpoints" / "_ephemeral" / f"{session}:sample:9")
+    _files(ck / "weights" / ".half.tmp-abc", [fsck.WEIGHTS_FILE])
+    _files(data_dir / "snapshots" / run / ".seq-000000000004.tmp-q", [fsck.WEIGHTS_FILE])
+    _files(data_dir / "models" / ".build-zz", ["config.json"])
+    (data_dir / ".url_signing.key.k3y").write_bytes(b"k")
+    _files(data_dir / "snapshots" / "sess-gone:train:0" / "seq-000000000001")
+    # Recovery's inputs damaged.
+    _files(data_dir / "snapshots" / run / "seq-000000000001", [fsck.WEIGHTS_FILE])  # incomplete, not the usable one
+    store.add(FutureWatermarkRow(dedupe_prefix=f"ForwardBackward|None|{other}", seq_id=5))  # forgotten, no snapshot
+    _complete(store, "req-fb-bare", "ForwardBackward", run, 3)
+    store.update(FutureRow, "req-fb-bare", body=b"")  # after the snapshot: replay needs it
+    _pending(store, "req-no-run", "OptimStep", "sess-gone:train:3", b"{}")
+    _pending(store, "req-garbage", "ForwardBackward", run, b"\xff\xfe not protobuf", 4)
+    _pending(store, "req-no-sampler", "Sample", f"{session}:sample:7", b"{}")
+
+    report = _check(data_dir, store)
+    found = {(p.kind, Path(p.where).name if "/" in p.where else p.where) for p in report.problems}
+    assert found == {
+        ("missing-checkpoint", "gone"), ("missing-checkpoint", "aside"), ("incomplete-checkpoint", "s"),
+        ("size-mismatch", "e"), ("orphan-checkpoint", "orphan"), ("orphan-sampler", f"{session}:sample:9"),
+        ("temp-debris", ".aside.old-x1"), ("temp-debris", ".half.tmp-abc"), ("temp-debris", ".seq-000000000004.tmp-q"),
+        ("temp-debris", ".build-zz"), ("temp-debris", ".url_signing.key.k3y"), ("orphan-snapshots", "sess-gone:train:0"),
+        ("incomplete-snapshot", "seq-000000000001"), ("unrecoverable-run", other), ("unrecoverable-run", run),
+        ("stranded-future", "req-no-run"), ("stranded-future", "req-garbage"), ("stranded-future", "req-no-sampler"),
+    }, sorted(found)
+    assert {p.kind for p in report.problems if p.debris} == {"orphan-checkpoint", "orphan-sampler", "temp-debris",
+                                                              "orphan-snapshots"}
+
+    assert main(["fsck", "--data-dir", str(data_dir), "--repair"]) == 1  # what is not debris stays
+    out = capsys.readouterr().out
+    assert f"repair: restored {runs.checkpoint_dir(aside)}" in out
+    after = _check(data_dir, store)
+    assert {p.kind for p in after.problems} == {"missing-checkpoint", "incomplete-checkpoint", "size-mismatch",
+                                                "incomplete-snapshot", "unrecoverable-run", "stranded-future"}
+    assert not any(p.debris for p in after.problems)
+    assert not (ck / "weights" / "orphan").exists() and not (data_dir / "snapshots" / "sess-gone:train:0").exists()
+    assert not list(data_dir.rglob(".*.tmp-*")) and not list(data_dir.rglob(".build-*"))
+    # Registered checkpoints: untouched (the damaged ones too), the set-aside one back in place.
+    assert sorted(p.name for p in runs.checkpoint_dir(aside).iterdir()) == sorted(fsck.REQUIRED_FILES["training"])
+    assert (ck / "weights" / "keep" / fsck.OPTIMIZER_FILE).is_file()
+    assert (ck / "sampler_weights" / "s" / fsck.WEIGHTS_FILE).is_file()
+    assert (ck / "external_weights" / "e" / fsck.WEIGHTS_FILE).is_file()
+    assert (data_dir / "snapshots" / run / "seq-000000000002" / fsck.OPTIMIZER_FILE).is_file()
+    assert store.get(SamplingSessionRow, f"{session}:sample:0") is not None
+
+
+def test_refuses_a_data_dir_a_server_holds(data, capsys):
+    data_dir, store, *_ = data
+    (data_dir / "checkpoints" / run_dir(data) / "weights" / ".saving.tmp-1").mkdir()  # a save in progress
+    holder = subprocess.Popen([sys.executable, "-c", "import sqlite3, sys, time; "
+                               f"c = sqlite3.connect({str(data_dir / 'tinkerd.sqlite')!r}); c.execute('select 1'); "
+                               "print('open', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "open"
+        assert main(["fsck", "--data-dir", str(data_dir), "--repair"]) == 2
+        err = capsys.readouterr().err
+        assert f"is open in process {holder.pid}" in err and "stop it first" in err
+        assert (data_dir / "checkpoints" / run_dir(data) / "weights" / ".saving.tmp-1").is_dir()  # nothing removed
+    finally:
+        holder.kill()
+        holder.wait()
+    time.sleep(0.05)
+    assert main(["fsck", "--data-dir", str(data_dir)]) == 1  # once it is gone: the debris is reported
+
+
+def run_dir(data) -> str:
+    return data[3]
+
+
+def test_no_store_is_an_error(tmp_path, capsys):
+    assert main(["fsck", "--data-dir", str(tmp_path / "nothing")]) == 1
+    assert "no tinkerd data in" in capsys.readouterr().err

@@ -1,0 +1,111 @@
+"""`tinkerd fsck`: check that a stopped server's store and files agree (control/fsck.py), and with
+`--repair` remove the debris a crash left. Exit 0 when clean, 1 when not, 2 when a server holds the
+data directory.
+
+A running server is detected from /proc: a process other than this one with the SQLite file (or
+its WAL) open. Every `tinkerd serve` keeps it open from start to stop, and so does any other tool
+writing to the store; a crashed one holds nothing. A check beside a live server would report its
+saves in progress as debris, and a repair would delete them, so both are refused. There is no pid
+or lock file to go stale: after a SIGKILL, the kernel closed the descriptors and the check can run.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from tinkerd.config import ServerConfig
+from tinkerd.errors import UserError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("fsck", help="check a stopped server's data directory: store and files agree, no crash "
+                                    "debris, every pending op can run; --repair removes debris")
+    p.add_argument("--data-dir", type=Path, default=None, help="default: $TINKERD_DATA_DIR or ~/.tinkerd")
+    p.add_argument("--repair", action="store_true",
+                   help="remove temp directories and orphans (never a registered checkpoint), then check again")
+    p.set_defaults(func=run)
+
+
+def holders(paths: list[Path]) -> list[tuple[int, str]]:
+    """(pid, command line) of other processes with any of `paths` open."""
+    wanted = {os.path.realpath(p) for p in paths}
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:  # gone, or not ours to read
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") in wanted:
+                    cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+                    found.append((int(pid), cmd.strip()))
+                    break
+            except OSError:
+                continue
+    return found
+
+
+def parse_body(row) -> None:
+    """Decode a pending op's stored wire request the way the start-up re-queue will (api/replay.py):
+    protobuf for forward(_backward), the SDK's pydantic request otherwise."""
+    from tinker import types as t
+
+    from tinkerd.api import codec
+    from tinkerd.api.deps import parse
+
+    requests = {"CreateModel": t.CreateModelRequest, "OptimStep": t.OptimStepRequest,
+                "SaveWeights": t.SaveWeightsRequest, "SaveWeightsForSampler": t.SaveWeightsForSamplerRequest,
+                "LoadWeights": t.LoadWeightsRequest, "Sample": t.SampleRequest,
+                "SaveWeightsExternal": t.SaveWeightsExternalRequest}
+    if row.request_type in ("ForwardBackward", "Forward"):
+        codec.decode_forward_backward(row.body)
+    elif row.request_type in requests:
+        parse(requests[row.request_type], row.body)
+    else:
+        raise UserError(f"{row.request_type} requests cannot be resumed after a restart")
+
+
+def run(args) -> int:
+    from tinkerd.control.fsck import Fsck
+    from tinkerd.control.store.db import Store
+
+    config = ServerConfig(**({"data_dir": args.data_dir.expanduser().resolve()} if args.data_dir else {}))
+    db = config.db_path
+    if not db.exists():
+        raise UserError(f"no tinkerd data in {config.data_dir} (pass --data-dir)")
+    if os.path.isdir("/proc/self/fd"):
+        held = holders([db, db.with_name(db.name + "-wal")])
+        if held:
+            for pid, cmd in held:
+                print(f"tinkerd fsck: {db} is open in process {pid} ({cmd[:120]})", file=sys.stderr)
+            print("tinkerd fsck: a server holds this data directory; stop it first (a check beside it would "
+                  "take its saves in progress for debris)", file=sys.stderr)
+            return 2
+    else:
+        print("tinkerd fsck: warning: no /proc here, cannot tell whether a server holds the data directory",
+              file=sys.stderr)
+    fsck = Fsck(Store.sqlite(db), config.data_dir, parse_body=parse_body)
+    report = fsck.check()
+    if args.repair and report.problems:
+        for p in report.problems:
+            print(p.line())
+        for line in fsck.repair(report):
+            print(f"repair: {line}")
+        report = fsck.check()
+        print("after repair:")
+    for p in report.problems:
+        print(p.line())
+    what = (f"{report.checkpoints} checkpoints, {report.runs} runs, {report.snapshots} snapshots, "
+            f"{report.pending} pending ops")
+    if report.clean:
+        print(f"tinkerd fsck: {config.data_dir}: clean ({what})")
+        return 0
+    debris = sum(p.debris for p in report.problems)
+    print(f"tinkerd fsck: {config.data_dir}: {len(report.problems)} problems, {debris} of them debris that --repair "
+          f"removes ({what})")
+    return 1
