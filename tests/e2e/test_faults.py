@@ -1,0 +1,382 @@
+"""Faults the chaos and disk-full tests do not cover, each ending as an uninterrupted run would:
+the same losses and sampled tokens for everything acknowledged, every accepted request_id answering
+its result, and `tinkerd fsck` clean.
+
+- the engine SIGKILLed inside a checkpoint write (save_state);
+- the whole server (its process group, engine included) SIGKILLed inside save_state, and during a
+  sample, then restarted on the same port while the SDK keeps polling;
+- the SQLite file locked by another process (BEGIN EXCLUSIVE) mid-loop: new work gets a 503 with
+  Retry-After, accepted work completes after the lock goes, no restart.
+
+A kill "inside a write" is made exact by watching the filesystem, not by a hook in the server: as
+soon as the save's temp directory (engine/checkpoints.py: `.<name>.tmp-*`) appears, the engine is
+SIGSTOPped, frozen mid-write; the test checks that the temp directory is there and the real name is
+not, then SIGKILLs. The scenario is small (tiny model, rank 8, 6 steps) so that each test takes
+~15-40 s on 2 cores.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import httpx
+import pytest
+import tinker
+from tinker import types
+
+from tests.chaos import TINY, engine_pid, recoveries
+from tests.serverproc import API_KEY, ServerProcess, start_server
+from tinkerd.cli.main import main as tinkerd_main
+from tinkerd.engine.checkpoints import read_adapter
+
+ARGS = ["--threads", "1"]
+STEPS = 6
+SAVE_AFTER = 3  # steps before the save_state and the sample
+_rng = random.Random(11)
+DATA = [[types.Datum(model_input=types.ModelInput.from_ints(toks[:-1]), loss_fn_inputs={"target_tokens": toks[1:]})
+         for toks in ([_rng.randrange(1, 5000) for _ in range(_rng.randrange(8, 24))] for _ in range(2))]
+        for _ in range(STEPS)]
+PROMPT = types.ModelInput.from_ints([11, 22, 33, 44, 55])
+# Long enough (~1 s of decode on the tiny model) that a kill 0.3 s after the sample is accepted
+# lands while it is decoding.
+SAMPLE = types.SamplingParams(max_tokens=160, temperature=1.0, seed=5)
+
+
+@dataclass
+class Outcome:
+    losses: list[float]
+    tokens: list[int]
+    saved: str
+    model_id: str
+
+
+def _step(tc, i: int) -> float:
+    fb = tc.forward_backward(DATA[i], "cross_entropy")
+    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    return fb.result().metrics["loss:sum"]
+
+
+def scenario(url: str, before_save: Callable | None = None, before_sample: Callable | None = None) -> Outcome:
+    """Train, save_state, sample from the current weights, train on. The hooks start a fault."""
+    tc = tinker.ServiceClient(base_url=url, api_key=API_KEY).create_lora_training_client(
+        base_model=TINY, rank=8, seed=11).result()
+    losses = [_step(tc, i) for i in range(SAVE_AFTER)]
+    if before_save:
+        before_save(tc)
+    saved = tc.save_state("mid").result().path
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    if before_sample:
+        before_sample(tc)
+    tokens = list(sampler.sample(PROMPT, 1, SAMPLE).result().sequences[0].tokens)
+    losses += [_step(tc, i) for i in range(SAVE_AFTER, STEPS)]
+    return Outcome(losses, tokens, saved, tc.model_id)
+
+
+def _data_dir(tmp_path: Path, models_dir: Path) -> Path:
+    data = tmp_path / "data"
+    data.mkdir()
+    # The converted tiny model is shared, not rebuilt per test (~86 MB, seconds of CPU).
+    (data / "models").symlink_to(models_dir, target_is_directory=True)
+    return data
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, models_dir) -> Outcome:
+    data = _data_dir(tmp_path_factory.mktemp("ref"), models_dir)
+    srv = start_server(data, [TINY], ARGS)
+    try:
+        return scenario(srv.url)
+    finally:
+        srv.stop()
+
+
+# -- the checks every test ends with -------------------------------------------------------------
+
+
+def _assert_same(result: Outcome, reference: Outcome, data: Path) -> None:
+    assert result.losses == reference.losses  # bit-identical: nothing acknowledged was lost or run twice
+    assert result.tokens == reference.tokens
+    run, seg, name = result.saved[len("tinker://"):].split("/")
+    assert read_adapter(data / "checkpoints" / run / seg / name).step == SAVE_AFTER
+
+
+def _assert_nothing_stranded(url: str, data: Path) -> int:
+    db = sqlite3.connect(data / "tinkerd.sqlite")
+    try:
+        statuses = dict(db.execute("SELECT status, count(*) FROM futures GROUP BY status").fetchall())
+        ids = [r for (r,) in db.execute("SELECT request_id FROM futures")]
+    finally:
+        db.close()
+    assert set(statuses) == {"complete"}, statuses  # nothing pending, nothing failed
+    with httpx.Client(base_url=url, headers={"X-API-Key": API_KEY}, timeout=30) as http:
+        for request_id in ids:
+            got = http.post("/api/v1/retrieve_future", json={"request_id": request_id})
+            assert got.status_code == 200, (request_id, got.text)
+    return len(ids)
+
+
+def _fsck(data: Path, capsys, *extra: str) -> tuple[int, str]:
+    capsys.readouterr()
+    rc = tinkerd_main(["fsck", "--data-dir", str(data), *extra])
+    return rc, capsys.readouterr().out
+
+
+# -- freezing the engine inside a write ----------------------------------------------------------
+
+
+def _freeze_in_write(server_pid: int, parent: Path, name: str, timeout_s: float = 60) -> tuple[int, Path]:
+    """SIGSTOP the engine while `parent/.<name>.tmp-*` exists and `parent/<name>` does not: frozen
+    between mkdtemp and the rename, i.e. inside the write."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        tmps = list(parent.glob(f".{name}.tmp-*")) if parent.is_dir() else []
+        if tmps:
+            pid = engine_pid(server_pid)
+            os.kill(pid, signal.SIGSTOP)
+            still = [t for t in tmps if t.exists()]
+            assert still and not (parent / name).exists(), "the write finished before the engine was stopped"
+            return pid, still[0]
+        time.sleep(0.001)  # a rank-8 save of the tiny model (~15 MB, 4 fsyncs) takes tens of ms
+    raise AssertionError(f"no .{name}.tmp-* appeared in {parent}")
+
+
+def _in_thread(fn) -> tuple[threading.Thread, dict]:
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # surfaced by the caller
+            box["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, box
+
+
+def _wait_gone(pid: int, timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        try:  # a zombie child of a SIGKILLed server is reaped by init; /proc/<pid>/stat says Z until then
+            if open(f"/proc/{pid}/stat").read().split(")")[-1].split()[0] == "Z":
+                return
+        except OSError:
+            return
+        time.sleep(0.02)
+
+
+# -- the tests -----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_engine_sigkilled_inside_a_checkpoint_write(reference, tmp_path, models_dir, capsys):
+    """Exercises the engine-crash recovery path (Control._recover_engine): the in-flight save_state,
+    never stored, is re-queued and written again; the frozen write's temp dir is left for the next
+    start's sweep, which fsck reports and --repair removes. Without the temp-then-rename write the
+    kill would leave a half checkpoint under its real name (read_adapter would fail on it)."""
+    data = _data_dir(tmp_path, models_dir)
+    srv = start_server(data, [TINY], ARGS)
+    box: dict = {}
+
+    def kill_inside_save(tc) -> None:
+        parent = data / "checkpoints" / tc.model_id / "weights"
+
+        def run():
+            pid, tmp = _freeze_in_write(srv.proc.pid, parent, "mid")
+            box["tmp"] = tmp
+            os.kill(pid, signal.SIGKILL)
+        box["thread"] = _in_thread(run)[0]
+
+    try:
+        t0 = time.monotonic()
+        result = scenario(srv.url, before_save=kill_inside_save)
+        box["thread"].join()
+        box["seconds"] = time.monotonic() - t0
+        assert len(recoveries(srv.lines)) == 1
+        ids = _assert_nothing_stranded(srv.url, data)
+    finally:
+        srv.stop()
+    _assert_same(result, reference, data)
+    assert box["tmp"].is_dir()  # the killed write: its temp dir, never renamed
+    rc, out = _fsck(data, capsys)
+    assert rc == 1 and f"temp-debris: {box['tmp']}" in out and "1 problems, 1 of them debris" in out, out
+    rc, out = _fsck(data, capsys, "--repair")
+    assert rc == 0 and f"repair: removed {box['tmp']}" in out, out
+    rc, out = _fsck(data, capsys)
+    assert rc == 0 and "clean" in out, out
+    print(f"engine kill inside save_state: {box['seconds']:.1f} s loop, {ids} futures all retrieved, "
+          f"recovery {recoveries(srv.lines)}")
+
+
+def _restart_after_group_kill(srv: ServerProcess, data: Path, port: str, frozen_engine: int | None) -> ServerProcess:
+    os.killpg(srv.proc.pid, signal.SIGKILL)  # the server and its engine child: a power cut for the process tree
+    srv.proc.wait()
+    if frozen_engine is not None:
+        _wait_gone(frozen_engine)
+    return start_server(data, [TINY], ARGS + ["--port", port], launcher=["setsid"])
+
+
+@pytest.mark.slow
+def test_server_group_sigkilled_inside_save_state(reference, tmp_path, models_dir, capsys):
+    """Exercises the write-ahead log and start-up recovery (Control._recover_from_store): the
+    save_state was accepted (its FutureRow stored) but never finished; after the restart it is
+    re-queued from its stored body and written, and the start's sweep (Runs.sweep_stale_temp)
+    removes the frozen write's temp dir. Without the write-ahead row the SDK's poll of that
+    request_id would get a 404 after the restart."""
+    data = _data_dir(tmp_path, models_dir)
+    port = str(_free_port())
+    srv = start_server(data, [TINY], ARGS + ["--port", port], launcher=["setsid"])  # its own process group
+    box: dict = {"srv": srv}
+
+    def kill_inside_save(tc) -> None:
+        def run():
+            pid, tmp = _freeze_in_write(srv.proc.pid, data / "checkpoints" / tc.model_id / "weights", "mid")
+            box["tmp"] = tmp
+            t0 = time.monotonic()
+            box["srv"] = _restart_after_group_kill(srv, data, port, pid)
+            box["restart_s"] = time.monotonic() - t0
+        box["thread"] = _in_thread(run)[0]
+
+    try:
+        result = scenario(srv.url, before_save=kill_inside_save)
+        box["thread"].join()
+        assert box["srv"] is not srv
+        ids = _assert_nothing_stranded(box["srv"].url, data)
+        assert not any("cannot be resumed" in line for line in box["srv"].lines)
+    finally:
+        box["srv"].stop()
+        srv.stop()
+    _assert_same(result, reference, data)
+    assert not box["tmp"].exists()  # swept at the restart
+    rc, out = _fsck(data, capsys)
+    assert rc == 0 and "clean" in out, out
+    print(f"server group kill inside save_state: restart {box['restart_s']:.1f} s, {ids} futures all retrieved")
+
+
+def _pending(data: Path, request_type: str) -> int:
+    with sqlite3.connect(data / "tinkerd.sqlite") as db:
+        return db.execute("SELECT count(*) FROM futures WHERE request_type = ? AND status = 'pending'",
+                          (request_type,)).fetchone()[0]
+
+
+@pytest.mark.slow
+def test_server_group_sigkilled_during_a_sample(reference, tmp_path, models_dir, capsys):
+    """Exercises start-up recovery of a sampling op: the sample was accepted and decoding (still
+    pending) when the process group died; after the restart it is rebuilt from its stored body and
+    runs again with its seed, so the SDK gets the tokens of the uninterrupted run."""
+    data = _data_dir(tmp_path, models_dir)
+    port = str(_free_port())
+    srv = start_server(data, [TINY], ARGS + ["--port", port], launcher=["setsid"])
+    box: dict = {"srv": srv}
+
+    def kill_during_sample(tc) -> None:
+        def run():
+            deadline = time.monotonic() + 60
+            while _pending(data, "Sample") == 0:
+                assert time.monotonic() < deadline, "the sample was never accepted"
+                time.sleep(0.005)
+            time.sleep(0.3)  # admitted and decoding: ~1 s of decode for 160 tokens
+            box["pending_at_kill"] = _pending(data, "Sample")
+            box["srv"] = _restart_after_group_kill(srv, data, port, engine_pid(srv.proc.pid))
+        box["thread"] = _in_thread(run)[0]
+
+    try:
+        result = scenario(srv.url, before_sample=kill_during_sample)
+        box["thread"].join()
+        assert box["pending_at_kill"] == 1  # the kill came before the sample finished
+        ids = _assert_nothing_stranded(box["srv"].url, data)
+    finally:
+        box["srv"].stop()
+        srv.stop()
+    _assert_same(result, reference, data)
+    rc, out = _fsck(data, capsys)
+    assert rc == 0 and "clean" in out, out
+    print(f"server group kill during sample: {ids} futures all retrieved")
+
+
+@pytest.mark.slow
+def test_store_locked_by_another_process_mid_loop(reference, tmp_path, models_dir, capsys):
+    """Exercises the storage-fault path (control/store/db.py -> StorageUnavailable,
+    control/results.py): while another process holds the SQLite write lock past the 5 s busy
+    timeout, a new request is refused with 503 + Retry-After (without the mapping it was a 500,
+    which the SDK does not retry for plain calls), and the accepted op's result is retried until the
+    lock goes; no restart. The lock is held until the worker's own write has failed once (~10 s:
+    the refused request holds the store's writer lock for its 5 s busy timeout, then the worker
+    waits out its own), so the retry path is what brings the op home."""
+    data = _data_dir(tmp_path, models_dir)
+    srv = start_server(data, [TINY], ARGS)
+    try:
+        tc = tinker.ServiceClient(base_url=srv.url, api_key=API_KEY).create_lora_training_client(
+            base_model=TINY, rank=8, seed=11).result()
+        losses = [_step(tc, i) for i in range(SAVE_AFTER)]
+        engine = engine_pid(srv.proc.pid)
+        os.kill(engine, signal.SIGSTOP)  # so the next op is certainly accepted and unfinished when the lock comes
+        before = _count(data)
+        fb = tc.forward_backward(DATA[SAVE_AFTER], "cross_entropy")
+        deadline = time.monotonic() + 30
+        while _count(data) == before:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        locker = sqlite3.connect(data / "tinkerd.sqlite", isolation_level=None)
+        locker.execute("BEGIN EXCLUSIVE")  # WAL: readers go on, every writer waits
+        t_lock = time.monotonic()
+        os.kill(engine, signal.SIGCONT)
+        with httpx.Client(base_url=srv.url, headers={"X-API-Key": API_KEY}, timeout=30) as http:
+            refused = http.post("/api/v1/create_session", json={"tags": [], "user_metadata": {}, "sdk_version": "0.38.0"})
+            refused_after_s = time.monotonic() - t_lock
+            assert refused.status_code == 503, refused.text
+            assert refused.headers["retry-after"] == "10"
+            assert refused.json()["category"] == "server" and "locked" in refused.json()["error"], refused.text
+            ready = http.get("/api/v1/readyz").json()
+        # The worker's result write queued behind that request on the store's own lock, then waits
+        # out its own 5 s busy timeout and fails: hold on until results.py says it is retrying.
+        deadline = time.monotonic() + 20
+        while not any("cannot store the" in line for line in srv.lines):
+            assert time.monotonic() < deadline, "the accepted op's result write never failed"
+            time.sleep(0.05)
+        assert _pending(data, "ForwardBackward") == 1  # applied by the engine, not stored: still pending
+        locker.execute("ROLLBACK")
+        locker.close()
+        held_s = time.monotonic() - t_lock
+        t0 = time.monotonic()
+        loss = fb.result().metrics["loss:sum"]
+        resumed_s = time.monotonic() - t0
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        losses.append(loss)
+        losses += [_step(tc, i) for i in range(SAVE_AFTER + 1, STEPS)]
+        ids = _assert_nothing_stranded(srv.url, data)
+        assert not recoveries(srv.lines)  # no engine restart, and the server never stopped
+    finally:
+        srv.stop()
+    assert losses == _loop_losses(reference)
+    assert "failed attempts; work goes on" in "".join(srv.lines)  # results.py retried the write, then it landed
+    rc, out = _fsck(data, capsys)
+    assert rc == 0 and "clean" in out, out
+    print(f"store locked {held_s:.1f} s: new request refused after {refused_after_s:.1f} s (503), "
+          f"readyz {ready.get('status')} {ready.get('reasons')}, accepted op done {resumed_s:.1f} s after release, "
+          f"{ids} futures all retrieved")
+
+
+def _count(data: Path) -> int:
+    with sqlite3.connect(data / "tinkerd.sqlite") as db:
+        return db.execute("SELECT count(*) FROM futures").fetchone()[0]
+
+
+def _loop_losses(reference: Outcome) -> list[float]:
+    # The lock test trains the same steps without the save and the sample, which change no adapter.
+    return reference.losses
