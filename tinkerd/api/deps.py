@@ -49,12 +49,21 @@ def state(request: Request) -> AppState:
 
 def authenticate(request: Request) -> None:
     key = request.headers.get("x-api-key")
+    accounts = state(request).accounts
     if not key:
+        accounts.auth_failed(None, _source(request))
         raise AuthError("missing X-API-Key header")
-    account_id = state(request).accounts.verify(key)
+    account_id = accounts.verify(key)
     if account_id is None:
+        accounts.auth_failed(key, _source(request))
         raise AuthError("invalid or revoked API key")
     request.state.account_id = account_id
+
+
+def _source(request: Request) -> str:
+    """Where a request came from, for the audit log: the peer address (tinkerd does not trust
+    X-Forwarded-For, which any client can set)."""
+    return request.client.host if request.client else "unknown"
 
 
 def account(request: Request) -> str:

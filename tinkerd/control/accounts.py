@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from sqlalchemy import select
 
+from tinkerd.control.audit import AuditLog
 from tinkerd.control.store.db import Store, utcnow
 from tinkerd.control.store.tables import AccountRow, ApiKeyRow
 from tinkerd.errors import NotFoundError, UserError
@@ -33,8 +34,9 @@ class NewKey:
 
 
 class Accounts:
-    def __init__(self, store: Store):
+    def __init__(self, store: Store, audit: AuditLog | None = None):
         self.store = store
+        self.audit = audit or AuditLog(store)
 
     def account_id(self, name: str, create: bool = True) -> str:
         rows = self.store.query(select(AccountRow).where(AccountRow.name == name))
@@ -58,23 +60,42 @@ class Accounts:
                         created_at=utcnow())
         if not self.store.add(row):
             raise UserError("that key already exists")
+        self.audit.record("api_key_created", row.account_id, key_id=key_id, name=name)
         return NewKey(key_id, key, account)
 
     def verify(self, key: str) -> str | None:
         """The account of a valid, unrevoked key; None otherwise."""
+        row = self.key_row(key)
+        return row.account_id if row is not None and row.revoked_at is None else None
+
+    def key_row(self, key: str) -> ApiKeyRow | None:
+        """The stored row of a key (revoked or not), found by its hash."""
         rows = self.store.query(select(ApiKeyRow).where(ApiKeyRow.key_hash == hash_key(key)))
-        if not rows or rows[0].revoked_at is not None:
-            return None
-        return rows[0].account_id
+        return rows[0] if rows else None
+
+    def auth_failed(self, key: str | None, source: str) -> None:
+        """Audit a refused key: under its account when it is a revoked key (the owner should see
+        it is still in use), under no account otherwise."""
+        row = self.key_row(key) if key else None
+        if row is not None:
+            self.audit.auth_failed(source, row.account_id, "revoked key", row.key_id)
+        else:
+            self.audit.auth_failed(source, None, "unknown key" if key else "missing key")
+
+    def account_name(self, account_id: str) -> str | None:
+        row = self.store.get(AccountRow, account_id)
+        return row.name if row is not None else None
 
     def list_keys(self) -> list[tuple[ApiKeyRow, str]]:
         names = {a.account_id: a.name for a in self.store.query(select(AccountRow))}
         return [(k, names.get(k.account_id, "?")) for k in self.store.query(select(ApiKeyRow).order_by(ApiKeyRow.created_at))]
 
-    def revoke(self, key_id: str) -> None:
-        if self.store.get(ApiKeyRow, key_id) is None:
+    def revoke(self, key_id: str, via: str = "tinkerd keys revoke") -> None:
+        row = self.store.get(ApiKeyRow, key_id)
+        if row is None:
             raise NotFoundError(f"no key {key_id!r}")
         self.store.update(ApiKeyRow, key_id, revoked_at=utcnow())
+        self.audit.record("api_key_revoked", row.account_id, key_id=key_id, name=row.name, via=via)
 
     def has_keys(self) -> bool:
         return bool(self.store.query(select(ApiKeyRow).limit(1)))
@@ -92,4 +113,5 @@ class Accounts:
                 raise UserError(f"{column} must be a whole number >= 1, 0 for unlimited, or None for the default")
         account_id = self.account_id(name, create=False)
         self.store.update(AccountRow, account_id, **limits)
+        self.audit.record("account_quota_set", account_id, account=name, **limits)
         return self.store.get(AccountRow, account_id)

@@ -26,6 +26,7 @@ from typing import Callable
 
 from sqlalchemy import func, or_, select
 
+from tinkerd.control.audit import AuditLog
 from tinkerd.control.storage import StorageLedger
 from tinkerd.control.store.db import Store, utcnow
 from tinkerd.control.store.tables import CheckpointRow, SamplingSessionRow, SessionRow, TrainingRunRow
@@ -100,6 +101,8 @@ class Runs:
         self.checkpoints_dir = Path(checkpoints_dir)
         # GB-hour storage billing: told when a checkpoint goes (its storage ends then).
         self.storage = StorageLedger(store)
+        # Publishing, unpublishing, deleting and copying checkpoints are audited (control/audit.py).
+        self.audit = AuditLog(store)
         # The data directory's free-space reserve (control/diskspace.py): a new session is new work,
         # refused under it. None (tests) never refuses.
         self.reserve = None
@@ -107,14 +110,15 @@ class Runs:
     # -- sessions --------------------------------------------------------------------------------
 
     def create_session(self, tags: list[str], user_metadata: dict, sdk_version: str | None,
-                       account_id: str | None = None) -> str:
+                       account_id: str | None = None, display_name: str | None = None) -> str:
         if self.reserve is not None:
             self.reserve.check()
         session_id = f"sess-{secrets.token_hex(8)}"
         now = utcnow()
         self.store.add(
             SessionRow(session_id=session_id, account_id=account_id, created_at=now, last_heartbeat_at=now, tags=list(tags or []),
-                       user_metadata=dict(user_metadata or {}), sdk_version=sdk_version)
+                       user_metadata=dict(user_metadata or {}), sdk_version=sdk_version,
+                       display_name=display_name)
         )
         return session_id
 
@@ -282,7 +286,9 @@ class Runs:
         return rows[0] if rows else None
 
     def delete_checkpoint(self, path: TinkerPath, account_id: str | None = None) -> None:
-        self._remove(self.owned_checkpoint(path, account_id))
+        row = self.owned_checkpoint(path, account_id)
+        self._remove(row)
+        self._audit_checkpoint("checkpoint_deleted", row)
 
     def set_ttl(self, path: TinkerPath, ttl_seconds: int | None, account_id: str | None = None) -> CheckpointRow:
         """Expire `ttl_seconds` from now; None removes the expiry."""
@@ -295,6 +301,12 @@ class Runs:
     def set_public(self, path: TinkerPath, public: bool, account_id: str | None = None) -> None:
         row = self.owned_checkpoint(path, account_id)
         self.store.update(CheckpointRow, row.tinker_path, public=public)
+        self._audit_checkpoint("checkpoint_published" if public else "checkpoint_unpublished", row)
+
+    def _audit_checkpoint(self, event: str, row: CheckpointRow, **details) -> None:
+        run = self.store.get(TrainingRunRow, row.model_id)
+        owner = self.account_of(run.session_id) if run is not None else None
+        self.audit.record(event, owner, model_id=row.model_id, tinker_path=row.tinker_path, **details)
 
     def sweep_expired(self) -> int:
         """Remove every expired checkpoint (row and files); returns how many."""

@@ -54,7 +54,7 @@ async def dynamic_config() -> dict:
 async def create_session(request: Request) -> dict:
     req, ignored = parse_ignoring_unknown(t.CreateSessionRequest, await read_body(request))
     session_id = state(request).runs.create_session(req.tags, req.user_metadata or {}, req.sdk_version,
-                                                    account(request))
+                                                    account(request), getattr(req, "display_name", None))
     answer = {"session_id": session_id, "type": "create_session"}
     warning = session_warning(req.sdk_version, ignored)
     if warning:

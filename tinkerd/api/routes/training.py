@@ -11,6 +11,7 @@ from tinker import types as t
 from tinkerd.api import codec, limits
 from tinkerd.api.deps import AppState, Prepared, account, authenticate, json_bytes, parse, read_body, state, submit
 from tinkerd.control.control import Work
+from tinkerd.control.copies import is_copy_run, trainable_config
 from tinkerd.control.metering import Billing, Usage
 from tinkerd.control.store.tables import TrainingRunRow
 from tinkerd.control.runs import TinkerPath, check_name, check_ttl, parse_tinker_path
@@ -42,6 +43,15 @@ def _billing(st: AppState, run: TrainingRunRow, account_id: str | None, usage=la
     """Training ops are billed to the run's owner (the caller, who must own it)."""
     owner = account_id if account_id is not None else st.runs.account_of(run.session_id)
     return Billing(owner, run.session_id, run.base_model, usage)
+
+
+def _trainable(st: AppState, model_id: str, account_id: str | None) -> TrainingRunRow:
+    """The caller's run, refused when copy_weights made it: it holds copies, no adapter to train."""
+    run = st.runs.owned_run(model_id, account_id)
+    if is_copy_run(run):
+        raise UserError(f"training run {model_id} holds copied weights and cannot be trained on; "
+                        "load them with create_training_client_from_state")
+    return run
 
 
 def _target_tokens(op) -> int:
@@ -105,7 +115,7 @@ async def get_info(request: Request) -> dict:
 def prepare_forward_backward(st: AppState, body: bytes, account_id: str | None = None,
                              completed: bool = False) -> Prepared:
     op = codec.decode_forward_backward(body)
-    run = st.runs.owned_run(op.model_id, account_id)
+    run = _trainable(st, op.model_id, account_id)
     seq_id = codec.forward_backward_seq_id(body)[1]
     if not completed:
         limits.seq_id(seq_id)
@@ -120,7 +130,7 @@ def prepare_forward_backward(st: AppState, body: bytes, account_id: str | None =
 
 def prepare_optim_step(st: AppState, body: bytes, account_id: str | None = None, completed: bool = False) -> Prepared:
     req = parse(t.OptimStepRequest, body)
-    run = st.runs.owned_run(req.model_id, account_id)
+    run = _trainable(st, req.model_id, account_id)
     if not isinstance(req.optim_params, t.AdamParams):
         raise UserError(f"optimizer {req.optim_params.type!r} is not supported; send adam_params")
     p = req.optim_params
@@ -136,7 +146,7 @@ def prepare_optim_step(st: AppState, body: bytes, account_id: str | None = None,
 
 def prepare_save_weights(st: AppState, body: bytes, account_id: str | None = None) -> Prepared:
     req = parse(t.SaveWeightsRequest, body)
-    run = st.runs.owned_run(req.model_id, account_id)
+    run = _trainable(st, req.model_id, account_id)
     limits.seq_id(req.seq_id)
     if req.path is None and req.seq_id is None:  # the default name would be "step-None"
         raise UserError("save_weights needs a path (a checkpoint name) or a seq_id")
@@ -157,7 +167,7 @@ def prepare_save_weights(st: AppState, body: bytes, account_id: str | None = Non
 
 def prepare_save_weights_for_sampler(st: AppState, body: bytes, account_id: str | None = None) -> Prepared:
     req = parse(t.SaveWeightsForSamplerRequest, body)
-    run = st.runs.owned_run(req.model_id, account_id)
+    run = _trainable(st, req.model_id, account_id)
     limits.seq_id(req.seq_id)
     limits.integer(req.sampling_session_seq_id, "sampling_session_seq_id")
     if req.path is not None:
@@ -201,7 +211,7 @@ def prepare_load_weights(st: AppState, body: bytes, account_id: str | None = Non
     source = st.runs.run(ckpt.model_id)
     if req.model_id is not None:
         # Legacy in-place load into an existing model, ordered with its other ops.
-        run = st.runs.owned_run(req.model_id, account_id)
+        run = _trainable(st, req.model_id, account_id)
         if run.base_model != source.base_model:
             raise UserError(f"checkpoint {path} was trained on {source.base_model}, not {run.base_model}")
         target, seq_id = run.model_id, req.seq_id
@@ -209,7 +219,7 @@ def prepare_load_weights(st: AppState, body: bytes, account_id: str | None = Non
         # Create-via-load: a new model `{session}:train:{n}` whose seq 0 is this load.
         if req.base_model is not None and req.base_model != source.base_model:
             raise UserError(f"checkpoint {path} was trained on {source.base_model}, not {req.base_model}")
-        run, _ = st.runs.create_run(req.session_id, req.model_seq_id, source.base_model, source.lora_config,
+        run, _ = st.runs.create_run(req.session_id, req.model_seq_id, source.base_model, trainable_config(source.lora_config),
                                     req.user_metadata if req.user_metadata is not None else source.user_metadata,
                                     account_id)
         target, seq_id = run.model_id, 0

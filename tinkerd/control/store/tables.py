@@ -24,6 +24,8 @@ class SessionRow(Base):
     user_metadata: Mapped[dict] = mapped_column(JSON, default=dict)
     sdk_version: Mapped[str | None] = mapped_column(String, nullable=True)
     finished_reason: Mapped[str | None] = mapped_column(String, nullable=True)
+    # CreateSessionRequest.display_name: shown and searched (RestClient.search_sessions), not unique.
+    display_name: Mapped[str | None] = mapped_column(String, nullable=True)
 
 
 class TrainingRunRow(Base):
@@ -172,3 +174,17 @@ class UnloadedRunRow(Base):
     __tablename__ = "unloaded_runs"
     model_id: Mapped[str] = mapped_column(String, primary_key=True)
     unloaded_at: Mapped[datetime] = mapped_column(DateTime)
+
+
+class AuditRow(Base):
+    """One security-relevant event (control/audit.py): who did what to which key, checkpoint or quota,
+    and failed authentications, folded into one row per source and minute with a count."""
+
+    __tablename__ = "audit_log"
+    audit_id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    at: Mapped[datetime] = mapped_column(DateTime, index=True)
+    # The account the event concerns; None for failed authentications with an unknown key.
+    account_id: Mapped[str | None] = mapped_column(String, index=True, nullable=True)
+    event: Mapped[str] = mapped_column(String)  # <resource>_<action>, as the SDK's AuditLogEntry
+    details: Mapped[dict] = mapped_column(JSON, default=dict)
+    count: Mapped[int] = mapped_column(Integer, default=1)

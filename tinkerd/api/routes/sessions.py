@@ -1,0 +1,105 @@
+"""RestClient sessions (list, get, search, assign project) and copy_weights.
+
+Every caller sees its own account's sessions only; another account's session id answers 404
+exactly like a missing one. `access_scope=accessible` is the same as `owned` (tinkerd shares no
+sessions between accounts). tinkerd has no projects: a project filter or assignment is a user error,
+except copy_weights' destination_project_id, which the SDK's RestClient cannot send without (the
+copy goes into a new session of the caller's; the project id itself is not kept).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+from tinker import types as t
+
+from tinkerd.api import limits
+from tinkerd.api.deps import account, authenticate, load_json, parse, read_body, state
+from tinkerd.control.copies import copy_weights
+from tinkerd.control.runs import LOCAL_OWNER, iso
+from tinkerd.control.sessions import SessionSearch, Sessions, status_of
+from tinkerd.errors import UserError
+
+router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
+
+ACCESS_SCOPES = ("owned", "accessible")
+MAX_PAGE = 10_000
+
+
+def _sessions(request: Request) -> Sessions:
+    return Sessions(state(request).runs)
+
+
+def _scope(access_scope: str) -> None:
+    if access_scope not in ACCESS_SCOPES:
+        raise UserError(f"access_scope must be one of {list(ACCESS_SCOPES)}, got {access_scope!r}")
+
+
+@router.get("/sessions")
+async def list_sessions(request: Request, limit: int = 20, offset: int = 0, access_scope: str = "owned") -> dict:
+    _scope(access_scope)
+    if not 0 <= limit <= MAX_PAGE:
+        raise UserError(f"limit must be between 0 and {MAX_PAGE}, got {limit}")
+    limits.integer(offset, "offset")
+    return {"sessions": _sessions(request).list(account(request), limit, offset)}
+
+
+@router.post("/sessions/search")
+async def search_sessions(request: Request) -> dict:
+    req = parse(t.SessionSearchRequest, await read_body(request))
+    if req.project_ids is not None:
+        raise UserError("tinkerd has no projects: search sessions without project_ids")
+    if req.owner.type == "user":
+        raise UserError("tinkerd shares no sessions between accounts: search your own (owner type 'own')")
+    after = None
+    if req.cursor is not None:
+        at = req.cursor.last_created_at.astimezone(timezone.utc).replace(tzinfo=None)
+        after = (at, req.cursor.last_session_id)
+    q = SessionSearch(session_id=req.session_id, display_name=req.display_name, user_metadata=dict(req.user_metadata),
+                      statuses=[s.model_dump() for s in req.statuses] if req.statuses else None, limit=req.limit,
+                      after=after)
+    sessions = _sessions(request)
+    rows, more = sessions.search(account(request), q)
+    totals = sessions.checkpoint_totals([r.session_id for r in rows])
+    page = [{
+        "session_id": r.session_id, "created_at": iso(r.created_at), "owner": r.account_id or LOCAL_OWNER,
+        "project_id": "",  # required by SessionSummary; tinkerd has no projects
+        "status": status_of(r), "checkpoints_count": totals.get(r.session_id, (0, 0))[0],
+        "display_name": r.display_name, "user_metadata": {str(k): str(v) for k, v in (r.user_metadata or {}).items()},
+        "checkpoint_storage_bytes": totals.get(r.session_id, (0, 0))[1],
+    } for r in rows]
+    cursor = None
+    if more and rows:
+        cursor = {"last_created_at": iso(rows[-1].created_at), "last_session_id": rows[-1].session_id}
+    return {"sessions": page, "next_cursor": cursor}
+
+
+@router.get("/sessions/{session_id}")
+async def get_session(session_id: str, request: Request, access_scope: str = "owned") -> dict:
+    _scope(access_scope)
+    row, runs, samplers = _sessions(request).get(session_id, account(request))
+    return {"training_run_ids": runs, "sampler_ids": samplers,
+            "user_metadata": {str(k): str(v) for k, v in (row.user_metadata or {}).items()},
+            "display_name": row.display_name}
+
+
+@router.put("/sessions/{session_id}/project")
+async def assign_session_project(session_id: str, request: Request) -> Response:
+    state(request).runs.owned_session(session_id, account(request))  # a foreign session is a 404 first
+    load_json(await read_body(request))
+    raise UserError("tinkerd has no projects: a session cannot be assigned to one")
+
+
+@router.post("/copy_weights")
+async def copy_weights_route(request: Request) -> dict:
+    req = parse(t.CopyWeightsRequest, await read_body(request))
+    if req.weights_access_token is not None or request.headers.get("x-tinker-weights-access-token"):
+        raise UserError("tinkerd has no weights access tokens: the owner publishes a checkpoint to share it")
+    if req.model_seq_id is not None:
+        limits.integer(req.model_seq_id, "model_seq_id")
+    path = copy_weights(state(request).runs, req.source_path, account(request), session_id=req.session_id,
+                        model_seq_id=req.model_seq_id, project_id=req.destination_project_id,
+                        ttl_seconds=req.ttl_seconds, idempotency_key=request.headers.get("x-idempotency-key"))
+    return {"tinker_path": str(path)}

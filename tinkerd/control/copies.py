@@ -1,0 +1,110 @@
+"""copy_weights: a checkpoint the caller may read (its own, or a published one), copied into a
+training run the caller owns.
+
+The copy is a checkpoint like any other: its own row and its own files (copied into a temporary
+`.<name>.tmp-*` directory and renamed into place, so a crash leaves debris the sweeper clears,
+never a half copy under the real name), listed, loadable, billed as storage to its owner.
+
+The SDK sends either a session and a model slot (`{session_id}:train:{model_seq_id}` must not
+exist yet: a copy's run holds copies only and cannot be trained on) or a destination project.
+tinkerd has no projects, so with a project the copy goes into a new session of the caller's, whose
+id is derived from the request's idempotency key: a retried request finds the copy it already made.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import shutil
+from pathlib import Path
+
+from tinkerd.control.runs import Runs, TinkerPath, check_ttl, parse_tinker_path
+from tinkerd.control.store.db import utcnow
+from tinkerd.control.store.tables import SessionRow, TrainingRunRow, UnloadedRunRow
+from tinkerd.errors import UserError
+
+# lora_config key marking a run made by copy_weights (training ops refuse it).
+COPY_OF = "copy_of"
+
+
+def is_copy_run(run: TrainingRunRow) -> bool:
+    return bool((run.lora_config or {}).get(COPY_OF))
+
+
+def trainable_config(lora_config: dict | None) -> dict:
+    """A run's LoRA config for a new run loaded from its checkpoint: without the copy marker (a run
+    created from a copy trains like any other)."""
+    return {k: v for k, v in (lora_config or {}).items() if k != COPY_OF}
+
+
+def copy_weights(runs: Runs, source_path: str, account_id: str | None, *, session_id: str | None = None,
+                 model_seq_id: int | None = None, project_id: str | None = None, ttl_seconds: int | None = None,
+                 idempotency_key: str | None = None) -> TinkerPath:
+    source = parse_tinker_path(source_path)
+    ttl = check_ttl(ttl_seconds)
+    by_slot = session_id is not None and model_seq_id is not None
+    if not by_slot and not (session_id is None and model_seq_id is None and project_id):
+        raise UserError("copy_weights needs destination_project_id, or both session_id and model_seq_id")
+    ckpt = runs.owned_checkpoint(source, account_id, public_ok=True)  # foreign unpublished == missing
+    source_run = runs.run(ckpt.model_id)
+    if by_slot:
+        runs.owned_session(session_id, account_id)
+        model_id = f"{session_id}:train:{model_seq_id}"
+        if runs.store.get(TrainingRunRow, model_id) is not None:
+            raise UserError(f"training run {model_id} already exists: copy into an unused model_seq_id")
+    else:
+        session_id = _copy_session(runs, account_id, idempotency_key)
+        model_id = f"{session_id}:train:0"
+    dest = TinkerPath(model_id, source.segment, source.name)
+    existing = runs.store.get(TrainingRunRow, model_id)
+    if existing is not None and runs.checkpoint_exists(dest):
+        return dest  # the same request, retried after it completed
+    now = utcnow()
+    runs.store.add(TrainingRunRow(
+        model_id=model_id, session_id=session_id, base_model=source_run.base_model, lora_rank=source_run.lora_rank,
+        lora_config={**(source_run.lora_config or {}), COPY_OF: str(source)},
+        user_metadata=dict(source_run.user_metadata or {}), created_at=now, last_request_at=now))
+    # Never in the engine: marked so, residency does not try to release it or count it as loaded.
+    runs.store.add(UnloadedRunRow(model_id=model_id, unloaded_at=now))
+    _copy_files(Path(ckpt.dir_path), runs.checkpoint_dir(dest))
+    row = runs.register_checkpoint(dest, ttl, ckpt.user_metadata)
+    runs._audit_checkpoint("checkpoint_copied", row, source_path=str(source))
+    return dest
+
+
+def _copy_session(runs: Runs, account_id: str | None, idempotency_key: str | None) -> str:
+    """The session that holds one copy: derived from the idempotency key (per account, so another
+    account's key cannot name it), or new without one."""
+    if idempotency_key:
+        digest = hashlib.sha256(f"{account_id}\0{idempotency_key}".encode()).hexdigest()[:16]
+        session_id = f"sess-{digest}"
+        row = runs.store.get(SessionRow, session_id)
+        if row is not None and row.account_id == account_id:
+            return session_id
+    else:
+        session_id = f"sess-{secrets.token_hex(8)}"
+    now = utcnow()
+    # Finished at once: nobody heart-beats it, and its run must not count as a live one for quotas.
+    runs.store.add(SessionRow(session_id=session_id, account_id=account_id, created_at=now, last_heartbeat_at=now,
+                              tags=["copy_weights"], user_metadata={}, sdk_version=None, finished_reason="copy_weights"))
+    return runs.owned_session(session_id, account_id).session_id
+
+
+def _copy_files(src: Path, dst: Path) -> None:
+    if not src.is_dir():
+        raise UserError(f"checkpoint files of {src.name} are missing; it cannot be copied")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.parent / f".{dst.name}.tmp-{secrets.token_hex(4)}"
+    try:
+        shutil.copytree(src, tmp)
+        os.replace(tmp, dst) if not dst.exists() else _swap(tmp, dst)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _swap(tmp: Path, dst: Path) -> None:
+    """Leftover files under the destination name with no registration (a copy that crashed after
+    its rename): replace them."""
+    shutil.rmtree(dst)
+    os.replace(tmp, dst)
