@@ -14,6 +14,7 @@ import logging
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,26 +98,56 @@ def _worker_main(conn, spec: EngineSpec) -> None:
 
 
 class ProcessEngineClient:
-    def __init__(self, spec: EngineSpec, start_timeout_s: float = 600.0):
+    def __init__(self, spec: EngineSpec, start_timeout_s: float = 600.0, wait: bool = True):
+        """wait=False returns once the child is spawned; the first models() or step() waits for it
+        to be ready. `tinkerd serve` uses that to import the API and open the store (~1.5 s) while
+        the child imports torch and transformers and loads the model (~6 s on 2 shared cores)."""
         self.spec = spec
         self.start_timeout_s = start_timeout_s
         self._ctx = mp.get_context("spawn")  # a fork would copy the server's threads and locks
         self._proc = None
         self._conn = None
+        self._starting = None  # (process, pipe end) spawned and not ready yet
         self._models: list[ServedModel] = []
         self.restarts = 0
-        self.start()
+        self.spawn()
+        if wait:
+            self.wait_ready()
 
     @property
     def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
+        proc = self._starting[0] if self._starting is not None else self._proc
+        return proc.pid if proc is not None else None
 
     def start(self) -> None:
+        self.spawn()
+        self.wait_ready()
+
+    def spawn(self) -> None:
         parent, child = self._ctx.Pipe()
         proc = self._ctx.Process(target=_worker_main, args=(child, self.spec), name="tinkerd-engine", daemon=True)
-        with children_use_huge_pages():  # the engine's weights on 2 MB pages (engine/malloc.py)
-            proc.start()
+        # SIGINT ignored while spawning: the child inherits an ignored signal through fork + exec,
+        # so a Ctrl-C (sent to the whole process group) in the ~0.5 s before _worker_main ignores
+        # SIGINT itself no longer kills it with a traceback of its imports. Now that the child
+        # starts first, that window is when a Ctrl-C during start-up lands. Only the main thread
+        # may set handlers; a restart (on the worker thread) keeps the narrow window it had.
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+        try:
+            with children_use_huge_pages():  # the engine's weights on 2 MB pages (engine/malloc.py)
+                proc.start()
+        finally:
+            if main:
+                signal.signal(signal.SIGINT, previous)
         child.close()
+        self._starting = (proc, parent)
+
+    def wait_ready(self) -> None:
+        """Wait for the spawned child's ready message (nothing to do once it came)."""
+        if self._starting is None:
+            return
+        # Left in _starting while waiting, so that kill() from another thread finds the child.
+        proc, parent = self._starting
         if not parent.poll(self.start_timeout_s):
             proc.kill()
             raise EngineCrashed("the engine process did not start in time")
@@ -125,6 +156,8 @@ class ProcessEngineClient:
         except (EOFError, OSError) as e:
             proc.join(timeout=5)  # the exit code is known only once it is reaped
             raise EngineCrashed(f"the engine process died while starting (exit code {proc.exitcode})") from e
+        finally:
+            self._starting = None
         if kind == "failed":
             proc.join(timeout=10)
             raise EngineStartFailed(models)
@@ -139,6 +172,9 @@ class ProcessEngineClient:
         return time.perf_counter() - t0
 
     def _reap(self) -> None:
+        if self._starting is not None:  # closed before it was ready (Ctrl-C during start, say)
+            self._proc, self._conn = self._starting
+            self._starting = None
         if self._conn is not None:
             self._conn.close()
         if self._proc is not None:
@@ -147,6 +183,7 @@ class ProcessEngineClient:
             self._proc.join(timeout=10)
 
     def _call(self, method: str, *args):
+        self.wait_ready()
         oom_kills = _oom_kills()
         try:
             self._conn.send((method, args))
@@ -176,9 +213,20 @@ class ProcessEngineClient:
         return self._call("step", batch)
 
     def models(self) -> list[ServedModel]:
+        self.wait_ready()
         return list(self._models)
 
+    def kill(self) -> None:
+        """SIGKILL the child, starting or ready, from any thread: a wait for its ready message or a
+        step in flight then raises EngineCrashed (a server stopped while it starts)."""
+        proc = self._starting[0] if self._starting is not None else self._proc
+        if proc is not None and proc.is_alive():
+            proc.kill()
+
     def close(self) -> None:
+        if self._starting is not None:  # not ready: nothing to say goodbye to
+            self._reap()
+            return
         if self._conn is not None and self._proc is not None and self._proc.is_alive():
             try:
                 self._conn.send(("close", ()))
