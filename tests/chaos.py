@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import os
+import sqlite3
 import random
 import re
 import signal
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import httpx
 import tinker
 from tinker import types
 
@@ -117,3 +120,19 @@ def recoveries(server_lines: list[str]) -> list[tuple[float, int]]:
         if m:
             out.append((float(m.group(1)), int(m.group(2))))
     return out
+
+
+def assert_nothing_stranded(url: str, data: Path) -> int:
+    """Every future in the store is complete and its result retrievable; returns how many there are."""
+    db = sqlite3.connect(data / "tinkerd.sqlite")
+    try:
+        statuses = dict(db.execute("SELECT status, count(*) FROM futures GROUP BY status").fetchall())
+        ids = [r for (r,) in db.execute("SELECT request_id FROM futures")]
+    finally:
+        db.close()
+    assert set(statuses) == {"complete"}, statuses  # nothing pending, nothing failed
+    with httpx.Client(base_url=url, headers={"X-API-Key": API_KEY}, timeout=30) as http:
+        for request_id in ids:
+            got = http.post("/api/v1/retrieve_future", json={"request_id": request_id})
+            assert got.status_code == 200, (request_id, got.text)
+    return len(ids)

@@ -16,6 +16,7 @@ import httpx
 import tinker
 from tinker import types
 
+from tests.chaos import assert_nothing_stranded
 from tests.serverproc import API_KEY, start_server
 from tests.tmpfs import fill, free_bytes, small_tmpfs
 
@@ -103,16 +104,7 @@ def _run(srv, data):
     assert losses == expected  # bit-identical to the uninterrupted run
 
     assert http.get("/api/v1/readyz").status_code == 200
-    db = sqlite3.connect(data / "tinkerd.sqlite")
-    try:
-        statuses = dict(db.execute("SELECT status, count(*) FROM futures GROUP BY status").fetchall())
-        ids = [r for (r,) in db.execute("SELECT request_id FROM futures")]
-    finally:
-        db.close()
-    assert set(statuses) == {"complete"}, statuses  # nothing stranded, nothing failed
-    for request_id in ids:  # every accepted request retrieves its result
-        got = http.post("/api/v1/retrieve_future", json={"request_id": request_id})
-        assert got.status_code == 200, (request_id, got.text)
+    assert_nothing_stranded(srv.url, data)  # nothing stranded or failed; every result retrievable
     debris = [p for p in data.rglob("*") if ".tmp-" in p.name or ".old-" in p.name]
     assert not debris
     log = "".join(srv.lines)

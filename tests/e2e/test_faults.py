@@ -33,7 +33,7 @@ import pytest
 import tinker
 from tinker import types
 
-from tests.chaos import TINY, engine_pid, recoveries
+from tests.chaos import TINY, assert_nothing_stranded, engine_pid, recoveries
 from tests.serverproc import API_KEY, ServerProcess, start_server
 from tinkerd.cli.main import main as tinkerd_main
 from tinkerd.engine.checkpoints import read_adapter
@@ -115,21 +115,6 @@ def _assert_same(result: Outcome, reference: Outcome, data: Path) -> None:
     assert read_adapter(data / "checkpoints" / run / seg / name).step == SAVE_AFTER
 
 
-def _assert_nothing_stranded(url: str, data: Path) -> int:
-    db = sqlite3.connect(data / "tinkerd.sqlite")
-    try:
-        statuses = dict(db.execute("SELECT status, count(*) FROM futures GROUP BY status").fetchall())
-        ids = [r for (r,) in db.execute("SELECT request_id FROM futures")]
-    finally:
-        db.close()
-    assert set(statuses) == {"complete"}, statuses  # nothing pending, nothing failed
-    with httpx.Client(base_url=url, headers={"X-API-Key": API_KEY}, timeout=30) as http:
-        for request_id in ids:
-            got = http.post("/api/v1/retrieve_future", json={"request_id": request_id})
-            assert got.status_code == 200, (request_id, got.text)
-    return len(ids)
-
-
 def _fsck(data: Path, capsys, *extra: str) -> tuple[int, str]:
     capsys.readouterr()
     rc = tinkerd_main(["fsck", "--data-dir", str(data), *extra])
@@ -208,7 +193,7 @@ def test_engine_sigkilled_inside_a_checkpoint_write(reference, tmp_path, models_
         box["thread"].join()
         box["seconds"] = time.monotonic() - t0
         assert len(recoveries(srv.lines)) == 1
-        ids = _assert_nothing_stranded(srv.url, data)
+        ids = assert_nothing_stranded(srv.url, data)
     finally:
         srv.stop()
     _assert_same(result, reference, data)
@@ -256,7 +241,7 @@ def test_server_group_sigkilled_inside_save_state(reference, tmp_path, models_di
         result = scenario(srv.url, before_save=kill_inside_save)
         box["thread"].join()
         assert box["srv"] is not srv
-        ids = _assert_nothing_stranded(box["srv"].url, data)
+        ids = assert_nothing_stranded(box["srv"].url, data)
         assert not any("cannot be resumed" in line for line in box["srv"].lines)
     finally:
         box["srv"].stop()
@@ -299,7 +284,7 @@ def test_server_group_sigkilled_during_a_sample(reference, tmp_path, models_dir,
         result = scenario(srv.url, before_sample=kill_during_sample)
         box["thread"].join()
         assert box["pending_at_kill"] == 1  # the kill came before the sample finished
-        ids = _assert_nothing_stranded(box["srv"].url, data)
+        ids = assert_nothing_stranded(box["srv"].url, data)
     finally:
         box["srv"].stop()
         srv.stop()
@@ -359,7 +344,7 @@ def test_store_locked_by_another_process_mid_loop(reference, tmp_path, models_di
         tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
         losses.append(loss)
         losses += [_step(tc, i) for i in range(SAVE_AFTER + 1, STEPS)]
-        ids = _assert_nothing_stranded(srv.url, data)
+        ids = assert_nothing_stranded(srv.url, data)
         assert not recoveries(srv.lines)  # no engine restart, and the server never stopped
     finally:
         srv.stop()
