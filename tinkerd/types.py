@@ -243,3 +243,6 @@ class ServedModel:
     arch: str
     # The loss_fn names forward_backward accepts on this model (the engine's loss registry).
     loss_fns: tuple[str, ...] = ()
+    # Non-empty: asked for (--base-model) but not loaded, and why; left out of get_server_capabilities,
+    # and the reason every request naming it fails with.
+    unavailable: str = ""

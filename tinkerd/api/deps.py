@@ -33,8 +33,10 @@ class AppState:
 
     def served_model(self, name: str) -> ServedModel:
         model = self.served.get(name)
-        if model is None:
-            raise UserError(f"base model {name!r} is not served here; served: {sorted(self.served)}")
+        if model is None or model.unavailable:
+            served = sorted(n for n, m in self.served.items() if not m.unavailable)
+            why = f" ({model.unavailable})" if model is not None else ""
+            raise UserError(f"base model {name!r} is not served here{why}; served: {served}")
         return model
 
 

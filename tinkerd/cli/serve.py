@@ -185,9 +185,7 @@ def build_engine_client(config: ServerConfig, wait: bool = True):
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     engine = Engine(config.models_dir, config.max_lora_rank, SamplerConfig(kv_cache_bytes=config.sample_kv_cache_bytes))
-    for name in config.base_models:
-        log.info("loading base model %s", name)
-        engine.load_base_model(name)
+    engine.load_base_models(config.base_models)
     return InProcessEngineClient(engine)
 
 
@@ -316,8 +314,13 @@ def run(args) -> int:
             await gate.open(state["app"])
             state["ready"] = True
             key = state["key"]
+            models = state["app"].state.tinkerd.served.values()
+            names = ", ".join(m.name for m in models if not m.unavailable)
+            refused = [m.name for m in models if m.unavailable]  # each logged with its reason by the engine
+            if refused:
+                names += f" (not served: {', '.join(refused)})"
             print(
-                f"tinkerd ready at {url} serving {', '.join(config.base_models)}\n"
+                f"tinkerd ready at {url} serving {names}\n"
                 f"  export TINKER_BASE_URL={url} TINKER_API_KEY={key or '<a key from: tinkerd keys create --name NAME>'}"
                 f"{state['offline_env']}",
                 flush=True,

@@ -26,7 +26,8 @@ class InProcessEngineClient:
                 loss_fns=tuple(supported_losses()),
             )
             for rt in self.engine.runtimes.values()
-        ]
+        ] + [ServedModel(name=name, tokenizer_id="", max_context_length=0, arch="", unavailable=reason)
+             for name, reason in self.engine.refused.items()]
 
     def close(self) -> None:
         pass

@@ -10,6 +10,7 @@ how many sampling rows are still in flight. A bad op fails alone; the loop goes 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -65,6 +66,29 @@ class Engine:
         self.samplers: dict[str, Sampler] = {}
         # model_id -> base model name, so ops that name only a model_id find their runtime.
         self.model_of: dict[str, str] = {}
+        # Base models asked for and not loaded -> the reason (a family tinkerd does not serve, a
+        # missing directory): reported by name, and the others are served all the same.
+        self.refused: dict[str, str] = {}
+
+    def load_base_models(self, names) -> None:
+        """Load each of `names`; one that fails is logged once and left out, not fatal. Only when
+        none of them loads does this raise, with every reason (the server would serve nothing)."""
+        for name in names:
+            t0 = time.monotonic()
+            try:
+                self.load_base_model(name)
+            except Exception as e:
+                reason = getattr(e, "message", None) or f"{type(e).__name__}: {e}"
+                if not isinstance(e, TinkerdError):  # a user-facing reason needs no traceback; a bug does
+                    log.exception("loading base model %s failed", name)
+                log.warning("base model %s is not served: %s", name, reason)
+                self.refused[name] = reason
+                continue
+            log.info("loaded base model %s in %.1f s", name, time.monotonic() - t0)
+        if not self.runtimes and self.refused:
+            if len(self.refused) == 1:
+                raise UserError(next(iter(self.refused.values())))
+            raise UserError("no base model could be loaded: " + "; ".join(f"{n}: {r}" for n, r in self.refused.items()))
 
     def load_base_model(self, name: str) -> ModelRuntime:
         if name in self.runtimes:

@@ -71,10 +71,7 @@ def _worker_main(conn, spec: EngineSpec) -> None:
         torch.set_num_threads(spec.torch_threads)
     try:
         engine = Engine(spec.models_dir, spec.max_lora_rank, SamplerConfig(kv_cache_bytes=spec.sample_kv_cache_bytes))
-        for name in spec.base_models:
-            t0 = time.monotonic()
-            engine.load_base_model(name)
-            log.info("loaded base model %s in %.1f s", name, time.monotonic() - t0)
+        engine.load_base_models(spec.base_models)
     except Exception as e:
         reason = getattr(e, "message", None) or f"{type(e).__name__}: {e}"
         if not isinstance(e, TinkerdError):  # a user-facing reason needs no traceback; a bug does

@@ -97,6 +97,7 @@ async def get_server_capabilities(request: Request) -> JSONResponse:
     models = [
         {"model_name": m.name, "max_context_length": m.max_context_length, "trainable": True, "sampleable": True}
         for m in served
+        if not m.unavailable  # asked for and refused at start (engine/model/families.py): not served
     ]
     # Not a field of the SDK's GetServerCapabilitiesResponse: its pydantic model ignores extra keys,
     # so SDK callers never see it, but plain HTTP clients (curl, scripts) can read which loss_fn

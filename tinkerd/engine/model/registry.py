@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from tinkerd.engine.model import tiny
+from tinkerd.engine.model import families, tiny
 from tinkerd.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -33,6 +33,7 @@ class LoadedModel:
     # What get_info reports, for a client's `from_pretrained`: the hub name where the model has one
     # (a client on another machine can resolve nothing else), else the server-side directory.
     tokenizer_id: str = ""
+    family: families.Family = families.DENSE
 
 
 def cache_dir_for(name: str, models_dir: Path) -> Path:
@@ -57,12 +58,23 @@ def _build_once(name: str, models_dir: Path, build) -> Path:
     return target
 
 
+def _saved_config(name: str, where: str | Path) -> dict:
+    """config.json as saved (not a config object: saved keys, e.g. num_local_experts, are what we
+    detect on)."""
+    try:
+        return PretrainedConfig.get_config_dict(str(where))[0]
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot load base model {name!r}: {e}") from e
+
+
 def _load_dir(name: str, path: Path, tokenizer_id: str | None = None) -> LoadedModel:
+    family = families.detect(_saved_config(name, path), name)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    return _finish(name, model, str(path), tokenizer_id)
+    return _finish(name, model, str(path), tokenizer_id, family)
 
 
-def _finish(name: str, model: PreTrainedModel, tokenizer_dir: str, tokenizer_id: str | None = None) -> LoadedModel:
+def _finish(name: str, model: PreTrainedModel, tokenizer_dir: str, tokenizer_id: str | None = None,
+            family: families.Family = families.DENSE) -> LoadedModel:
     model.eval()
     cfg = model.config
     eos = model.generation_config.eos_token_id if model.generation_config is not None else None
@@ -71,7 +83,7 @@ def _finish(name: str, model: PreTrainedModel, tokenizer_dir: str, tokenizer_id:
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
     max_ctx = int(getattr(cfg, "max_position_embeddings", 2048) or 2048)
     return LoadedModel(name=name, model=model, tokenizer_dir=tokenizer_dir, max_context_length=max_ctx,
-                       eos_token_ids=eos_ids, tokenizer_id=tokenizer_id or tokenizer_dir)
+                       eos_token_ids=eos_ids, tokenizer_id=tokenizer_id or tokenizer_dir, family=family)
 
 
 def load_model(name: str, models_dir: Path) -> LoadedModel:
@@ -93,8 +105,9 @@ def load_model(name: str, models_dir: Path) -> LoadedModel:
             published = hub_alias.publish(name, path, offline.OFFLINE_SOURCES[name].sha256[:40])
             return _load_dir(name, path, tokenizer_id=name if published else None)
     try:
+        family = families.detect(PretrainedConfig.get_config_dict(name)[0], name)
         model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)
     except (OSError, ValueError) as e:
         hint = f" (offline source: {offline_error.message})" if offline_error else ""
         raise UserError(f"cannot load base model {name!r}: {e}{hint}") from e
-    return _finish(name, model, name)
+    return _finish(name, model, name, family=family)

@@ -12,7 +12,8 @@ import importlib.util
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+                          Qwen3MoeForCausalLM, Qwen3VLConfig, Qwen3VLForConditionalGeneration)
 
 TINY_SEED = 1234
 
@@ -43,9 +44,28 @@ def _common(vocab_size: int, eos: int, pad: int) -> dict:
     )
 
 
+def _moe(common: dict) -> Qwen3MoeConfig:
+    # moe_intermediate 40 against hidden 64: neither equal nor half, so the cookbook's fused-axis
+    # detection in build_hf_model is unambiguous. 4 experts, top-2: every token leaves two out.
+    return Qwen3MoeConfig(**common, moe_intermediate_size=40, num_experts=4, num_experts_per_tok=2,
+                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+
+
+def _vl(common: dict) -> Qwen3VLConfig:
+    # A one-block vision tower; deepstack indexes must lie below its depth, and M-RoPE sections must
+    # sum to head_dim / 2. tinkerd does not serve it: it is the refused family in tests.
+    text = {k: v for k, v in common.items() if k not in ("torch_dtype", "tie_word_embeddings")}
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=common["hidden_size"],
+                  deepstack_visual_indexes=[0], patch_size=16, spatial_merge_size=2, temporal_patch_size=2)
+    return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
+
+
 TINY_MODELS = {
-    "tinkerd/tiny-qwen3": (Qwen3Config, Qwen3ForCausalLM),
-    "tinkerd/tiny-llama": (LlamaConfig, LlamaForCausalLM),
+    "tinkerd/tiny-qwen3": (lambda c: Qwen3Config(**c), Qwen3ForCausalLM),
+    "tinkerd/tiny-llama": (lambda c: LlamaConfig(**c), LlamaForCausalLM),
+    "tinkerd/tiny-qwen3-moe": (_moe, Qwen3MoeForCausalLM),
+    "tinkerd/tiny-qwen3-vl": (_vl, Qwen3VLForConditionalGeneration),
 }
 
 
@@ -53,7 +73,7 @@ def build_tiny(name: str, out_dir: Path) -> None:
     """Build `name` into `out_dir` (config, safetensors, tokenizer files)."""
     config_cls, model_cls = TINY_MODELS[name]
     tok = AutoTokenizer.from_pretrained(qwen3_tokenizer_dir())
-    config = config_cls(**_common(len(tok), tok.eos_token_id, tok.pad_token_id))
+    config = config_cls(_common(len(tok), tok.eos_token_id, tok.pad_token_id))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(TINY_SEED)
         model = model_cls(config)

@@ -1,0 +1,53 @@
+"""Family detection from saved configs (engine/model/families.py) and what a refused model does to
+an Engine: it is left out with its reason, the others load."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tinkerd.engine.engine import Engine
+from tinkerd.engine.model import families, tiny
+from tinkerd.errors import UserError
+
+
+def _saved(tmp_path, name: str) -> dict:
+    tiny.build_tiny(name, tmp_path)
+    return json.loads((tmp_path / "config.json").read_text())
+
+
+def test_qwen3_moe_is_detected_from_the_key_transformers_saves(tmp_path):
+    cfg = _saved(tmp_path, "tinkerd/tiny-qwen3-moe")
+    # Built with Qwen3MoeConfig(num_experts=4), saved as num_local_experts (transformers 5.24).
+    assert cfg.get("num_local_experts") == 4 and cfg.get("num_experts") is None
+    assert families.detect(cfg, "m") is families.QWEN3_MOE
+
+
+def test_dense_families_are_served():
+    for model_type in ("llama", "qwen3", "qwen2", "mistral"):
+        assert families.detect({"model_type": model_type}, "m") is families.DENSE
+
+
+@pytest.mark.parametrize("cfg, reason", [
+    ({"model_type": "qwen3_vl", "architectures": ["Qwen3VLForConditionalGeneration"]}, "vision-language"),
+    ({"model_type": "qwen3_5", "vision_config": {}}, "vision-language"),
+    ({"model_type": "qwen3_next"}, "linear attention"),
+    ({"model_type": "gpt_oss"}, "gpt-oss"),
+    ({"model_type": "qwen3", "layer_types": ["full_attention", "sliding_attention"]}, "full attention"),
+    ({"model_type": "mixtral", "num_local_experts": 8}, "not a family"),
+    ({"model_type": "llama", "num_local_experts": 8}, "routed experts"),
+])
+def test_unservable_configs_are_refused_by_name_with_the_reason(cfg, reason):
+    with pytest.raises(families.UnservableModel, match=reason) as e:
+        families.detect(cfg, "org/some-model")
+    assert "org/some-model" in e.value.message and e.value.category == "user"
+
+
+def test_an_engine_serves_the_others_and_keeps_the_reason(models_dir):
+    engine = Engine(models_dir)
+    engine.load_base_models(["tinkerd/tiny-qwen3-vl", "tinkerd/tiny-qwen3"])
+    assert list(engine.runtimes) == ["tinkerd/tiny-qwen3"]
+    assert "vision-language" in engine.refused["tinkerd/tiny-qwen3-vl"]
+    with pytest.raises(UserError, match="vision-language"):
+        Engine(models_dir).load_base_models(["tinkerd/tiny-qwen3-vl"])  # nothing to serve: the start fails

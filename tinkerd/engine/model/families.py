@@ -1,0 +1,82 @@
+"""Which model families tinkerd serves, detected from a checkpoint's saved `config.json`.
+
+The decision is made on the config dict as transformers writes it (`save_pretrained`), before any
+weights are read, so that a base model tinkerd cannot serve is refused by name with its reason
+instead of failing deep in a load (a Qwen3-VL config makes `AutoModelForCausalLM` raise
+"Unrecognized configuration class") or, worse, loading as something else (`AutoModelForCausalLM`
+takes a Qwen3.5 VLM config and silently drops its vision tower).
+
+Saved keys differ from constructor keywords: `Qwen3MoeConfig(num_experts=4)` is written as
+`num_local_experts` (transformers 5.24), so MoE is detected from either key.
+
+| family     | model_type                       | LoRA on                                        |
+|------------|----------------------------------|------------------------------------------------|
+| dense      | llama, mistral, qwen2, qwen3     | attention, MLP, lm_head                        |
+| qwen3_moe  | qwen3_moe                        | attention, every routed expert (lora/experts.py), dense MLP layers, lm_head |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tinkerd.errors import UserError
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    # The fused-experts module class (transformers 5.x, 3-D gate_up_proj/down_proj) whose instances
+    # get tinkerd's multi-adapter experts layer; None for dense families.
+    experts_class: str | None = None
+
+
+DENSE = Family("dense")
+QWEN3_MOE = Family("qwen3_moe", experts_class="Qwen3MoeExperts")
+
+_SERVED = {"llama": DENSE, "mistral": DENSE, "qwen2": DENSE, "qwen3": DENSE, "qwen3_moe": QWEN3_MOE}
+
+# Known but not (yet) served, with the reason a user reads.
+_VISION = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "kimi_k25",
+           "llava", "mllama", "gemma3", "idefics3", "inkling")
+_NOT_YET = {
+    "gpt_oss": "gpt-oss MoE (interleaved experts, attention sinks) is not served yet",
+    "qwen3_next": "hybrid linear attention (Gated DeltaNet) is not served yet",
+    "deepseek_v3": "DeepSeek-V3 MoE is not served yet",
+}
+
+
+class UnservableModel(UserError):
+    """A base model whose family tinkerd does not serve; `message` says which and why."""
+
+
+def _experts(config: dict) -> int:
+    for key in ("num_local_experts", "num_experts", "n_routed_experts"):
+        value = config.get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 0
+
+
+def detect(config: dict, name: str) -> Family:
+    """The family of the model whose saved config is `config`, or UnservableModel naming why not."""
+    model_type = config.get("model_type") or "?"
+    arch = ",".join(config.get("architectures") or []) or model_type
+
+    def refuse(reason: str) -> UnservableModel:
+        served = ", ".join(sorted(_SERVED))
+        return UnservableModel(f"base model {name!r} ({arch}, model_type {model_type!r}) cannot be served: {reason} "
+                               f"(served model types: {served})")
+
+    if model_type in _VISION or "vision_config" in config:
+        raise refuse("it is a vision-language model; tinkerd serves text-only models")
+    if model_type in _NOT_YET:
+        raise refuse(_NOT_YET[model_type])
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    if any(t != "full_attention" for t in (text.get("layer_types") or [])):
+        raise refuse(f"its layer types {sorted(set(text['layer_types']))} are not all full attention")
+    family = _SERVED.get(model_type)
+    if family is None:
+        raise refuse("this model type is not a family tinkerd serves")
+    if family.experts_class is None and _experts(config):
+        raise refuse("it has routed experts, which tinkerd serves only for the MoE families")
+    return family
