@@ -4,6 +4,8 @@ Layout of one checkpoint directory:
 
     adapter_model.safetensors  base_model.model.<hf module>.lora_A.weight [R, in]
                                base_model.model.<hf module>.lora_B.weight [out, R]
+                               MoE experts in hosted Tinker's layout (lora/experts.py:
+                               to_file_layout): <experts>.w1|w3|w2, A [E, R, in], B [E, out, R]
     adapter_config.json        what `peft.PeftModel.from_pretrained` reads (exports need nothing else)
     tinkerd.json               LoRA spec, step, base model (exact spec, incl. seed and train_* flags)
     optimizer.pt               only when with_optimizer: torch.save of an AdamW state_dict whose
@@ -36,6 +38,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 
+from tinkerd.engine.lora import experts
 from tinkerd.engine.lora.layers import ATTN_TARGETS, MLP_TARGETS, UNEMBED_TARGET
 from tinkerd.engine.lora.pool import Adapter
 from tinkerd.errors import NotFoundError, ServerError, UserError
@@ -105,9 +108,9 @@ def lora_tensors(adapter: Adapter) -> dict[str, torch.Tensor]:
     """The adapter's A and B under PEFT key names, fp32 copies (the live tensors keep training)."""
     tensors = {}
     for name in sorted(adapter.weights):
-        a, b = adapter.weights[name]
-        tensors[f"{_KEY_PREFIX}{name}{_A_SUFFIX}"] = a.detach().float().contiguous().clone()
-        tensors[f"{_KEY_PREFIX}{name}{_B_SUFFIX}"] = b.detach().float().contiguous().clone()
+        for file_name, a, b in experts.to_file_layout(name, *adapter.weights[name]):
+            tensors[f"{_KEY_PREFIX}{file_name}{_A_SUFFIX}"] = a.detach().float().contiguous().clone()
+            tensors[f"{_KEY_PREFIX}{file_name}{_B_SUFFIX}"] = b.detach().float().contiguous().clone()
     return tensors
 
 
@@ -119,7 +122,7 @@ def peft_config(spec: LoraSpec, layer_names: list[str], base_model: str) -> dict
         "r": spec.rank,
         "lora_alpha": spec.alpha,
         # Short names: PEFT matches them as suffixes, and an adapter covers every layer of a kind.
-        "target_modules": sorted({n.rsplit(".", 1)[-1] for n in layer_names}),
+        "target_modules": sorted({f.rsplit(".", 1)[-1] for n in layer_names for f in experts.file_names(n)}),
         "lora_dropout": 0.0,
         "bias": "none",
         "fan_in_fan_out": False,
@@ -243,7 +246,7 @@ def _spec_from_peft_config(cfg: dict) -> LoraSpec:
         rank=int(cfg["r"]),
         alpha=float(cfg.get("lora_alpha", cfg["r"])),
         train_attn=bool(targets & set(ATTN_TARGETS)),
-        train_mlp=bool(targets & set(MLP_TARGETS)),
+        train_mlp=bool(targets & {*MLP_TARGETS, "gate_up_proj", "w1", "w2", "w3"}),
         train_unembed=UNEMBED_TARGET in targets,
     )
 
@@ -265,13 +268,17 @@ def _split_weights(tensors: dict[str, torch.Tensor], rank: int) -> dict[str, tup
         if set(pair) != {"a", "b"}:
             raise UserError(f"checkpoint has only one of lora_A/lora_B for {name}")
         a, b = pair["a"], pair["b"]
-        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != rank or b.shape[1] != rank:
+        # 2-D for a Linear; 3-D [E, R, in] / [E, out, R] for MoE experts (lora/experts.py)
+        if a.dim() != b.dim() or a.dim() not in (2, 3) or a.shape[-2] != rank or b.shape[-1] != rank:
             shapes = f"({tuple(a.shape)}, {tuple(b.shape)})"
             raise UserError(f"checkpoint LoRA shapes for {name} {shapes} do not match rank {rank}")
         weights[name] = (a, b)
     if not weights:
         raise UserError(f"{WEIGHTS_FILE} holds no LoRA weights")
-    return weights
+    try:
+        return dict(sorted(experts.from_file_layout(weights).items()))
+    except ValueError as e:
+        raise UserError(f"checkpoint expert LoRA cannot be loaded: {e}") from e
 
 
 def read_adapter(dir_path: str | os.PathLike) -> AdapterFiles:

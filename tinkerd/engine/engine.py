@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
 import torch
 
+from tinkerd.engine.lora.experts import ExpertsRouting, wrap_experts
 from tinkerd.engine.lora.layers import LoraContext, MultiLoraLinear, wrap_model, targets_for
 from tinkerd.engine.lora.pool import AdapterPool
 from tinkerd.engine.model.registry import LoadedModel, load_model
@@ -33,8 +34,9 @@ class ModelRuntime:
 
     loaded: LoadedModel
     ctx: LoraContext
-    layers: dict[str, MultiLoraLinear]
+    layers: dict[str, MultiLoraLinear]  # the Linears only (the sampler packs these); the pool also holds experts
     pool: AdapterPool
+    routing: ExpertsRouting = field(default_factory=ExpertsRouting)  # MoE router counts, off unless asked
 
     @property
     def name(self) -> str:
@@ -98,8 +100,11 @@ class Engine:
             p.requires_grad_(False)
         loaded.model.eval()
         ctx = LoraContext()
+        routing = ExpertsRouting()
+        # The fused experts first: their own layer (lora/experts.py), not Linears wrap_model finds.
+        experts = wrap_experts(loaded.model, ctx, loaded.family.experts_class, routing)
         layers = wrap_model(loaded.model, ctx, targets_for(True, True, True))
-        runtime = ModelRuntime(loaded, ctx, layers, AdapterPool(layers, self.max_lora_rank))
+        runtime = ModelRuntime(loaded, ctx, layers, AdapterPool({**layers, **experts}, self.max_lora_rank), routing)
         self.runtimes[name] = runtime
         return runtime
 

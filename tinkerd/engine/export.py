@@ -6,6 +6,9 @@ An export holds exactly what outside tools read (`weights.download` / `build_lor
     adapter_model.safetensors  base_model.model.<hf module>.lora_{A,B}.weight, fp32, A [R, in], B [out, R]
     adapter_config.json        r and lora_alpha with lora_alpha / r == the scaling tinkerd trained with
 
+MoE experts are keyed as hosted Tinker keys them (`...mlp.experts.w1|w3|w2`, 3-D lora_A [E, R, in] /
+lora_B [E, out, R]), which the cookbook's build_hf_model merges; PEFT cannot load those keys itself.
+
 The unembedding is keyed `base_model.model.lm_head.*` (PEFT's own name), not hosted Tinker's
 `base_model.model.model.unembed_tokens.*`: the cookbook's merge and adapter conversion strip the
 prefix and accept `lm_head` as is (they only rename `model.unembed_tokens`), and PEFT loads it

@@ -30,6 +30,7 @@ product instead.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -41,6 +42,9 @@ log = logging.getLogger(__name__)
 # HF module names of the layers tinkerd can adapt, grouped as the SDK's LoraConfig flags name them.
 ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+# A fused experts module's 3-D parameters (lora/experts.py), also in the SDK's train_mlp group
+# ("including MoE layers"). wrap_model wraps only nn.Linear, so these names wrap nothing there.
+EXPERT_TARGETS = ("gate_up_proj", "down_proj")
 UNEMBED_TARGET = "lm_head"
 
 
@@ -60,12 +64,16 @@ class LoraContext:
     # they have one, and adapter deltas are added in place. Training never sets it, so its numbers
     # do not move by even one ulp.
     sampling: bool = False
+    # Rows of the batch the last set_rows routed: how layers that see flattened tokens [rows * T]
+    # (MoE experts, lora/experts.py) find each token's row.
+    num_rows: int = 0
 
     def set_single(self, slot: int) -> None:
         self.groups = [SlotGroup(slot, None)]
 
     def set_rows(self, row_slots: list[int]) -> None:
         """Route row i of the next batch to adapter slot row_slots[i] (-1 = base model)."""
+        self.num_rows = len(row_slots)
         if len(set(row_slots)) == 1:
             self.set_single(row_slots[0])
             return
@@ -109,6 +117,13 @@ class MultiLoraLinear(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         return self.base.weight
+
+    def lora_shapes(self, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Shapes of one adapter's (A, B) on this layer."""
+        return (rank, self.in_features), (self.out_features, rank)
+
+    def init_a(self, a: torch.Tensor, generator: torch.Generator) -> None:
+        torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ctx.sampling:
@@ -334,6 +349,6 @@ def wrap_model(model: nn.Module, ctx: LoraContext, targets: tuple[str, ...]) -> 
 
 
 def targets_for(spec_attn: bool, spec_mlp: bool, spec_unembed: bool) -> tuple[str, ...]:
-    return (ATTN_TARGETS if spec_attn else ()) + (MLP_TARGETS if spec_mlp else ()) + (
+    return (ATTN_TARGETS if spec_attn else ()) + (tuple(dict.fromkeys(MLP_TARGETS + EXPERT_TARGETS)) if spec_mlp else ()) + (
         (UNEMBED_TARGET,) if spec_unembed else ()
     )

@@ -13,12 +13,12 @@ heart-beating (control/residency.py): a training adapter only after its state is
 
 from __future__ import annotations
 
-import math
 import secrets
 from dataclasses import dataclass, field
 
 import torch
 
+from tinkerd.engine.lora.experts import ExpertsParam
 from tinkerd.engine.lora.layers import MultiLoraLinear, LoraWeights, targets_for
 from tinkerd.errors import NotFoundError, UserError
 from tinkerd.types import LoraSpec
@@ -30,6 +30,8 @@ class Adapter:
     slot: int
     spec: LoraSpec
     # HF module name -> (A [R, in], B [out, R]); leaf tensors with requires_grad when trainable.
+    # Fused MoE experts (lora/experts.py): `<experts module>.gate_up_proj|down_proj` -> A [E, R, in],
+    # B [E, out, R].
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
     trainable: bool
     optimizer: torch.optim.Optimizer | None = None
@@ -47,7 +49,7 @@ class Adapter:
 
 
 class AdapterPool:
-    def __init__(self, layers: dict[str, MultiLoraLinear], max_rank: int):
+    def __init__(self, layers: dict[str, "MultiLoraLinear | ExpertsParam"], max_rank: int):
         self.layers = layers
         self.max_rank = max_rank
         self.adapters: dict[str, Adapter] = {}
@@ -80,11 +82,11 @@ class AdapterPool:
         gen = torch.Generator().manual_seed(seed)
         weights = {}
         for name in names:
-            base = self.layers[name].base
-            dtype = torch.float32
-            a = torch.empty(spec.rank, base.in_features, dtype=dtype)
-            torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=gen)
-            b = torch.zeros(base.out_features, spec.rank, dtype=dtype)
+            layer = self.layers[name]
+            a_shape, b_shape = layer.lora_shapes(spec.rank)
+            a = torch.empty(a_shape, dtype=torch.float32)
+            layer.init_a(a, gen)
+            b = torch.zeros(b_shape, dtype=torch.float32)
             weights[name] = (a.requires_grad_(trainable), b.requires_grad_(trainable))
         return self._attach(key, spec, weights, trainable)
 
@@ -97,8 +99,8 @@ class AdapterPool:
         if unknown:
             raise UserError(f"checkpoint has LoRA weights for layers this model lacks: {sorted(unknown)[:3]}")
         for name, (a, b) in weights.items():
-            base = self.layers[name].base
-            if a.shape != (spec.rank, base.in_features) or b.shape != (base.out_features, spec.rank):
+            a_shape, b_shape = self.layers[name].lora_shapes(spec.rank)
+            if tuple(a.shape) != a_shape or tuple(b.shape) != b_shape:
                 raise UserError(f"checkpoint LoRA shapes for {name} do not fit this base model")
         weights = {
             n: (a.detach().float().clone().requires_grad_(trainable), b.detach().float().clone().requires_grad_(trainable))

@@ -1,0 +1,215 @@
+"""LoRA on every routed expert of a Qwen3-MoE (engine/lora/experts.py) equals HF + PEFT.
+
+The oracle is PEFT's `target_parameters` LoRA on `mlp.experts.gate_up_proj` / `mlp.experts.down_proj`
+(one adapter) plus `target_modules` for attention and lm_head, on the same tiny random-weight
+Qwen3-MoE (4 experts, top-2, hidden 64 != 2 x moe_intermediate 40), with tinkerd's A/B copied in.
+As in test_lora_parity.py the reference runs in fp64 and tinkerd in fp32, and the tolerance is
+1e-5 of the largest reference value; the reference's experts run the eager loop (transformers'
+default on CPU is grouped_mm, which has no fp64 kernel).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from tests.parity.test_lora_parity import assert_close_scaled
+from tinkerd.engine.engine import Engine
+from tinkerd.engine.model.registry import cache_dir_for
+from tinkerd.engine.sampler import sample as sample_mod
+from tinkerd.engine.sampler.sample import Sampler
+from tinkerd.types import CreateModelOp, Datum, ForwardBackwardOp, ForwardBackwardResult, LoraSpec, SampleOp, SamplingParams
+
+MOE = "tinkerd/tiny-qwen3-moe"
+EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+@pytest.fixture(scope="module")
+def moe_engine(models_dir) -> Engine:
+    engine = Engine(models_dir)
+    engine.load_base_model(MOE)
+    return engine
+
+
+@pytest.fixture(scope="module")
+def moe_dir(moe_engine, models_dir):
+    return cache_dir_for(MOE, models_dir)
+
+
+def run(engine, op):
+    (result,) = engine.step([op])
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
+def adapter(engine, key: str, spec: LoraSpec, seed: int, scale: float = 0.05):
+    """An adapter with random non-zero B everywhere, so the expert LoRA really moves the outputs."""
+    rt = engine.runtime(MOE)
+    if key not in rt.pool:
+        run(engine, CreateModelOp(key, MOE, spec))
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for _, b in rt.pool.get(key).weights.values():
+                b.copy_(torch.randn(b.shape, generator=gen) * scale)
+    return rt.pool.get(key)
+
+
+def peft_reference(model_dir, ad, dtype=torch.float64):
+    """HF + PEFT with the adapter's tensors copied in; expert A/B converted to ParamWrapper's layout."""
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    base.set_experts_implementation("eager")
+    short = {n.rsplit(".", 1)[-1] for n in ad.weights}
+    config = LoraConfig(r=ad.spec.rank, lora_alpha=ad.spec.alpha, lora_dropout=0.0,
+                        target_modules=sorted(short & {"q_proj", "k_proj", "v_proj", "o_proj", "lm_head"}),
+                        target_parameters=EXPERT_PARAMS if "gate_up_proj" in short else None)
+    model = get_peft_model(base, config).eval()
+    for name, module in model.base_model.model.named_modules():
+        if not (hasattr(module, "lora_A") and "default" in module.lora_A):
+            continue
+        pname = getattr(module, "parameter_name", None)
+        a, b = ad.weights[f"{name.removesuffix('.base_layer')}.{pname}" if pname else name]
+        with torch.no_grad():
+            if pname:  # A [E, R, in] -> [E*R, in]; B [E, out, R] -> [out, R*E], expert the fast axis
+                module.lora_A["default"].weight.copy_(a.reshape(-1, a.shape[-1]).to(dtype))
+                module.lora_B["default"].weight.copy_(b.permute(1, 2, 0).reshape(b.shape[1], -1).to(dtype))
+            else:
+                module.lora_A["default"].weight.copy_(a.to(dtype))
+                module.lora_B["default"].weight.copy_(b.to(dtype))
+    return model
+
+
+def peft_lora_tensors(model, ad) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The reference's LoRA tensors (grads included) under tinkerd's names and layouts."""
+    out = {}
+    for name, module in model.base_model.model.named_modules():
+        if not (hasattr(module, "lora_A") and "default" in module.lora_A):
+            continue
+        pname = getattr(module, "parameter_name", None)
+        a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
+        if pname:
+            e = module.num_experts
+            out[f"{name.removesuffix('.base_layer')}.{pname}"] = (
+                a.grad.reshape(e, -1, a.shape[-1]), b.grad.reshape(b.shape[0], -1, e).permute(2, 0, 1))
+        else:
+            out[name] = (a.grad, b.grad)
+    assert set(out) == set(ad.weights)
+    return out
+
+
+def logits(rt, ids, slots):
+    rt.ctx.set_rows(slots) if len(slots) > 1 else rt.ctx.set_single(slots[0])
+    try:
+        with torch.no_grad():
+            return rt.model(input_ids=ids).logits
+    finally:
+        rt.ctx.clear()
+
+
+FULL = LoraSpec(rank=4, alpha=8.0, seed=21)
+
+
+def test_every_routed_expert_gets_lora_and_train_mlp_controls_it(moe_engine):
+    full = adapter(moe_engine, "moe-full", FULL, seed=1)
+    experts = {n: (tuple(a.shape), tuple(b.shape)) for n, (a, b) in full.weights.items() if ".experts." in n}
+    # 2 layers x (gate_up_proj, down_proj), rank 4, per expert: A [E, R, in], B [E, out, R].
+    assert experts == {
+        **{f"model.layers.{i}.mlp.experts.gate_up_proj": ((4, 4, 64), (4, 80, 4)) for i in range(2)},
+        **{f"model.layers.{i}.mlp.experts.down_proj": ((4, 4, 40), (4, 64, 4)) for i in range(2)},
+    }
+    no_mlp = adapter(moe_engine, "moe-no-mlp", LoraSpec(rank=4, alpha=8.0, seed=22, train_mlp=False), seed=2)
+    assert not any(".experts." in n for n in no_mlp.weights) and any("q_proj" in n for n in no_mlp.weights)
+
+
+def test_logits_logprobs_and_grads_equal_peft_target_parameters(moe_engine, moe_dir):
+    rt = moe_engine.runtime(MOE)
+    ad = adapter(moe_engine, "moe-full", FULL, seed=1)
+    reference = peft_reference(moe_dir, ad)
+    ids = torch.randint(0, 151_000, (3, 10), generator=torch.Generator().manual_seed(0))
+    ours = logits(rt, ids, [ad.slot])
+    with torch.no_grad():
+        theirs = reference(input_ids=ids).logits
+    assert_close_scaled(ours, theirs, "logits")
+    # Not vacuous: the expert LoRA alone moves the logits (attention/lm_head LoRA switched off).
+    only_experts = {n: lw for n, lw in rt.pool.layers.items() if ".experts." not in n}
+    saved = {n: layer.adapters.pop(ad.slot) for n, layer in only_experts.items()}
+    try:
+        assert (logits(rt, ids, [ad.slot]) - logits(rt, ids, [-1])).abs().max() > 1e-3
+    finally:
+        for n, lw in saved.items():
+            rt.pool.layers[n].adapters[ad.slot] = lw
+
+    rng = np.random.default_rng(1)
+    seqs = [rng.integers(0, 151_000, n + 1) for n in (9, 5)]
+    weights = [rng.normal(size=n).astype(np.float32) for n in (9, 5)]
+    data = [Datum(tokens=s[:-1], loss_fn_inputs={"target_tokens": s[1:], "weights": w}) for s, w in zip(seqs, weights)]
+    for t in ad.parameters():
+        t.grad = None
+    result = run(moe_engine, ForwardBackwardOp(ad.key, data, "cross_entropy"))
+    assert isinstance(result, ForwardBackwardResult)
+    total = torch.zeros((), dtype=torch.float64)
+    for i, (s, w) in enumerate(zip(seqs, weights)):
+        lp = torch.log_softmax(reference(input_ids=torch.from_numpy(s[:-1])[None]).logits[0], -1)
+        lp = lp.gather(-1, torch.from_numpy(s[1:])[:, None])[:, 0]
+        np.testing.assert_allclose(result.loss_fn_outputs[i]["logprobs"], lp.detach().numpy(), rtol=1e-5, atol=1e-5)
+        total = total - (lp * torch.from_numpy(w).double()).sum()
+    total.backward()
+    assert result.metrics["loss:sum"] == pytest.approx(total.item(), rel=1e-5)
+    want = peft_lora_tensors(reference, ad)
+    for name, (a, b) in ad.weights.items():
+        assert_close_scaled(a.grad, want[name][0], f"lora_A grad of {name}")
+        assert_close_scaled(b.grad, want[name][1], f"lora_B grad of {name}")
+        assert a.grad.abs().max() > 0 and b.grad.abs().max() > 0, name
+    for t in ad.parameters():
+        t.grad = None
+    ad.pending_grads = 0
+
+
+def test_two_tenants_in_one_batch_equal_each_alone(moe_engine):
+    """fp32, to 1e-6 relative: the rows of one expert's tokens are split by slot, so a token's
+    GEMMs run with a different row count than alone, which moves the last bits."""
+    rt = moe_engine.runtime(MOE)
+    first = adapter(moe_engine, "moe-full", FULL, seed=1)
+    second = adapter(moe_engine, "moe-second", LoraSpec(rank=2, alpha=4.0, seed=23), seed=3, scale=0.2)
+    ids = torch.randint(0, 151_000, (3, 9), generator=torch.Generator().manual_seed(4))
+    mixed = logits(rt, ids, [first.slot, second.slot, -1])
+    for row, slot in enumerate([first.slot, second.slot, -1]):
+        alone = logits(rt, ids[row:row + 1], [slot])[0]
+        torch.testing.assert_close(mixed[row], alone, rtol=1e-6, atol=1e-5)
+    assert (logits(rt, ids[:1], [first.slot]) - logits(rt, ids[:1], [second.slot])).abs().max() > 1e-2
+
+
+def _merged_generate(moe_dir, ad, prompt: list[int], n: int):
+    """HF generate (greedy) on the base with the adapter merged in (PEFT merge_and_unload, fp32)."""
+    merged = peft_reference(moe_dir, ad, dtype=torch.float32).merge_and_unload().eval()
+    with torch.no_grad():
+        ids = torch.tensor([prompt])  # an explicit mask: generate would take token 0 in the prompt for padding
+        out = merged.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                              output_logits=True, return_dict_in_generate=True, eos_token_id=None, pad_token_id=151643)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    lps = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.logits, tokens)]
+    return tokens, np.array(lps)
+
+
+def test_greedy_sampling_of_two_tenants_equals_hf_generate_with_the_merged_adapter(moe_engine, moe_dir, monkeypatch):
+    rt = moe_engine.runtime(MOE)
+    ads = [adapter(moe_engine, "moe-full", FULL, seed=1),
+           adapter(moe_engine, "moe-second", LoraSpec(rank=2, alpha=4.0, seed=23), seed=3, scale=0.2)]
+    prompts = [[9707, 11, 1879, 0, 220, 3555], [785, 6722, 315, 9625, 374, 12095, 13]]
+    # Both requests in one decode batch, each with its own adapter (no checkpoint dir needed).
+    monkeypatch.setattr(sample_mod, "acquire_adapter", lambda runtime, path, max_idle: runtime.pool.acquire(path))
+    sampler = Sampler(rt, moe_engine.sampler_config)
+    params = SamplingParams(max_tokens=6, temperature=0.0, stop_at_eos=False)
+    for i, (ad, prompt) in enumerate(zip(ads, prompts)):
+        sampler.admit(i, SampleOp(base_model=MOE, adapter_path=ad.key, prompt=np.array(prompt), params=params))
+    done = {}
+    while len(done) < 2:
+        done.update(dict(sampler.step()))
+    for i, (ad, prompt) in enumerate(zip(ads, prompts)):
+        want_tokens, want_lps = _merged_generate(moe_dir, ad, prompt, 6)
+        (seq,) = done[i].sequences
+        assert seq.tokens == want_tokens, i
+        np.testing.assert_allclose(seq.logprobs, want_lps, atol=1e-4)

@@ -1,0 +1,223 @@
+"""Multi-slot LoRA on fused MoE experts: each token's own adapter on each expert it is routed to.
+
+transformers 5.x stores a MoE layer's routed experts as two 3-D parameters (Qwen3MoeExperts,
+Qwen3_5MoeExperts, Qwen3VLMoeTextExperts):
+
+    gate_up_proj [E, 2I, H]   gate rows first, then up (`.chunk(2, -1)`)
+    down_proj    [E, H, I]
+
+and the experts module is called as `experts(hidden [N, H], top_k_index [N, k], top_k_weights [N, k])`
+on the flattened tokens of the batch. `MultiLoraExperts` replaces that module. For every adapter
+slot each parameter carries a rank-R LoRA per expert, stacked:
+
+    A [E, R, in]   B [E, out, R]       delta_e = scaling * B[e] @ A[e]
+
+which is exactly PEFT's `target_parameters` LoRA (lora.ParamWrapper: its `get_delta_factors`
+gives the same A [E, R, in] and B [E, out, R]), so PEFT is the test oracle. Unlike PEFT, which adds
+the delta to the whole expert stack every forward (a full copy of every expert tensor) and refuses
+mixed-adapter batches, the delta here is applied as two skinny matmuls to the tokens routed to an
+expert, grouped by their row's slot: a decode batch mixing tenants stays one forward.
+
+Token -> row: the HF MoE block flattens [B, T, H] to [B*T, H] row-major, so token n belongs to
+batch row n // T. `LoraContext.set_rows` records B (`num_rows`).
+
+The loop over experts is the eager one (Qwen3MoeExperts.forward); only experts that received a
+token run. Router metrics (the SDK's `e_frac_with_tokens:mean` etc.) are counted here when
+`ExpertsRouting` is switched on, over the tokens `ExpertsRouting.token_mask` marks real.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from tinkerd.engine.lora.layers import LoraContext, LoraWeights
+
+class ExpertsParam:
+    """The adapters of one 3-D expert parameter, by slot: what the pool attaches to and sizes by."""
+
+    def __init__(self, weight: nn.Parameter):
+        self.weight = weight  # [E, out, in]
+        self.adapters: dict[int, LoraWeights] = {}
+
+    @property
+    def num_experts(self) -> int:
+        return self.weight.shape[0]
+
+    def lora_shapes(self, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        e, out, inp = self.weight.shape
+        return (e, rank, inp), (e, out, rank)
+
+    def init_a(self, a: torch.Tensor, generator: torch.Generator) -> None:
+        """Kaiming-uniform as PEFT draws its [E*R, in] lora_A: the bound depends on `in` only."""
+        torch.nn.init.kaiming_uniform_(a.view(-1, a.shape[-1]), a=math.sqrt(5), generator=generator)
+
+    def add(self, y: torch.Tensor, x: torch.Tensor, expert: int, slots: list[tuple[int, torch.Tensor | None]]) -> torch.Tensor:
+        """y [n, out] (x [n, in] through expert `expert`) plus each slot's delta on its tokens.
+
+        `slots`: (slot, positions into x) per slot among these tokens; None = all of them."""
+        for slot, pos in slots:
+            lw = self.adapters.get(slot)
+            if lw is None:
+                continue
+            a, b = lw.a[expert], lw.b[expert]  # [R, in], [out, R]
+            if pos is None:
+                y = y + (x @ a.t()) @ b.t() * lw.scaling
+            else:
+                y = y.index_add(0, pos, (x[pos] @ a.t()) @ b.t() * lw.scaling)
+        return y
+
+
+@dataclass
+class ExpertsRouting:
+    """Per-forward routing counts for the SDK's MoE metrics; off unless `enabled`."""
+
+    enabled: bool = False
+    # [N] bool over the flattened tokens of the next forward: which are real (not padding).
+    token_mask: torch.Tensor | None = None
+    # One [E] tensor of (token, k) assignments per MoE layer call, in call order.
+    counts: list[torch.Tensor] = field(default_factory=list)
+
+    def metrics(self) -> dict[str, float]:
+        """The SDK's definitions (tinker/types/forward_backward_output.py), averaged over layers."""
+        if not self.counts:
+            return {}
+        frac_with, frac_over, max_v, min_v = [], [], [], []
+        for c in self.counts:
+            c = c.double()
+            fair = c.sum() / c.numel()
+            if fair <= 0:
+                continue
+            frac_with.append((c > 0).double().mean().item())
+            frac_over.append((c > fair).double().mean().item())
+            max_v.append(((c.max() - fair) / fair).item())
+            min_v.append(((c.min() - fair) / fair).item())
+        if not frac_with:
+            return {}
+        mean = lambda v: sum(v) / len(v)  # noqa: E731
+        return {"e_frac_with_tokens:mean": mean(frac_with), "e_frac_oversubscribed:mean": mean(frac_over),
+                "e_max_violation:mean": mean(max_v), "e_max_violation:max": max(max_v),
+                "e_min_violation:mean": mean(min_v)}
+
+
+class MultiLoraExperts(nn.Module):
+    def __init__(self, base: nn.Module, ctx: LoraContext, routing: ExpertsRouting):
+        super().__init__()
+        self.base = base  # the HF experts module and its parameters, frozen
+        self.ctx = ctx
+        self.routing = routing
+        self.num_experts = base.gate_up_proj.shape[0]
+        self.gate_up = ExpertsParam(base.gate_up_proj)
+        self.down = ExpertsParam(base.down_proj)
+
+    def _token_slots(self, n: int) -> list[tuple[int, torch.Tensor]] | None:
+        """None when every token uses one slot (ctx.groups[0]), else the slot of each token [n]."""
+        groups = self.ctx.groups
+        if len(groups) <= 1 and (not groups or groups[0].rows is None):
+            return None
+        rows = self.ctx.num_rows
+        if rows <= 0 or n % rows:
+            raise RuntimeError(f"{n} tokens do not split into the {rows} routed rows")
+        per_row = torch.full((rows,), -1, dtype=torch.long)
+        for g in groups:
+            per_row[g.rows if g.rows is not None else slice(None)] = g.slot
+        return per_row.repeat_interleave(n // rows)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        base = self.base
+        out = torch.zeros_like(hidden_states)
+        single = self.ctx.groups[0].slot if self.ctx.groups else -1
+        token_slots = self._token_slots(hidden_states.shape[0])
+        with torch.no_grad():
+            mask = F.one_hot(top_k_index, num_classes=self.num_experts).permute(2, 1, 0)  # [E, k, N]
+            if self.routing.enabled:
+                real = mask if self.routing.token_mask is None else mask[:, :, self.routing.token_mask]
+                self.routing.counts.append(real.sum(dim=(1, 2)))
+            hit = (mask.sum(dim=(1, 2)) > 0).nonzero()[:, 0].tolist()
+        for e in hit:
+            top_k_pos, token_idx = torch.where(mask[e])
+            if token_slots is None:
+                slots = [(single, None)]
+            else:
+                mine = token_slots[token_idx]
+                slots = [(int(s), (mine == s).nonzero()[:, 0]) for s in mine.unique().tolist()]
+            x = hidden_states[token_idx]
+            gate_up = self.gate_up.add(F.linear(x, base.gate_up_proj[e]), x, e, slots)
+            gate, up = gate_up.chunk(2, dim=-1)
+            h = base.act_fn(gate) * up
+            y = self.down.add(F.linear(h, base.down_proj[e]), h, e, slots)
+            y = y * top_k_weights[token_idx, top_k_pos, None]
+            out.index_add_(0, token_idx, y.to(out.dtype))
+        return out
+
+
+def wrap_experts(model: nn.Module, ctx: LoraContext, class_name: str | None,
+                 routing: ExpertsRouting) -> dict[str, ExpertsParam]:
+    """Replace every module of class `class_name` (a fused-experts class) by MultiLoraExperts.
+
+    Returns its two parameters' adapter holders by adapter layer name
+    (`model.layers.0.mlp.experts.gate_up_proj`, `...experts.down_proj`)."""
+    params: dict[str, ExpertsParam] = {}
+    if class_name is None:
+        return params
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if type(child).__name__ != class_name:
+                continue
+            layer = MultiLoraExperts(child, ctx, routing)
+            setattr(module, child_name, layer)
+            full = f"{name}.{child_name}" if name else child_name
+            params[f"{full}.gate_up_proj"] = layer.gate_up
+            params[f"{full}.down_proj"] = layer.down
+    return params
+
+
+# -- file layout ------------------------------------------------------------------------------------
+# Checkpoints and exports hold expert LoRA in hosted Tinker's layout, which the cookbook's `weights`
+# module reads (build_hf_model / build_lora_adapter; its expert_key_remaps map w1/w3/w2 to
+# gate_proj/up_proj/down_proj): `<experts>.w1|w3|w2` with lora_A [E, R, in] and lora_B [E, out, R].
+# tinkerd's one LoRA on the fused gate_up_proj is w1 and w3 sharing lora_A, lora_B split at the
+# gate/up boundary (gate first): B_gate @ A and B_up @ A are exactly the two halves of B @ A.
+_GATE, _UP, _DOWN = "w1", "w3", "w2"
+
+
+def file_names(name: str) -> list[str]:
+    """The layer names one adapter layer is stored under; a non-expert layer's own name."""
+    parent, _, param = name.rpartition(".")
+    if not parent.endswith(".experts") or param not in ("gate_up_proj", "down_proj"):
+        return [name]
+    return [f"{parent}.{_DOWN}"] if param == "down_proj" else [f"{parent}.{_GATE}", f"{parent}.{_UP}"]
+
+
+def to_file_layout(name: str, a: torch.Tensor, b: torch.Tensor) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(file layer name, A, B) for one adapter layer; a non-expert layer passes through."""
+    names = file_names(name)
+    if len(names) == 1:
+        return [(names[0], a, b)]
+    gate, up = b.chunk(2, dim=1)
+    return [(names[0], a, gate), (names[1], a, up)]
+
+
+def from_file_layout(weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Inverse of to_file_layout over a whole adapter; ValueError for expert tensors it cannot fuse."""
+    out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for name, (a, b) in weights.items():
+        parent, _, leaf = name.rpartition(".")
+        if not parent.endswith(".experts") or leaf not in (_GATE, _UP, _DOWN):
+            out[name] = (a, b)
+        elif leaf == _DOWN:
+            out[f"{parent}.down_proj"] = (a, b)
+        elif leaf == _GATE:
+            if f"{parent}.{_UP}" not in weights:
+                raise ValueError(f"{name} has no {_UP} beside it")
+            a_up, b_up = weights[f"{parent}.{_UP}"]
+            if a.shape != a_up.shape or not torch.equal(a, a_up):
+                raise ValueError(f"{parent}: {_GATE} and {_UP} have different lora_A; tinkerd trains one LoRA on the fused gate_up_proj")
+            out[f"{parent}.gate_up_proj"] = (a, torch.cat([b, b_up], dim=1))
+        elif f"{parent}.{_GATE}" not in weights:
+            raise ValueError(f"{name} has no {_GATE} beside it")
+    return out
