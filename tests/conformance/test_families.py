@@ -71,6 +71,7 @@ def test_the_dense_model_beside_it_trains_and_samples(service_client):
         tc.optim_step(types.AdamParams(learning_rate=2e-2)).result()
         losses.append(fb.result().metrics["loss:sum"])
     assert losses[-1] < 0.7 * losses[0], losses
+    assert not any(k.startswith("e_") for k in fb.result().metrics)  # no router metrics on a dense model
     sampler = tc.save_weights_and_get_sampling_client().result()
     res = sampler.sample(types.ModelInput.from_ints(tok.encode("Paris is")), 1,
                          types.SamplingParams(max_tokens=4, temperature=0.0)).result()
@@ -104,6 +105,9 @@ def test_moe_sl_loss_falls_and_save_state_resumes_exactly(service_client, moe_da
     uninterrupted = _train(tc, moe_data, 3)
     resumed = _train(service_client.create_training_client_from_state_with_optimizer(path).result(), moe_data, 3)
     assert resumed == uninterrupted, (uninterrupted, resumed)
+    # The SDK's MoE router metrics come with the output (pinned in tests/parity/test_moe_parity.py).
+    metrics = tc.forward(moe_data, "cross_entropy").result().metrics
+    assert 0 < metrics["e_frac_with_tokens:mean"] <= 1 and "e_max_violation:max" in metrics, metrics
 
 
 @pytest.fixture(scope="module")

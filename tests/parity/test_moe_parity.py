@@ -213,3 +213,35 @@ def test_greedy_sampling_of_two_tenants_equals_hf_generate_with_the_merged_adapt
         (seq,) = done[i].sequences
         assert seq.tokens == want_tokens, i
         np.testing.assert_allclose(seq.logprobs, want_lps, atol=1e-4)
+
+
+def test_router_metrics_on_forward_backward_follow_the_sdk_definitions(moe_engine, moe_dir):
+    """e_* metrics counted over the real tokens only (a padded row's pad positions route too),
+    pinned against HF's own router logits of the base model, top-2 per token, per layer."""
+    ad = adapter(moe_engine, "moe-full", FULL, seed=1)
+    rng = np.random.default_rng(7)
+    seqs = [rng.integers(0, 151_000, n + 1) for n in (11, 4)]
+    data = [Datum(tokens=s[:-1], loss_fn_inputs={"target_tokens": s[1:]}) for s in seqs]
+    got = run(moe_engine, ForwardBackwardOp(ad.key, data, "cross_entropy", forward_only=True)).metrics
+
+    # The reference: the router sees the layer's input, which the adapter's attention LoRA changes,
+    # so use PEFT's model with the same adapter, one unpadded sequence at a time.
+    reference = peft_reference(moe_dir, ad, dtype=torch.float64)
+    counts = torch.zeros(2, 4, dtype=torch.float64)
+    for s in seqs:
+        with torch.no_grad():
+            out = reference(input_ids=torch.from_numpy(s[:-1])[None], output_router_logits=True)
+        for layer, logits in enumerate(out.router_logits):  # [T, E]
+            top = torch.topk(torch.softmax(logits, -1), 2, dim=-1).indices
+            counts[layer] += torch.bincount(top.flatten(), minlength=4)
+    fair = counts.sum(1, keepdim=True) / 4
+    assert counts.sum().item() == 2 * 2 * 15  # 2 layers x 15 real tokens x top-2
+    want = {
+        "e_frac_with_tokens:mean": (counts > 0).double().mean().item(),
+        "e_frac_oversubscribed:mean": (counts > fair).double().mean().item(),
+        "e_max_violation:mean": ((counts.max(1).values - fair[:, 0]) / fair[:, 0]).mean().item(),
+        "e_max_violation:max": ((counts.max(1).values - fair[:, 0]) / fair[:, 0]).max().item(),
+        "e_min_violation:mean": ((counts.min(1).values - fair[:, 0]) / fair[:, 0]).mean().item(),
+    }
+    assert {k: got[k] for k in want} == pytest.approx(want)
+    assert want["e_max_violation:max"] > 0  # a skewed routing, so the numbers say something

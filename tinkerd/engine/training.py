@@ -277,9 +277,12 @@ def forward_backward(engine: "Engine", op: ForwardBackwardOp) -> ForwardBackward
     rt.ctx.set_single(adapter.slot)
     try:
         # Into fresh tensors first: .grad is touched only after the whole batch succeeded.
-        target_logprobs, loss_sum, metrics, grads = _logprobs_and_grads(
-            rt, input_ids, mask, inputs, loss, config, params, op.forward_only
-        )
+        # MoE layers count their routing of the real tokens meanwhile (none for a dense model).
+        with rt.routing.counting(mask.flatten().bool()) as routing:
+            target_logprobs, loss_sum, metrics, grads = _logprobs_and_grads(
+                rt, input_ids, mask, inputs, loss, config, params, op.forward_only
+            )
+        metrics = {**metrics, **routing.metrics()}  # the SDK's e_frac_with_tokens:mean etc.
     finally:
         rt.ctx.clear()
 

@@ -28,6 +28,7 @@ token run. Router metrics (the SDK's `e_frac_with_tokens:mean` etc.) are counted
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 
@@ -81,6 +82,15 @@ class ExpertsRouting:
     token_mask: torch.Tensor | None = None
     # One [E] tensor of (token, k) assignments per MoE layer call, in call order.
     counts: list[torch.Tensor] = field(default_factory=list)
+
+    @contextlib.contextmanager
+    def counting(self, token_mask: torch.Tensor):
+        """Count routing over the forwards inside (token_mask [B*T] bool: the real tokens)."""
+        self.enabled, self.token_mask, self.counts = True, token_mask, []
+        try:
+            yield self
+        finally:
+            self.enabled, self.token_mask = False, None
 
     def metrics(self) -> dict[str, float]:
         """The SDK's definitions (tinker/types/forward_backward_output.py), averaged over layers."""
