@@ -19,7 +19,7 @@ mixed-adapter batches, the delta here is applied as two skinny matmuls to the to
 expert, grouped by their row's slot: a decode batch mixing tenants stays one forward.
 
 Token -> row: the HF MoE block flattens [B, T, H] to [B*T, H] row-major, so token n belongs to
-batch row n // T. `LoraContext.set_rows` records B (`num_rows`).
+batch row n // T, with B the rows the context's groups cover (set_rows routes every row).
 
 The loop over experts is the eager one (Qwen3MoeExperts.forward); only experts that received a
 token run. Router metrics (the SDK's `e_frac_with_tokens:mean` etc.) are counted here when
@@ -124,17 +124,17 @@ class MultiLoraExperts(nn.Module):
         self.gate_up = ExpertsParam(base.gate_up_proj)
         self.down = ExpertsParam(base.down_proj)
 
-    def _token_slots(self, n: int) -> list[tuple[int, torch.Tensor]] | None:
+    def _token_slots(self, n: int) -> torch.Tensor | None:
         """None when every token uses one slot (ctx.groups[0]), else the slot of each token [n]."""
         groups = self.ctx.groups
         if len(groups) <= 1 and (not groups or groups[0].rows is None):
             return None
-        rows = self.ctx.num_rows
+        rows = sum(len(g.rows) for g in groups)  # set_rows puts every row of the batch in one group
         if rows <= 0 or n % rows:
             raise RuntimeError(f"{n} tokens do not split into the {rows} routed rows")
         per_row = torch.full((rows,), -1, dtype=torch.long)
         for g in groups:
-            per_row[g.rows if g.rows is not None else slice(None)] = g.slot
+            per_row[g.rows] = g.slot
         return per_row.repeat_interleave(n // rows)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:

@@ -64,16 +64,12 @@ class LoraContext:
     # they have one, and adapter deltas are added in place. Training never sets it, so its numbers
     # do not move by even one ulp.
     sampling: bool = False
-    # Rows of the batch the last set_rows routed: how layers that see flattened tokens [rows * T]
-    # (MoE experts, lora/experts.py) find each token's row.
-    num_rows: int = 0
 
     def set_single(self, slot: int) -> None:
         self.groups = [SlotGroup(slot, None)]
 
     def set_rows(self, row_slots: list[int]) -> None:
         """Route row i of the next batch to adapter slot row_slots[i] (-1 = base model)."""
-        self.num_rows = len(row_slots)
         if len(set(row_slots)) == 1:
             self.set_single(row_slots[0])
             return
