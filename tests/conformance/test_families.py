@@ -163,6 +163,15 @@ def test_moe_export_is_hosted_layout_and_the_cookbook_merge_equals_the_trained_m
         merged = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
         diff = max(abs(a - b) for a, b in zip(logprobs(merged), reference))
         assert diff < 1e-4, (strategy, diff)
+    # build_lora_adapter (PEFT files for vLLM) writes per-expert 2-D LoRAs whose products are the
+    # trained experts' deltas: w1 (gate) of expert 1 here.
+    weights.build_lora_adapter(base_model=base_dir, adapter_path=adapter, output_path=str(tmp_path / "peft"))
+    peft_tensors = load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    per_expert = f"{prefix}.1.gate_proj"
+    got = peft_tensors[f"{per_expert}.lora_B.weight"] @ peft_tensors[f"{per_expert}.lora_A.weight"]
+    want = tensors[f"{prefix}.w1.lora_B.weight"][1] @ tensors[f"{prefix}.w1.lora_A.weight"][1]
+    assert torch.allclose(got, want, atol=1e-7) and want.abs().max() > 0
+
     # And the experts' share of it is real: merged without the expert keys, the model scores differently.
     from safetensors.torch import save_file
 
