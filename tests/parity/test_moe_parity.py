@@ -174,6 +174,7 @@ def test_two_tenants_in_one_batch_equal_each_alone(moe_engine):
     rt = moe_engine.runtime(MOE)
     first = adapter(moe_engine, "moe-full", FULL, seed=1)
     second = adapter(moe_engine, "moe-second", LoraSpec(rank=2, alpha=4.0, seed=23), seed=3, scale=0.2)
+    assert all(any(".experts." in n for n in ad.weights) for ad in (first, second))  # routing through the experts layer
     ids = torch.randint(0, 151_000, (3, 9), generator=torch.Generator().manual_seed(4))
     mixed = logits(rt, ids, [first.slot, second.slot, -1])
     for row, slot in enumerate([first.slot, second.slot, -1]):
@@ -199,6 +200,7 @@ def test_greedy_sampling_of_two_tenants_equals_hf_generate_with_the_merged_adapt
     ads = [adapter(moe_engine, "moe-full", FULL, seed=1),
            adapter(moe_engine, "moe-second", LoraSpec(rank=2, alpha=4.0, seed=23), seed=3, scale=0.2)]
     prompts = [[9707, 11, 1879, 0, 220, 3555], [785, 6722, 315, 9625, 374, 12095, 13]]
+    assert all(any(".experts." in n for n in ad.weights) for ad in ads)
     # Both requests in one decode batch, each with its own adapter (no checkpoint dir needed).
     monkeypatch.setattr(sample_mod, "acquire_adapter", lambda runtime, path, max_idle: runtime.pool.acquire(path))
     sampler = Sampler(rt, moe_engine.sampler_config)
