@@ -133,6 +133,8 @@ class StabilityRecords:
         n = len(targets)
         _check_tiling(i, "loss_fn_input_spans", "target_tokens", spans, n)
         advantages = datum.loss_fn_inputs.get("advantages")
+        if advantages is not None and np.shape(advantages) != (n,):
+            raise UserError(f"datum {i}: advantages has shape {list(np.shape(advantages))} but target_tokens has [{n}]")
         sampler_logprobs = np.full(n, np.nan, dtype=np.float32)
         pos = 0
         for span in spans:
