@@ -158,3 +158,33 @@ def test_math_rl_arithmetic_with_its_default_loss_stable_reinforce(cookbook_env,
     with sqlite3.connect(Path(server.data_dir) / "tinkerd.sqlite") as db:
         sessions = db.execute("SELECT session_id, count(*) FROM recorded_samples GROUP BY session_id").fetchall()
     assert any(n >= 8 for _, n in sessions), sessions
+
+
+def test_rl_loop_with_its_default_loss_stable_reinforce(cookbook_env, server, tmp_path, monkeypatch):
+    """recipes/rl_loop.py as shipped (default loss stable_reinforce: record_stability_info sampler,
+    with_sampled_provenance datums, prompt targets padded with 0). Offline stand-ins only for what
+    it would download or look up: GSM8K (four rows in its format), the model registry's renderer for
+    the tiny model, and the reward (a boxed GSM8K answer the random tiny model never writes, so every
+    group would be skipped as all-zero advantages; the length's parity varies within a group)."""
+    import datasets
+    from tinker_cookbook.recipes import rl_loop
+
+    assert rl_loop.Config().loss_fn == "stable_reinforce"
+    rows = {"question": [f"What is {a} + {b}?" for a, b in ((1, 2), (2, 3), (3, 4), (4, 5))],
+            "answer": [f"{a} + {b} = {a + b}\n#### {a + b}" for a, b in ((1, 2), (2, 3), (3, 4), (4, 5))]}
+    monkeypatch.setattr(rl_loop.datasets, "load_dataset",
+                        lambda *a, **k: datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows)}))
+    monkeypatch.setattr(rl_loop.model_info, "get_recommended_renderer_name", lambda _: RENDERER)
+    monkeypatch.setattr(rl_loop, "get_reward", lambda response, answer: float(len(response) % 2))
+    log_path = tmp_path / "log"
+    rl_loop.main(rl_loop.Config(base_url=cookbook_env, log_path=str(log_path), model_name=TINY, batch_size=2,
+                                group_size=4, learning_rate=1e-4, lora_rank=8, save_every=0, max_tokens=6,
+                                max_steps=2, ttl_seconds=None))
+
+    steps = _metrics(log_path)
+    assert [m["progress/batch"] for m in steps] == [0, 1]
+    with sqlite3.connect(Path(server.data_dir) / "tinkerd.sqlite") as db:
+        trained = db.execute("SELECT count(*) FROM futures WHERE request_type = 'ForwardBackward' AND status = 'complete' "
+                             "AND target IN (SELECT model_id FROM training_runs WHERE session_id IN "
+                             "(SELECT session_id FROM recorded_samples))").fetchone()[0]
+    assert trained >= 1  # at least one step had a group with unequal rewards and trained on it
