@@ -47,9 +47,9 @@ def _reference(lp: np.ndarray, q: np.ndarray, adv: np.ndarray, kl_coeff=0.0, low
     return float(-(keep * r * adv).sum() + kl_coeff * (r - 1 - np.log(r)).sum()), int((~keep).sum())
 
 
-def _sample(tc, prompt, n=3, record=True, seed=5):
+def _sample(tc, prompt, n=3, record=True, seed=5, max_tokens=4):
     sampler = tc.save_weights_and_get_sampling_client(record_stability_info=record).result()
-    params = types.SamplingParams(max_tokens=4, temperature=1.0, seed=seed)
+    params = types.SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed)
     return sampler.sample(types.ModelInput.from_ints(prompt), n, params).result().sequences
 
 
@@ -106,6 +106,33 @@ def test_stable_reinforce_trains_with_the_hand_computed_loss(rollout):
     assert second.metrics["masked_tokens:sum"] == masked
     assert second.metrics["kl_sampler_learner:sum"] == pytest.approx(float((np.exp(lp - q) - 1 - (lp - q)).sum()), rel=1e-3, abs=1e-5)
     assert 0 < masked < len(adv), np.exp(lp - q)
+
+
+def test_stable_reinforce_raises_reward_on_a_learnable_task(service_client):
+    """The GRPO task of test_rl_losses with the cookbook's default loss: reward 1 when the one sampled
+    token is X, a token the base model gives about 10%; each step samples from the current weights
+    with record_stability_info and trains on the recorded sequences."""
+    tc = service_client.create_lora_training_client(base_model=TINY, rank=8, seed=0).result()
+    prompt = tc.get_tokenizer().encode("The answer is")
+    base = service_client.create_sampling_client(base_model=TINY).result()
+    probe = base.sample(types.ModelInput.from_ints(prompt + [0]), 1, types.SamplingParams(max_tokens=1),
+                        include_prompt_logprobs=True, topk_prompt_logprobs=8).result()
+    x, x_logprob = min(probe.topk_prompt_logprobs[-1][1:], key=lambda c: abs(np.exp(c[1]) - 0.1))
+    assert 0.03 < np.exp(x_logprob) < 0.3
+    curve = []
+    for step in range(12):
+        seqs = _sample(tc, prompt, n=16, seed=step, max_tokens=1)
+        rewards = np.array([float(s.tokens[0] == x) for s in seqs])
+        curve.append(rewards.mean())
+        data = [_datum(prompt, s, float(a)) for s, a in zip(seqs, rewards - rewards.mean())]
+        fb = tc.forward_backward(data, "stable_reinforce")
+        tc.optim_step(types.AdamParams(learning_rate=1e-4))
+        assert fb.result().metrics["masked_tokens:sum"] == 0  # on-policy: every ratio is 1
+    final = _sample(tc, prompt, n=64, seed=999, max_tokens=1)
+    final_reward = float(np.mean([s.tokens[0] == x for s in final]))
+    print(f"stable_reinforce reward curve {[round(float(c), 3) for c in curve]}, final {final_reward:.3f}")
+    assert np.mean(curve[:2]) < 0.35, curve
+    assert final_reward >= 0.8, (curve, final_reward)
 
 
 def test_capabilities_list_stable_reinforce(server):
