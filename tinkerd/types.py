@@ -286,7 +286,7 @@ class StableReinforceConfig:
     ratio_high: float = 2.0
 
     @classmethod
-    def parse(cls, config: dict[str, float | str]) -> "StableReinforceConfig":
+    def parse(cls, config: dict[str, float | str]) -> StableReinforceConfig:
         known = cls.__dataclass_fields__
         unknown = sorted(set(config) - set(known))
         if unknown:

@@ -150,7 +150,7 @@ def _refused(tc, data, *words, config=None) -> None:
 
 
 def test_misuse_is_a_400_naming_the_datum(rollout):
-    sc, tc, prompt, seqs = rollout
+    _, tc, prompt, seqs = rollout
     good = _datum(prompt, seqs[0], 1.0)
     no_provenance = types.Datum(model_input=good.model_input, loss_fn_inputs=good.loss_fn_inputs)
     _refused(tc, [good, no_provenance], "datum 1", "needs provenance")

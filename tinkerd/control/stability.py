@@ -33,7 +33,13 @@ from sqlalchemy import delete, update
 from tinkerd.control.store.db import Store, utcnow
 from tinkerd.control.store.tables import RecordedSampleRow
 from tinkerd.errors import UserError
-from tinkerd.types import Datum, ForwardBackwardOp, ProvenanceSpan, SampleOp, SampleResult
+from tinkerd.types import (
+    Datum,
+    ForwardBackwardOp,
+    ProvenanceSpan,
+    SampleOp,
+    SampleResult,
+)
 
 log = logging.getLogger(__name__)
 

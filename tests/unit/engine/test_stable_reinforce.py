@@ -15,7 +15,13 @@ import torch
 
 from tinkerd.engine.losses import DATUM_INDEX, get_loss, supported_losses
 from tinkerd.errors import UserError
-from tinkerd.types import CreateModelOp, Datum, ForwardBackwardOp, LoraSpec, StableReinforceConfig
+from tinkerd.types import (
+    CreateModelOp,
+    Datum,
+    ForwardBackwardOp,
+    LoraSpec,
+    StableReinforceConfig,
+)
 
 E, E5 = math.e, math.exp(0.5)
 NAN = float("nan")
