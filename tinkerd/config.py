@@ -82,6 +82,10 @@ class ServerConfig(BaseModel):
     future_retrieved_grace_s: float = Field(default=600.0, gt=0)
     future_max_age_s: float = Field(default=86400.0, gt=0)
     future_tombstone_s: float = Field(default=86400.0, gt=0)
+    # Sequences sampled with record_stability_info (control/stability.py) can be trained on with
+    # stable_reinforce this long after sampling, each training request that names one restarting
+    # the clock (the Tinker docs: one day); expired ones answer "expired" for the same time again.
+    recorded_sequence_ttl_s: float = Field(default=86400.0, gt=0)
     # save_weights_and_get_sampling_client writes a sampler per call (an RL loop: one per step).
     # The newest this many per session are kept; older ones are deleted once no queued or decoding
     # request uses them, and asking for one later is a 404.

@@ -11,6 +11,8 @@ from typing import Literal
 
 import numpy as np
 
+from tinkerd.errors import UserError
+
 
 @dataclass(frozen=True)
 class LoraSpec:
@@ -40,6 +42,18 @@ class AdamParams:
     grad_clip_norm: float = 0.0
 
 
+@dataclass(frozen=True)
+class ProvenanceSpan:
+    """One run of a datum's provenance (the SDK's PromptProvenanceSpan / SampledProvenanceSpan):
+    `length` consecutive positions are positions [offset, offset + length) of the prompt
+    ("prompt") or of the sampled tokens ("sampled") of the sequence `sequence_id` names."""
+
+    kind: Literal["prompt", "sampled"]
+    sequence_id: str
+    offset: int
+    length: int
+
+
 @dataclass
 class Datum:
     """One training example: the model input tokens and the loss inputs aligned to them.
@@ -50,6 +64,14 @@ class Datum:
 
     tokens: np.ndarray
     loss_fn_inputs: dict[str, np.ndarray]
+    # Provenance as sent: runs tiling the input tokens, and runs tiling the targets. Only
+    # stable_reinforce reads them; every other loss ignores them (the cookbook attaches them always).
+    model_input_spans: list[ProvenanceSpan] | None = None
+    loss_fn_input_spans: list[ProvenanceSpan] | None = None
+    # [N] fp32, filled by the server from what it recorded at sampling time (control/stability.py),
+    # never from the client: the sampler's log-prob of each target that is a sampled token, NaN at
+    # every other position (prompt targets). Set for stable_reinforce only.
+    sampler_logprobs: np.ndarray | None = None
 
 
 @dataclass
@@ -170,6 +192,10 @@ class SampleOp:
     prompt_logprobs_last_n: int | None = None
     # K > 0: the top-K (id, logprob) of the model's distribution at every sampled position.
     topk_sample_logprobs: int = 0
+    # record_stability_info: the session the finished sample is recorded for (control/stability.py),
+    # so its sequences can be named by that session's stable_reinforce datums; None records nothing.
+    # The engine ignores it.
+    record_for_session: str | None = None
 
 
 @dataclass
@@ -246,3 +272,38 @@ class ServedModel:
     # Non-empty: asked for (--base-model) but not loaded, and why; left out of get_server_capabilities,
     # and the reason every request naming it fails with.
     unavailable: str = ""
+
+
+@dataclass(frozen=True)
+class StableReinforceConfig:
+    """stable_reinforce's loss_fn_config (docs/losses.md): shared so that the API refuses a bad config
+    with a 400 before the op is queued and the engine's loss reads the same keys and defaults.
+
+    The policy term keeps a sampled token's importance weight r = exp(lp − q) only while
+    ratio_low <= r <= ratio_high (q recorded by the sampler); kl_coeff weights the sampler-to-learner
+    KL term.
+    """
+
+    kl_coeff: float = 0.0
+    ratio_low: float = 0.5
+    ratio_high: float = 2.0
+
+    @classmethod
+    def parse(cls, config: dict[str, float | str]) -> StableReinforceConfig:
+        known = cls.__dataclass_fields__
+        unknown = sorted(set(config) - set(known))
+        if unknown:
+            raise UserError(f"loss_fn_config keys {unknown} are not used by stable_reinforce "
+                            f"(accepted: {', '.join(sorted(known))})")
+        values = {}
+        for key, value in config.items():
+            if isinstance(value, str) or not np.isfinite(float(value)):
+                raise UserError(f"loss_fn_config[{key!r}] for stable_reinforce must be a finite number, got {value!r}")
+            values[key] = float(value)
+        parsed = cls(**values)
+        if parsed.kl_coeff < 0:
+            raise UserError(f"loss_fn_config['kl_coeff'] for stable_reinforce must be >= 0, got {parsed.kl_coeff}")
+        if not 0 <= parsed.ratio_low <= 1 <= parsed.ratio_high:
+            raise UserError("stable_reinforce needs 0 <= loss_fn_config['ratio_low'] <= 1 <= loss_fn_config['ratio_high'] "
+                            f"(importance-ratio bounds around on-policy 1), got {parsed.ratio_low} and {parsed.ratio_high}")
+        return parsed

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -102,7 +103,8 @@ def test_dpo_through_train_dpo_main(cookbook_env, tmp_path):
     assert final["state_path"].startswith("tinker://") and "/weights/" in final["state_path"]
 
 
-def _math_rl_config(url: str, log_path: Path, loss_fn: str, max_steps: int) -> math_rl.CLIConfig:
+def _math_rl_config(url: str, log_path: Path, loss_fn: str | None, max_steps: int) -> math_rl.CLIConfig:
+    """loss_fn None leaves the recipe's default (stable_reinforce in cookbook 0.6.1)."""
     return math_rl.CLIConfig(
         model_name=TINY,
         renderer_name=RENDERER,
@@ -117,8 +119,8 @@ def _math_rl_config(url: str, log_path: Path, loss_fn: str, max_steps: int) -> m
         base_url=url,
         log_path=str(log_path),
         behavior_if_log_dir_exists="delete",
-        loss_fn=loss_fn,
         max_steps=max_steps,
+        **({"loss_fn": loss_fn} if loss_fn is not None else {}),
     )
 
 
@@ -138,10 +140,51 @@ def test_math_rl_arithmetic_with_importance_sampling(cookbook_env, tmp_path):
     assert "/sampler_weights/" in final["sampler_path"]
 
 
-def test_math_rl_default_stable_reinforce_fails_clearly(cookbook_env, tmp_path):
-    """The recipe's default loss is refused as a user error that says what to use, never run as IS."""
-    config = _math_rl_config(cookbook_env, tmp_path / "log", "stable_reinforce", max_steps=1)
-    with pytest.raises(tinker.RequestFailedError) as info:
-        asyncio.run(math_rl.cli_main(config))
-    assert info.value.category == "user"
-    assert "stable_reinforce" in info.value.message and "loss_fn=importance_sampling" in info.value.message
+def test_math_rl_arithmetic_with_its_default_loss_stable_reinforce(cookbook_env, server, tmp_path):
+    """The recipe as shipped: its default loss, stable_reinforce, so record_stability_info samplers,
+    sequence_ids, provenance on every datum, and the server's recorded sampler log-probs."""
+    assert math_rl.CLIConfig(model_name=TINY).loss_fn == "stable_reinforce"
+    log_path = tmp_path / "log"
+    asyncio.run(math_rl.cli_main(_math_rl_config(cookbook_env, log_path, None, max_steps=2)))
+
+    steps = [m for m in _metrics(log_path) if "optim/kl_sample_train_v1" in m]
+    assert [m["progress/batch"] for m in steps] == [0, 1]
+    for m in steps:
+        assert m["tokens/trained"] > 0
+        assert abs(m["optim/kl_sample_train_v1"]) < 1e-3, m
+    final = json.loads((log_path / "checkpoints.jsonl").read_text().splitlines()[-1])
+    assert "/sampler_weights/" in final["sampler_path"]
+    # Every group's sample request was recorded for the run's session (4 groups x 2 steps at least).
+    with sqlite3.connect(Path(server.data_dir) / "tinkerd.sqlite") as db:
+        sessions = db.execute("SELECT session_id, count(*) FROM recorded_samples GROUP BY session_id").fetchall()
+    assert any(n >= 8 for _, n in sessions), sessions
+
+
+def test_rl_loop_with_its_default_loss_stable_reinforce(cookbook_env, server, tmp_path, monkeypatch):
+    """recipes/rl_loop.py as shipped (default loss stable_reinforce: record_stability_info sampler,
+    with_sampled_provenance datums, prompt targets padded with 0). Offline stand-ins only for what
+    it would download or look up: GSM8K (four rows in its format), the model registry's renderer for
+    the tiny model, and the reward (a boxed GSM8K answer the random tiny model never writes, so every
+    group would be skipped as all-zero advantages; the length's parity varies within a group)."""
+    import datasets
+    from tinker_cookbook.recipes import rl_loop
+
+    assert rl_loop.Config().loss_fn == "stable_reinforce"
+    rows = {"question": [f"What is {a} + {b}?" for a, b in ((1, 2), (2, 3), (3, 4), (4, 5))],
+            "answer": [f"{a} + {b} = {a + b}\n#### {a + b}" for a, b in ((1, 2), (2, 3), (3, 4), (4, 5))]}
+    monkeypatch.setattr(rl_loop.datasets, "load_dataset",
+                        lambda *a, **k: datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows)}))
+    monkeypatch.setattr(rl_loop.model_info, "get_recommended_renderer_name", lambda _: RENDERER)
+    monkeypatch.setattr(rl_loop, "get_reward", lambda response, answer: float(len(response) % 2))
+    log_path = tmp_path / "log"
+    rl_loop.main(rl_loop.Config(base_url=cookbook_env, log_path=str(log_path), model_name=TINY, batch_size=2,
+                                group_size=4, learning_rate=1e-4, lora_rank=8, save_every=0, max_tokens=6,
+                                max_steps=2, ttl_seconds=None))
+
+    steps = _metrics(log_path)
+    assert [m["progress/batch"] for m in steps] == [0, 1]
+    with sqlite3.connect(Path(server.data_dir) / "tinkerd.sqlite") as db:
+        trained = db.execute("SELECT count(*) FROM futures WHERE request_type = 'ForwardBackward' AND status = 'complete' "
+                             "AND target IN (SELECT model_id FROM training_runs WHERE session_id IN "
+                             "(SELECT session_id FROM recorded_samples))").fetchone()[0]
+    assert trained >= 1  # at least one step had a group with unequal rewards and trained on it

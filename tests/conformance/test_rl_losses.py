@@ -160,8 +160,6 @@ def test_loss_by_name_matches_its_formula(rl_batch, name, config):
 def test_refused_losses_are_user_errors_naming_the_supported_ones(rl_batch):
     tc, raw = rl_batch
     data = [types.Datum(model_input=d["model_input"], loss_fn_inputs={k: d[k] for k in ("target_tokens", "logprobs", "advantages")}) for d in raw]
-    _user_failure(tc.forward_backward(data, "stable_reinforce"), "stable_reinforce", "not published",
-                  "supported: cispo, cross_entropy, dro, gspo, importance_sampling, ppo")
     _user_failure(tc.forward_backward(data, "gspo"), "sequence_ratio_mask")
     _user_failure(tc.forward_backward(data, "dro"), "beta")
 
@@ -171,7 +169,8 @@ def test_capabilities_list_the_losses(server):
     caps = tinker.RestClient(base_url=server.url, api_key=API_KEY).get_server_capabilities().result()
     assert TINY in [m.model_name for m in caps.supported_models]
     raw = httpx.get(f"{server.url}/api/v1/get_server_capabilities", headers={"X-API-Key": API_KEY}).json()
-    assert raw["supported_loss_fns"] == ["cispo", "cross_entropy", "dro", "gspo", "importance_sampling", "ppo"]
+    assert raw["supported_loss_fns"] == ["cispo", "cross_entropy", "dro", "gspo", "importance_sampling", "ppo",
+                                         "stable_reinforce"]
 
 
 # --- provenance spans: accepted, and ignored by every loss that does not use them -----------------

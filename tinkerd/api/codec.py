@@ -13,7 +13,7 @@ from google.protobuf.message import DecodeError
 from tinker.proto import tinker_public_pb2 as pb
 
 from tinkerd.errors import UserError
-from tinkerd.types import Datum, ForwardBackwardOp, ForwardBackwardResult, SampleResult
+from tinkerd.types import Datum, ForwardBackwardOp, ForwardBackwardResult, ProvenanceSpan, SampleResult
 
 PROTO_MEDIA_TYPE = "application/x-protobuf"
 
@@ -90,10 +90,11 @@ def decode_forward_backward(body: bytes) -> ForwardBackwardOp:
             # the op is queued, as the engine refuses them too (engine/training.py: _validate_datum).
             if arr.dtype.kind == "f" and not np.isfinite(arr).all():
                 raise UserError(f"datum {i} loss_fn_inputs[{name!r}] contains NaN or infinite values")
-        # d.model_input_spans / d.loss_fn_input_spans (provenance) are parsed and dropped on purpose:
-        # only stable_reinforce reads them, which tinkerd refuses, but the cookbook's rl/train.py
-        # attaches them to every RL datum whatever the loss, so they must not be an error.
-        data.append(Datum(tokens=toks, loss_fn_inputs=inputs))
+        # Provenance: only stable_reinforce reads it (control/stability.py checks it against the
+        # records); the cookbook's rl/train.py attaches it to every RL datum whatever the loss.
+        data.append(Datum(tokens=toks, loss_fn_inputs=inputs,
+                          model_input_spans=_spans(d.model_input_spans, f"datum {i} model_input_spans"),
+                          loss_fn_input_spans=_spans(d.loss_fn_input_spans, f"datum {i} loss_fn_input_spans")))
     config: dict[str, float | str] = {k: float(v) for k, v in msg.loss_fn_config.items()}
     for k, v in msg.loss_fn_config_v2.items():
         config[k] = v.text if v.WhichOneof("value") == "text" else float(v.number)
@@ -104,6 +105,23 @@ def decode_forward_backward(body: bytes) -> ForwardBackwardOp:
         loss_fn_config=config,
         forward_only=msg.forward_only,
     )
+
+
+def _spans(msgs, where: str) -> list[ProvenanceSpan] | None:
+    """The SDK sends both span lists or neither (Datum.with_provenance); an empty list reads as none."""
+    if not msgs:
+        return None
+    spans = []
+    for j, msg in enumerate(msgs):
+        kind = msg.WhichOneof("span")
+        if kind is None:
+            raise UserError(f"{where}[{j}]: a provenance span needs prompt_tokens or sampled_tokens")
+        arm = getattr(msg, kind)
+        if arm.offset < 0 or arm.length < 0 or not arm.sequence_id:
+            raise UserError(f"{where}[{j}]: needs a sequence_id, offset >= 0 and length >= 0")
+        spans.append(ProvenanceSpan("prompt" if kind == "prompt_tokens" else "sampled", arm.sequence_id,
+                                    int(arm.offset), int(arm.length)))
+    return spans
 
 
 def forward_backward_seq_id(body: bytes) -> tuple[str, int]:

@@ -17,6 +17,7 @@ from tinkerd.config import ServerConfig
 from tinkerd.control.accounts import Accounts
 from tinkerd.control.control import Control, Work
 from tinkerd.control.runs import Runs
+from tinkerd.control.stability import StabilityRecords
 from tinkerd.errors import TinkerdError, UserError
 from tinkerd.types import ServedModel
 
@@ -30,6 +31,8 @@ class AppState:
     runs: Runs
     served: dict[str, ServedModel]
     accounts: Accounts
+    # Sequences sampled with record_stability_info, for stable_reinforce (control/stability.py).
+    records: StabilityRecords | None = None
 
     def served_model(self, name: str) -> ServedModel:
         model = self.served.get(name)

@@ -62,6 +62,9 @@ def add_parser(sub) -> None:
                    help="a finished future's result is deleted this long after its op finished, even if never retrieved (default 86400)")
     p.add_argument("--future-tombstone-s", type=_positive, default=None,
                    help="an expired future answers 'expired' to its owner this long, then is forgotten (default 86400)")
+    p.add_argument("--recorded-sequence-ttl-s", type=_positive, default=None,
+                   help="sequences sampled with record_stability_info can be trained on (stable_reinforce) this long "
+                        "after sampling or their last use (default 86400)")
     p.add_argument("--min-free-disk-gb", type=float, default=None,
                    help="free space (GiB) the data directory keeps for accepted work; under it new sessions and ops "
                         "are refused with 503 (default: 1, or 5%% of the filesystem if less; 0: never refuse)")
@@ -120,7 +123,7 @@ def build_config(args) -> ServerConfig:
         values["ephemeral_samplers_kept"] = args.ephemeral_samplers_kept
     for name in ("max_concurrent_runs", "max_tokens_per_minute", "quota_window_s", "retrieve_future_timeout_s",
                  "sample_kv_cache_gb", "future_retrieved_grace_s", "future_max_age_s", "future_tombstone_s",
-                 "min_free_disk_gb", "request_head_timeout_s", "request_body_timeout_s", "keep_alive_timeout_s",
+                 "recorded_sequence_ttl_s", "min_free_disk_gb", "request_head_timeout_s", "request_body_timeout_s", "keep_alive_timeout_s",
                  "max_connections", "listen_backlog", "max_request_head_bytes"):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
@@ -141,6 +144,7 @@ def build_app(config: ServerConfig, client=None):
     from tinkerd.control.residency import Residency
     from tinkerd.control.retention import FutureRetention
     from tinkerd.control.runs import Runs
+    from tinkerd.control.stability import StabilityRecords
     from tinkerd.control.store.db import Store
 
     config.data_dir.mkdir(parents=True, exist_ok=True)
@@ -159,7 +163,9 @@ def build_app(config: ServerConfig, client=None):
     runs.reserve = reserve
     served = {m.name: m for m in client.models()}  # a process engine: waits here until its child is ready
     accounts = Accounts(store)
-    app_state = AppState(config=config, control=control, runs=runs, served=served, accounts=accounts)
+    records = StabilityRecords(store, config.recorded_sequence_ttl_s)
+    control.results.recorders.append(records.record)
+    app_state = AppState(config=config, control=control, runs=runs, served=served, accounts=accounts, records=records)
     recovery.rebuild = make_rebuild(app_state)
     return create_app(app_state), control
 

@@ -21,7 +21,8 @@ next start runs it again on the rebuilt adapter, as after a crash.
 
 The steps are done in order, each once: finalize (it registers checkpoints and sampling sessions;
 each is safe to redo after a failed write, which committed nothing), usage (keyed by request_id, a
-redo keeps the first), then the FutureRow, then the long-polling callers are woken.
+redo keeps the first), then the FutureRow, then the long-polling callers are woken. Recorders
+(ResultStore.recorders) run right after finalize.
 """
 
 from __future__ import annotations
@@ -64,6 +65,10 @@ class ResultStore:
         # monotonic time the result being stored now first failed; None while results land.
         self.stalled_since: float | None = None
         self.stalls = 0
+        # recorder(request_id, op, result) for every op that finished well, after finalize and before
+        # its future completes, so what a result refers to exists once the client can see it (the
+        # recorded sequences of stable_reinforce: control/stability.py). Safe to redo, like finalize.
+        self.recorders: list[Callable[[str, Any, Any], None]] = []
 
     def complete(self, q: QueuedOp, result: Any, compute_s: float, queue_wait_s: float = 0.0) -> None:
         """Store the op's outcome, retrying storage faults until it lands (or the server stops)."""
@@ -78,6 +83,8 @@ class ResultStore:
         if not isinstance(result, TinkerdError):
             try:
                 payload, media_type = self._until_stored(q, "finalize", lambda: q.op.finalize(result))
+                for recorder in self.recorders:
+                    self._until_stored(q, "record", lambda r=recorder: r(q.request_id, q.op.op, result))
                 values.update(status="complete", result=payload, result_media_type=media_type)
             except Abandoned:
                 raise

@@ -148,6 +148,18 @@ def _validate_datum(i: int, datum: Datum, loss: LossFn, vocab_size: int, max_con
         if not np.isfinite(arr).all():
             raise UserError(f"datum {i}: {key} contains NaN or infinite values")
         out[key] = arr
+    if loss.recorded_input is not None:
+        # The server's record, resolved from the datum's provenance by control/stability.py; NaN
+        # marks the positions that are not sampled tokens, so no finiteness check here.
+        recorded = datum.sampler_logprobs
+        if recorded is None:
+            raise UserError(f"datum {i}: loss_fn {loss.name} needs provenance naming the sampled sequences "
+                            "(Datum.with_provenance with sequence_ids from a record_stability_info sampler)")
+        recorded = np.asarray(recorded, dtype=np.float32)
+        if recorded.shape != (n,) or targets.ndim != 1:
+            raise UserError(f"datum {i}: {loss.name} needs 1-D target_tokens of length {n} "
+                            f"(got {list(targets.shape)}) covered by recorded log-probs of shape [{n}]")
+        out[loss.recorded_input] = recorded
     return out
 
 

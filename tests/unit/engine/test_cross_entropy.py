@@ -41,8 +41,8 @@ def test_soft_targets_sum_over_both_axes():
 def test_unknown_loss_names_the_supported_ones():
     assert "cross_entropy" in supported_losses()
     assert set(supported_losses()) == set(LOSSES)
-    with pytest.raises(UserError, match=r"'stable_reinforce' is not supported.*cross_entropy"):
-        get_loss("stable_reinforce")
+    with pytest.raises(UserError, match=r"'reinforce' is not supported.*cross_entropy"):
+        get_loss("reinforce")
 
 
 def test_unknown_config_key_is_refused():

@@ -112,6 +112,9 @@ def prepare_asample(st: AppState, body: bytes, account_id: str | None = None) ->
         raise UserError("prompt_alt_tokens_k and target_prompt_logprobs are not supported by tinkerd yet")
     if req.prompt_logprobs_last_n is not None and not req.prompt_logprobs:
         raise UserError("prompt_logprobs_last_n applies to prompt logprobs: set prompt_logprobs (include_prompt_logprobs)")
+    if req.record_stability_info and session_id is None:
+        raise UserError("record_stability_info needs a sampling_session_id: recorded sequences belong to the session "
+                        "that sampled them")
     op = SampleOp(
         base_model=base_model,
         adapter_path=adapter_dir,
@@ -122,6 +125,7 @@ def prepare_asample(st: AppState, body: bytes, account_id: str | None = None) ->
         topk_prompt_logprobs=int(req.topk_prompt_logprobs),
         prompt_logprobs_last_n=req.prompt_logprobs_last_n,
         topk_sample_logprobs=int(req.topk_sample_logprobs),
+        record_for_session=session_id if req.record_stability_info else None,
     )
     # Prefill is billed once per request (the prompt is encoded once for all num_samples).
     prefill = len(op.prompt)

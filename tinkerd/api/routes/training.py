@@ -23,6 +23,7 @@ from tinkerd.types import (
     LoraSpec,
     OptimStepOp,
     SaveWeightsOp,
+    StableReinforceConfig,
 )
 
 router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
@@ -120,6 +121,13 @@ def prepare_forward_backward(st: AppState, body: bytes, account_id: str | None =
     if not completed:
         limits.seq_id(seq_id)
     op.allow_non_finite = st.config.allow_non_finite or completed
+    if op.loss_fn == "stable_reinforce":
+        # Refused here (a 400) rather than as a failed future: the config, then the provenance
+        # against what the sampler recorded, which becomes the datums' sampler_logprobs.
+        StableReinforceConfig.parse(op.loss_fn_config)
+        if st.records is None:
+            raise UserError("stable_reinforce needs recorded sequences, which this server does not keep")
+        st.records.resolve(op, run.session_id, completed=completed)
     n = _target_tokens(op)
     usage = (lambda _: Usage(forward_tokens=n)) if op.forward_only else (lambda _: Usage(trained_tokens=n))
     work = Work(op, lambda res: (codec.encode_forward_backward_output(res), codec.PROTO_MEDIA_TYPE),

@@ -188,3 +188,22 @@ class AuditRow(Base):
     event: Mapped[str] = mapped_column(String)  # <resource>_<action>, as the SDK's AuditLogEntry
     details: Mapped[dict] = mapped_column(JSON, default=dict)
     count: Mapped[int] = mapped_column(Integer, default=1)
+
+
+class RecordedSampleRow(Base):
+    """A sample request made with record_stability_info (control/stability.py): what stable_reinforce
+    trains against. One row per request; its sequences are `{request_id}:{i}`."""
+
+    __tablename__ = "recorded_samples"
+    request_id: Mapped[str] = mapped_column(String, primary_key=True)
+    # Recorded sequences belong to the session that sampled them (the Tinker docs' rule).
+    session_id: Mapped[str] = mapped_column(String, index=True)
+    # int32 prompt tokens; per sequence int64 lengths, then all sampled int32 tokens and fp32
+    # log-probs back to back. None once expired (a tombstone, so the owner hears "expired").
+    prompt: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
+    lengths: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
+    tokens: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
+    logprobs: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime)
+    # Sampling time plus the TTL, moved forward by every training request that names a sequence.
+    expires_at: Mapped[datetime] = mapped_column(DateTime, index=True)

@@ -1,6 +1,7 @@
 """Loss functions, registered by their protocol name (`loss_fn` in forward_backward).
 
-Every loss is one module exporting the same five names:
+Every loss is one module exporting the same five names (and, for stable_reinforce, RECORDED_INPUT:
+an input the engine fills from Datum.sampler_logprobs, the server's record of the sampler):
 
     NAME             the protocol name, verbatim (`cross_entropy`, `importance_sampling`, ...)
     REQUIRED_INPUTS  loss_fn_inputs keys that must be present on every datum
@@ -37,7 +38,7 @@ from types import ModuleType
 
 from torch import Tensor
 
-from tinkerd.engine.losses import cispo, cross_entropy, dro, gspo, importance_sampling, ppo
+from tinkerd.engine.losses import cispo, cross_entropy, dro, gspo, importance_sampling, ppo, stable_reinforce
 from tinkerd.engine.losses.params import DATUM_INDEX
 from tinkerd.errors import UserError
 
@@ -46,15 +47,10 @@ __all__ = ["DATUM_INDEX", "LOSSES", "LossFn", "get_loss", "supported_losses"]
 LossImpl = Callable[[Tensor, dict[str, Tensor], dict[str, float | str]], tuple[Tensor, dict[str, float]]]
 
 # Adding a loss family: write losses/<family>.py with the five names above and list it here.
-_MODULES: tuple[ModuleType, ...] = (cross_entropy, importance_sampling, ppo, cispo, dro, gspo)
+_MODULES: tuple[ModuleType, ...] = (cross_entropy, importance_sampling, ppo, cispo, dro, gspo, stable_reinforce)
 
 # Names the SDK's LossFnType knows that tinkerd refuses on purpose, with the reason the caller needs.
 _REFUSED = {
-    "stable_reinforce": (
-        "its objective is not published (the SDK and the cookbook only say it uses information "
-        "recorded at sampling time with record_stability_info); with the cookbook pass "
-        "loss_fn=importance_sampling (or ppo/cispo)"
-    ),
     "custom": (
         "server-side custom losses (create_custom_loss) are not implemented; forward_backward_custom "
         "with the SDK's default client-side mode works"
@@ -71,6 +67,9 @@ class LossFn:
     required_inputs: tuple[str, ...]
     optional_inputs: tuple[str, ...] = ()
     config_defaults: Mapping[str, float | str | None] = field(default_factory=dict)
+    # An input the server fills from its own records (Datum.sampler_logprobs), never the client:
+    # stable_reinforce's RECORDED_INPUT. None for losses that need only what the datum carries.
+    recorded_input: str | None = None
 
     @property
     def accepted_inputs(self) -> tuple[str, ...]:
@@ -101,6 +100,7 @@ def _from_module(module: ModuleType) -> LossFn:
         required_inputs=tuple(module.REQUIRED_INPUTS),
         optional_inputs=tuple(module.OPTIONAL_INPUTS),
         config_defaults=dict(module.CONFIG_DEFAULTS),
+        recorded_input=getattr(module, "RECORDED_INPUT", None),
     )
 
 
