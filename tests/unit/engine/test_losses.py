@@ -134,11 +134,12 @@ def test_on_policy_gradient_is_reinforce(name):
 
 
 def test_registry_lists_the_losses_and_refuses_the_rest():
-    assert supported_losses() == ["cispo", "cross_entropy", "dro", "gspo", "importance_sampling", "ppo"]
+    assert supported_losses() == ["cispo", "cross_entropy", "custom", "dro", "gspo", "importance_sampling", "ppo"]
     with pytest.raises(UserError, match=r"'stable_reinforce' is not supported.*not published.*importance_sampling") as e:
         get_loss("stable_reinforce")
-    assert "supported: cispo, cross_entropy, dro, gspo, importance_sampling, ppo" in str(e.value)
-    with pytest.raises(UserError, match="'custom' is not supported.*forward_backward_custom"):
+    assert "supported: cispo, cross_entropy, custom, dro, gspo, importance_sampling, ppo" in str(e.value)
+    # `custom` runs only with an uploaded loss on the op (engine/losses/custom.py), never by name alone.
+    with pytest.raises(UserError, match="'custom' is not supported.*create_custom_loss.*loss_id"):
         get_loss("custom")
     with pytest.raises(UserError, match="'reinforce' is not supported by this server \\(supported: "):
         get_loss("reinforce")
