@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
+import signal
+import socket
 
 import httpx
 import numpy as np
@@ -21,7 +24,7 @@ from tinker import types
 from tinker.lib.public_interfaces.custom_loss import encode_graph, trace_loss
 
 from tests.conformance.conftest import TINY
-from tests.serverproc import API_KEY
+from tests.serverproc import API_KEY, start_server
 
 HEADERS = {"X-API-Key": API_KEY}
 SMOOTH_ADAM = types.AdamParams(learning_rate=1e-2, eps=1.0)
@@ -194,3 +197,40 @@ def test_a_loss_of_another_session_is_refused_by_the_server(server, service_clie
     smuggled = dataclasses.replace(handle, session_id=other.holder.get_session_id())
     with pytest.raises(tinker.BadRequestError, match="was not created by this training run's session"):
         tc.forward_backward_custom([datum], smuggled).result()
+
+
+def test_a_restart_replays_server_side_custom_loss_steps_exactly(tmp_path):
+    """Recovery rebuilds a run from its logged forward_backward requests; a custom one names its loss
+    by id, which the stored row resolves again: after a SIGKILL the run goes on as if uninterrupted."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    # No snapshot after the first: the restart must replay every later custom step from the log.
+    args = ["--threads", "1", "--snapshot-interval-s", "3600", "--port", port]
+    srv = start_server(tmp_path, [TINY], args)
+    data = _data("dpo", np.random.default_rng(3))
+
+    def train(tc, handle, n):
+        out = []
+        for _ in range(n):
+            fb = tc.forward_backward_custom(data, handle)
+            tc.optim_step(SMOOTH_ADAM).result()
+            out.append(fb.result().metrics["loss:sum"])
+        return out
+
+    try:
+        sc = tinker.ServiceClient(base_url=srv.url, api_key=API_KEY)
+        handle = sc.create_custom_loss(dpo, CASES["dpo"][1]).result()
+        reference = train(sc.create_lora_training_client(base_model=TINY, rank=4, seed=2).result(), handle, 5)
+        tc = sc.create_lora_training_client(base_model=TINY, rank=4, seed=2).result()
+        first = train(tc, handle, 3)
+        os.kill(srv.proc.pid, signal.SIGKILL)
+        srv.proc.wait()
+        srv = start_server(tmp_path, [TINY], args)
+        rest = train(tc, handle, 2)  # the same client: its session, loss handle and seq_ids go on
+        recovered = [line for line in srv.lines if "server recovered" in line]
+        assert recovered and " from 0 ops" not in recovered[0], srv.lines
+    finally:
+        srv.stop()
+    assert first + rest == reference
+    assert reference[-1] < reference[0]  # it trained
