@@ -35,6 +35,9 @@ MAX_NAME = 128
 # Per node at run time (engine): a tensor of more cells than this, or than 4x the datum's largest
 # input, is refused before it is allocated.
 MAX_TENSOR_CELLS = 1 << 24
+# Multiply-adds of one matmul / einsum (about a second of one core): the cell limit alone allows
+# products of 10^11.
+MAX_MATMUL_WORK = 1 << 30
 # Python values the graph computes (shape arithmetic): ints and sequences stay small.
 MAX_SEQUENCE = 64
 

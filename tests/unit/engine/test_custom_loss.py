@@ -296,6 +296,16 @@ def repeat_bomb(logprobs):
     return logprobs.repeat(100_000, 100_000).sum(), {}
 
 
+def matmul_bomb(logprobs):
+    x = logprobs.repeat(2048, 512)  # [2048, 2048]: 4M cells, under the cell limit
+    return (x @ x).sum(), {}
+
+
+def einsum_bomb(logprobs):
+    x = logprobs.repeat(2048, 512)
+    return torch.einsum("ij,jk->", x, x), {}
+
+
 def vector(logprobs):
     return logprobs * 2, {}
 
@@ -311,6 +321,8 @@ def takes_scalar(logprobs, beta):
 @pytest.mark.parametrize("fn, message", [
     (zeros_bomb, r"node 'zeros' \(torch.zeros\) on datum 0: makes a tensor of shape \[4000000000\]"),
     (repeat_bomb, r"node 'repeat' \(repeat\) on datum 0: makes a tensor of shape \[100000, 400000\]"),
+    (matmul_bomb, r"node 'matmul' \(operator.matmul\) on datum 0: about 8.59e\+09 multiply-adds"),
+    (einsum_bomb, r"node 'einsum' \(torch.functional.einsum\) on datum 0: about 8.59e\+09 multiply-adds"),
     (vector, r"the loss must be a scalar, got shape \[4\]"),
     (constant, "does not depend on logprobs"),
 ])
@@ -347,5 +359,5 @@ def test_a_stored_graph_with_a_foreign_operation_is_refused_by_the_engine_too():
     graph["nodes"][1]["target"] = "builtins.exec"
     graph["nodes"][1]["op"] = "call_function"
     spec = CustomLoss("x", "vector", ["logprobs"], [1], json.dumps(graph))
-    with pytest.raises(UserError, match="operations this server does not allow"):
+    with pytest.raises(UserError, match="'builtins.exec', which is not on this server's list"):
         custom.Program(spec)

@@ -169,16 +169,14 @@ class Program:
 
     def __init__(self, spec: CustomLoss):
         graph = json.loads(spec.graph_json)
+        # Checked again here, not only at creation: the engine trusts no stored row it did not check.
+        lossgraph.check(spec.name, list(zip(spec.input_names, spec.input_ranks)), graph)
         self.name = spec.name
         self.nodes = [
             _Node(n["name"], n["op"], n["target"], FUNCTIONS.get(n["target"]) if n["op"] == "call_function" else None,
                   _decode(n.get("args", [])), {k: _decode(v) for k, v in n.get("kwargs", {}).items()})
             for n in graph["nodes"]
         ]
-        missing = [n.target for n in self.nodes if n.op == "call_function" and n.fn is None]
-        if missing or any(n.op == "call_method" and n.target not in lossgraph.METHODS for n in self.nodes):
-            # lossgraph.check refused these at creation; a stored graph that has them is not ours.
-            raise UserError(f"custom loss {spec.name!r} uses operations this server does not allow: {missing}")
 
     def run(self, values: list[torch.Tensor], cap: int, datum: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         device = values[0].device
@@ -227,6 +225,7 @@ class Program:
                 raise UserError(f"{where}: {type(e).__name__}: {_short(e)}") from e
             else:
                 _check_size(shadow, cap, where)
+                _check_work(fn, node.target, args, shadow, where)
         try:
             out = fn(*args, **kwargs)
         except Exception as e:
@@ -254,6 +253,31 @@ def _check_size(value: Any, cap: int, where: str) -> None:
             raise UserError(f"{where}: integer result {v} is out of range")
     if isinstance(value, (str, list, tuple)) and not isinstance(value, torch.Size) and len(value) > lossgraph.MAX_STRING:
         raise UserError(f"{where}: a Python value of length {len(value)}; at most {lossgraph.MAX_STRING}")
+
+
+_CONTRACTIONS = {FUNCTIONS["torch.matmul"], FUNCTIONS["operator.matmul"]}
+
+
+def _check_work(fn: Callable, target: str, args: list, shadow: Any, where: str) -> None:
+    """Matrix products are the one way to much compute from tensors under the cell limit: two
+    [4096, 4096] operands cost 137 GFLOP. Bound multiply-adds, counted on the meta shapes."""
+    if fn in _CONTRACTIONS or target == "matmul":
+        a = args[0]
+        work = shadow.numel() * (a.shape[-1] if isinstance(a, torch.Tensor) and a.ndim else 1)
+    elif fn is FUNCTIONS["torch.functional.einsum"]:
+        sizes: dict[str, int] = {}
+        operands = args[1:] if not (len(args) == 2 and isinstance(args[1], (list, tuple))) else args[1]
+        letters = [part for part in str(args[0]).split("->")[0].split(",")]
+        for spec, t in zip(letters, operands):
+            if isinstance(t, torch.Tensor) and "..." not in spec:
+                for letter, size in zip(spec.strip(), t.shape):
+                    sizes[letter] = size
+        work = math.prod(sizes.values()) if sizes else 0
+    else:
+        return
+    if work > lossgraph.MAX_MATMUL_WORK:
+        raise UserError(f"{where}: about {work:.2e} multiply-adds; a custom loss may do at most "
+                        f"{lossgraph.MAX_MATMUL_WORK:.2e} in one product")
 
 
 def _check_python_op(fn: Callable, args: list, where: str) -> None:
