@@ -161,7 +161,7 @@ def test_refused_losses_are_user_errors_naming_the_supported_ones(rl_batch):
     tc, raw = rl_batch
     data = [types.Datum(model_input=d["model_input"], loss_fn_inputs={k: d[k] for k in ("target_tokens", "logprobs", "advantages")}) for d in raw]
     _user_failure(tc.forward_backward(data, "stable_reinforce"), "stable_reinforce", "not published",
-                  "supported: cispo, cross_entropy, dro, gspo, importance_sampling, ppo")
+                  "supported: cispo, cross_entropy, custom, dro, gspo, importance_sampling, ppo")
     _user_failure(tc.forward_backward(data, "gspo"), "sequence_ratio_mask")
     _user_failure(tc.forward_backward(data, "dro"), "beta")
 
