@@ -188,7 +188,8 @@ def _check_inputs(inputs: list[tuple[str, int]]) -> None:
 
 
 def _check_getattr(args: list, kwargs: dict, where: str) -> None:
-    if kwargs or len(args) != 2 or not isinstance(args[0], dict) or "ref" not in args[0] or args[1] not in ATTRIBUTES:
+    if (kwargs or len(args) != 2 or not isinstance(args[0], dict) or "ref" not in args[0]
+            or not isinstance(args[1], str) or args[1] not in ATTRIBUTES):
         attr = args[1] if len(args) > 1 else None
         raise UserError(f"{where} reads attribute {attr!r}; a custom loss may read only {sorted(ATTRIBUTES)} "
                         f"of a tensor")
@@ -243,19 +244,19 @@ def _check_arg(arg: Any, seen: set[str], budget: list[int], where: str, depth: i
         if value is not True:
             raise UserError(f"{where}: malformed ellipsis argument")
     elif kind == "float":
-        if value not in _NON_FINITE:
+        if not isinstance(value, str) or value not in _NON_FINITE:
             raise UserError(f"{where}: float constant {value!r} must be 'inf', '-inf' or 'nan'")
     elif kind == "dtype":
-        if value not in DTYPES:
+        if not isinstance(value, str) or value not in DTYPES:
             raise UserError(f"{where}: dtype {value!r} is not allowed (allowed: {', '.join(sorted(DTYPES))})")
     elif kind == "device":
         if not isinstance(value, str) or not _DEVICE.fullmatch(value):
             raise UserError(f"{where}: device {value!r} is not a device name")
     elif kind == "layout":
-        if value not in LAYOUTS:
+        if not isinstance(value, str) or value not in LAYOUTS:
             raise UserError(f"{where}: layout {value!r} is not allowed")
     elif kind == "memory_format":
-        if value not in MEMORY_FORMATS:
+        if not isinstance(value, str) or value not in MEMORY_FORMATS:
             raise UserError(f"{where}: memory_format {value!r} is not allowed")
     else:
         raise UserError(f"{where}: unknown argument kind {kind!r}")
