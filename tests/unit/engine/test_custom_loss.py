@@ -365,3 +365,27 @@ def test_a_stored_graph_with_a_foreign_operation_is_refused_by_the_engine_too():
     spec = CustomLoss("x", "vector", ["logprobs"], [1], json.dumps(graph))
     with pytest.raises(UserError, match="'builtins.exec', which is not on this server's list"):
         custom.Program(spec)
+
+
+def masked_repeat(logprobs, mask):
+    picked = logprobs[mask > 0]  # its size depends on the mask's values
+    return picked.repeat(picked.shape[0] * 100_000).sum(), {}
+
+
+def test_sizes_that_depend_on_values_are_checked_on_every_datum_of_the_same_shape():
+    """The meta pass is skipped for input shapes that passed before, unless a data-dependent node
+    ran: here datum 1 has datum 0's shapes but its mask makes a 64x bigger repeat, over the limit."""
+    few = np.zeros(64, np.float32)
+    few[0] = 1.0
+    ok = _datum(64, mask=few)
+    assert _run(masked_repeat, {"logprobs": 1, "mask": 1}, [ok, ok])[0].item() == 0.0
+    with pytest.raises(UserError, match=r"datum 1: makes a tensor of shape \[409600000\]"):
+        _run(masked_repeat, {"logprobs": 1, "mask": 1}, [ok, _datum(64, mask=np.ones(64, np.float32))])
+
+
+def test_the_meta_pass_runs_once_per_input_shape():
+    _, spec = upload(takes_scalar, {"logprobs": 1, "beta": 0})
+    program = custom.Program(spec)
+    for datum, n in enumerate((3, 3, 4)):
+        program.run([torch.zeros(n), torch.tensor(0.5)], 1 << 24, datum)
+    assert len(program._sized) == 2
