@@ -75,6 +75,19 @@ class Datum:
 
 
 @dataclass
+class CustomLoss:
+    """A loss uploaded with create_custom_loss (loss_fn "custom"), carried on the op as data: the
+    torch.fx graph as canonical JSON, checked by lossgraph.py and interpreted by
+    engine/losses/custom.py. Never code: nothing in it is evaluated or unpickled."""
+
+    loss_id: str
+    name: str
+    input_names: list[str]  # logprobs first, then the loss_fn_inputs keys the loss reads
+    input_ranks: list[int]  # 0 scalar, 1 [N], 2 [N, K]
+    graph_json: str
+
+
+@dataclass
 class ForwardBackwardOp:
     model_id: str
     data: list[Datum]
@@ -84,6 +97,8 @@ class ForwardBackwardOp:
     # Accumulate a non-finite loss or gradient instead of failing the op (engine/training.py):
     # `--allow-non-finite`, and replay of ops that completed before the guard existed.
     allow_non_finite: bool = False
+    # loss_fn "custom": the stored loss named by loss_fn_config["loss_id"] (api resolves it).
+    custom_loss: CustomLoss | None = None
 
 
 @dataclass

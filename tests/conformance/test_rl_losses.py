@@ -169,8 +169,7 @@ def test_capabilities_list_the_losses(server):
     caps = tinker.RestClient(base_url=server.url, api_key=API_KEY).get_server_capabilities().result()
     assert TINY in [m.model_name for m in caps.supported_models]
     raw = httpx.get(f"{server.url}/api/v1/get_server_capabilities", headers={"X-API-Key": API_KEY}).json()
-    assert raw["supported_loss_fns"] == ["cispo", "cross_entropy", "dro", "gspo", "importance_sampling", "ppo",
-                                         "stable_reinforce"]
+    assert raw["supported_loss_fns"] == ["cispo", "cross_entropy", "custom", "dro", "gspo", "importance_sampling", "ppo", "stable_reinforce"]
 
 
 # --- provenance spans: accepted, and ignored by every loss that does not use them -----------------

@@ -23,6 +23,7 @@ FORBIDDEN = {
     # Shared by every layer, so they import none of them.
     "types.py": {"tinkerd.api", "tinkerd.control", "tinkerd.engine", "tinkerd.cli", "torch"},
     "errors.py": {"tinkerd.api", "tinkerd.control", "tinkerd.engine", "tinkerd.cli", "torch"},
+    "lossgraph.py": {"tinkerd.api", "tinkerd.control", "tinkerd.engine", "tinkerd.cli", "torch"},
 }
 
 

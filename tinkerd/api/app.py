@@ -13,7 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from tinkerd.api.deps import AppState, error_response
-from tinkerd.api.routes import account, admin, export, futures, rest, sampling, service, sessions, training
+from tinkerd.api.routes import account, admin, custom_loss, export, futures, rest, sampling, service, sessions, training
 from tinkerd.errors import TinkerdError, UserError
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ def create_app(app_state: AppState) -> FastAPI:
         return JSONResponse({"error": f"internal error: {type(e).__name__}", "category": "server"}, status_code=500)
 
     # rest last: its catch-all under /training_runs/{id}/checkpoints/ must not shadow export's routes.
-    for module in (service, training, sampling, futures, export, admin, account, sessions, rest):
+    for module in (service, training, custom_loss, sampling, futures, export, admin, account, sessions, rest):
         for name in ("router", "authed"):
             router = getattr(module, name, None)
             if router is not None:

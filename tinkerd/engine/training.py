@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from tinkerd.engine import checkpoints, finite
-from tinkerd.engine.losses import DATUM_INDEX, LossFn, get_loss
+from tinkerd.engine.losses import DATUM_INDEX, LossFn, custom, get_loss
 from tinkerd.errors import UserError
 from tinkerd.types import (
     AdamParams,
@@ -163,11 +163,11 @@ def _validate_datum(i: int, datum: Datum, loss: LossFn, vocab_size: int, max_con
     return out
 
 
-def _validate(op: ForwardBackwardOp, rt: "ModelRuntime", loss: LossFn) -> list[dict[str, np.ndarray]]:
-    if not op.data:
+def _validate(data: list[Datum], rt: "ModelRuntime", loss: LossFn) -> list[dict[str, np.ndarray]]:
+    if not data:
         raise UserError("forward_backward needs at least one datum")
     vocab_size, max_context = rt.vocab_size, rt.loaded.max_context_length
-    inputs = [_validate_datum(i, d, loss, vocab_size, max_context) for i, d in enumerate(op.data)]
+    inputs = [_validate_datum(i, d, loss, vocab_size, max_context) for i, d in enumerate(data)]
     # The loss sees all positions concatenated, so every datum must share the trailing target shape.
     trailing = inputs[0]["target_tokens"].shape[1:]
     for i, x in enumerate(inputs):
@@ -267,9 +267,17 @@ def forward_backward(engine: "Engine", op: ForwardBackwardOp) -> ForwardBackward
     adapter = rt.pool.get(op.model_id)
     if not op.forward_only and (not adapter.trainable or adapter.optimizer is None):
         raise UserError(f"model_id {op.model_id!r} is not a training model")
-    loss = get_loss(op.loss_fn)
+    if op.custom_loss is not None:
+        # An uploaded loss (custom.py): it checks its own per-datum inputs; the engine reads only
+        # the tokens and target_tokens of each datum.
+        if not op.data:
+            raise UserError("forward_backward needs at least one datum")
+        bound = custom.bind(op.custom_loss, op.data)
+        loss, data = bound.loss, bound.data
+    else:
+        bound, loss, data = None, get_loss(op.loss_fn), op.data
     config = loss.resolve_config(op.loss_fn_config)
-    per_datum = _validate(op, rt, loss)
+    per_datum = _validate(data, rt, loss)
     started = time.perf_counter()
 
     # Pack into one right-padded batch; pad positions are masked out and never reach the loss.
@@ -303,6 +311,8 @@ def forward_backward(engine: "Engine", op: ForwardBackwardOp) -> ForwardBackward
         # Forward-only passes change nothing, so a NaN loss there is reported as it is.
         def per_datum_loss(i: int) -> torch.Tensor:
             rows = slice(int(offsets[i]), int(offsets[i + 1]))
+            if bound is not None:  # a custom loss keeps each datum's own inputs
+                return bound.datum_loss(i, target_logprobs[rows])
             alone = {k: v[rows] for k, v in inputs.items()} | {DATUM_INDEX: torch.zeros(lengths[i], dtype=torch.long)}
             return loss(target_logprobs[rows], alone, config)[0]
 

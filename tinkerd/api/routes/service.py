@@ -42,6 +42,9 @@ async def client_config(request: Request) -> dict:
         "pjwt_auth_enabled": False,
         "sample_max_concurrent_requests": 64,
         "proto_compress_fwdbwd": False,
+        # create_custom_loss uploads the traced loss and forward_backward_custom runs it here in one
+        # pass (api/routes/custom_loss.py, engine/losses/custom.py).
+        "custom_loss_server_side": True,
     }
 
 

@@ -12,6 +12,7 @@ from tinkerd.api import codec, limits
 from tinkerd.api.deps import AppState, Prepared, account, authenticate, json_bytes, parse, read_body, state, submit
 from tinkerd.control.control import Work
 from tinkerd.control.copies import is_copy_run, trainable_config
+from tinkerd.control.custom_losses import CustomLosses
 from tinkerd.control.metering import Billing, Usage
 from tinkerd.control.store.tables import TrainingRunRow
 from tinkerd.control.runs import TinkerPath, check_name, check_ttl, parse_tinker_path
@@ -128,6 +129,8 @@ def prepare_forward_backward(st: AppState, body: bytes, account_id: str | None =
         if st.records is None:
             raise UserError("stable_reinforce needs recorded sequences, which this server does not keep")
         st.records.resolve(op, run.session_id, completed=completed)
+    if op.loss_fn == "custom":  # a loss uploaded with create_custom_loss, carried on the op as data
+        op.custom_loss = CustomLosses(st.control.store).resolve(op.loss_fn_config, run.session_id)
     n = _target_tokens(op)
     usage = (lambda _: Usage(forward_tokens=n)) if op.forward_only else (lambda _: Usage(trained_tokens=n))
     work = Work(op, lambda res: (codec.encode_forward_backward_output(res), codec.PROTO_MEDIA_TYPE),

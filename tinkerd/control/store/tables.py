@@ -207,3 +207,17 @@ class RecordedSampleRow(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime)
     # Sampling time plus the TTL, moved forward by every training request that names a sequence.
     expires_at: Mapped[datetime] = mapped_column(DateTime, index=True)
+
+
+class CustomLossRow(Base):
+    """A loss uploaded with create_custom_loss (control/custom_losses.py): the traced graph as JSON
+    data, usable by the training runs of the session that created it. `loss_id` is
+    `<session>:loss:<custom_loss_seq_id>`, so a re-sent upload finds its row."""
+
+    __tablename__ = "custom_losses"
+    loss_id: Mapped[str] = mapped_column(String, primary_key=True)
+    session_id: Mapped[str] = mapped_column(String, index=True)
+    name: Mapped[str] = mapped_column(String)
+    inputs: Mapped[list] = mapped_column(JSON)  # [[name, rank], ...], logprobs first
+    graph_json: Mapped[str] = mapped_column(Text)  # lossgraph.check's canonical JSON
+    created_at: Mapped[datetime] = mapped_column(DateTime)

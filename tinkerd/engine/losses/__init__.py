@@ -52,8 +52,8 @@ _MODULES: tuple[ModuleType, ...] = (cross_entropy, importance_sampling, ppo, cis
 # Names the SDK's LossFnType knows that tinkerd refuses on purpose, with the reason the caller needs.
 _REFUSED = {
     "custom": (
-        "server-side custom losses (create_custom_loss) are not implemented; forward_backward_custom "
-        "with the SDK's default client-side mode works"
+        "it runs a loss uploaded with create_custom_loss and needs that loss's id as "
+        "loss_fn_config['loss_id'] (engine/losses/custom.py)"
     ),
 }
 
@@ -108,8 +108,8 @@ LOSSES: dict[str, LossFn] = {m.NAME: _from_module(m) for m in _MODULES}
 
 
 def supported_losses() -> list[str]:
-    """The names get_server_capabilities advertises."""
-    return sorted(LOSSES)
+    """The names get_server_capabilities advertises; `custom` runs an uploaded loss (custom.py)."""
+    return sorted([*LOSSES, "custom"])
 
 
 def get_loss(name: str) -> LossFn:
