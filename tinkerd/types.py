@@ -243,3 +243,6 @@ class ServedModel:
     arch: str
     # The loss_fn names forward_backward accepts on this model (the engine's loss registry).
     loss_fns: tuple[str, ...] = ()
+    # Where the server's own tokenizer files are (a directory or a hub name): the OpenAI endpoints
+    # tokenize and detokenize on the server.
+    tokenizer_dir: str = ""

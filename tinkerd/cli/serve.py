@@ -133,6 +133,7 @@ def build_app(config: ServerConfig, client=None):
     from tinkerd.api.app import create_app
     from tinkerd.api.deps import AppState
     from tinkerd.api.replay import make_rebuild
+    from tinkerd.cli.tokenizers import Tokenizers
     from tinkerd.control.accounts import Accounts
     from tinkerd.control.control import Control
     from tinkerd.control.diskspace import DiskReserve
@@ -159,7 +160,8 @@ def build_app(config: ServerConfig, client=None):
     runs.reserve = reserve
     served = {m.name: m for m in client.models()}  # a process engine: waits here until its child is ready
     accounts = Accounts(store)
-    app_state = AppState(config=config, control=control, runs=runs, served=served, accounts=accounts)
+    app_state = AppState(config=config, control=control, runs=runs, served=served, accounts=accounts,
+                         tokenizers=Tokenizers(served))
     recovery.rebuild = make_rebuild(app_state)
     return create_app(app_state), control
 
