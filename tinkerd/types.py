@@ -230,6 +230,9 @@ class Resident:
 
     training: int  # training adapters, one per loaded run
     sampler_paths: tuple[str, ...]  # sampler adapter keys (checkpoint directories) in the pools
+    # The samplers' decode KV caches, allocated and allowed, summed over base models (GET /metrics).
+    kv_cache_bytes: int = 0
+    kv_cache_budget_bytes: int = 0
 
 
 @dataclass(frozen=True)

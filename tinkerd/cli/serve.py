@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import socket
 import sys
 import threading
@@ -67,6 +68,11 @@ def add_parser(sub) -> None:
                         "are refused with 503 (default: 1, or 5%% of the filesystem if less; 0: never refuse)")
     p.add_argument("--retrieve-future-timeout-s", type=_positive, default=None,
                    help="how long retrieve_future holds a pending request before try_again (default 20)")
+    p.add_argument("--no-metrics", dest="metrics", action="store_false",
+                   help="do not serve GET /metrics (default: served without a key; docs/configuration.md)")
+    p.add_argument("--otlp-endpoint", default=None,
+                   help="send OpenTelemetry spans per op to this OTLP/HTTP endpoint (default: "
+                        "$OTEL_EXPORTER_OTLP_ENDPOINT; unset: no tracing)")
     edge = p.add_argument_group("HTTP connections (docs/configuration.md: behind a proxy)")
     edge.add_argument("--request-head-timeout-s", type=_positive, default=None,
                       help="close a connection whose request head is not complete this long after it opened "
@@ -124,6 +130,12 @@ def build_config(args) -> ServerConfig:
                  "max_connections", "listen_backlog", "max_request_head_bytes"):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
+    if not args.metrics:
+        values["metrics"] = False
+    otlp = args.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
+        "OTEL_EXPORTER_OTLP_ENDPOINT")
+    if otlp:
+        values["otlp_endpoint"] = otlp
     return ServerConfig(**values)
 
 
