@@ -168,6 +168,10 @@ def build_app(config: ServerConfig, client=None):
                       retention=FutureRetention(store, recovery, config.future_retrieved_grace_s,
                                                 config.future_max_age_s, config.future_tombstone_s),
                       reserve=reserve)
+    if config.otlp_endpoint:
+        from tinkerd.control.tracing import OpTracer
+
+        control.metrics.tracer = OpTracer.otlp(config.otlp_endpoint)
     runs = Runs(store, config.checkpoints_dir)
     runs.reserve = reserve
     served = {m.name: m for m in client.models()}  # a process engine: waits here until its child is ready

@@ -93,15 +93,15 @@ class Metrics:
         now = time.perf_counter()
         status = "failed" if isinstance(result, TinkerdError) else "complete"
         self.ops_completed.labels(q.request_type, status).inc()
-        accepted_at = getattr(q.op, "accepted_at", None)
-        if accepted_at is None or getattr(q.op, "billing", None) is None:
-            return  # the server's own ops (residency rebuilds): counted, not timed as user latency
+        # The server's own ops (residency's releases and rebuilds) carry their op class name as type.
+        accepted_at = q.op.accepted_at
         self.op_latency.labels(q.request_type).observe(now - accepted_at)
         self.queue_wait.labels(lane).observe(max(queue_wait_s, 0.0))
         self.engine_time.labels(q.request_type).observe(compute_s)
         if self.tracer is not None:
-            self.tracer.op_done(q, lane, status, accepted_at, accepted_at + max(queue_wait_s, 0.0), engine_done, now,
-                                result)
+            queued_at = getattr(q.op, "queued_at", None) or accepted_at
+            admitted = max(accepted_at + queue_wait_s, queued_at)
+            self.tracer.op_done(q, lane, status, [accepted_at, queued_at, admitted, engine_done, now], result)
 
     def on_usage(self, request_id: str, account_id: str | None, usage: Usage) -> None:
         for kind in ("prefill", "sampled", "trained", "forward"):
@@ -115,6 +115,10 @@ class Metrics:
         """outcome: "recovered" or "down" (the restarts gave up)."""
         self.engine_restarts.inc(attempts)
         self.engine_recoveries.labels(outcome).inc()
+
+    def close(self) -> None:
+        if self.tracer is not None:
+            self.tracer.shutdown()
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
