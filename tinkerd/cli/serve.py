@@ -168,6 +168,8 @@ def build_app(config: ServerConfig, client=None):
                       retention=FutureRetention(store, recovery, config.future_retrieved_grace_s,
                                                 config.future_max_age_s, config.future_tombstone_s),
                       reserve=reserve)
+    if not config.metrics:
+        control.metrics.disable()
     if config.otlp_endpoint:
         from tinkerd.control.tracing import OpTracer
 

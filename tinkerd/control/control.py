@@ -119,6 +119,7 @@ class Control:
         self.metrics = Metrics()
         self.meter.listeners.append(self.metrics.on_usage)
         self.metrics.bind(self)
+        self.results.on_stored = self.metrics.completed
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -364,9 +365,7 @@ class Control:
 
     def _complete(self, q: QueuedOp, result: Any, compute_s: float, queue_wait_s: float = 0.0) -> None:
         self._suspects.pop(q.request_id, None)
-        engine_done = time.perf_counter()
         self.results.complete(q, result, compute_s, queue_wait_s)
-        self.metrics.completed(q, Scheduler.lane_of(q.op.op), result, compute_s, queue_wait_s, engine_done)
 
     # -- readiness -------------------------------------------------------------------------------
 

@@ -2,7 +2,7 @@
 
 Two kinds, so that an unscraped server pays almost nothing:
 - events, counted where control already knows them, one call each: an op accepted (`accepted`,
-  from Control.submit), an op finished and stored (`completed`, from Control._complete: its latency
+  from Control.submit), an op finished and stored (`completed`, ResultStore.on_stored: its latency
   from acceptance, its queue wait and its engine time), metered tokens (`on_usage`, a Meter
   listener), an engine recovery (`engine_recovery`), and every SQL statement's duration (SQLAlchemy
   cursor events on the store's engine). Each is a lock and an add, about a microsecond.
@@ -25,6 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from sqlalchemy import event
 
 from tinkerd.control.metering import Usage
+from tinkerd.control.scheduler import Scheduler
 from tinkerd.errors import TinkerdError
 
 if TYPE_CHECKING:
@@ -64,6 +65,9 @@ class Metrics:
                                     buckets=_DB_BUCKETS, registry=r)
         # OpenTelemetry spans per op (control/tracing.py); None (the default) costs nothing.
         self.tracer: Any = None
+        # False (--no-metrics): the event calls return at once and no statement is timed.
+        self.enabled = True
+        self._listeners: list = []
 
     def bind(self, control: "Control") -> None:
         """Read control's state at scrape time, and time its store's statements."""
@@ -71,39 +75,57 @@ class Metrics:
         self.watch_store(control.store)
 
     def watch_store(self, store: "Store") -> None:
-        @event.listens_for(store.engine, "before_cursor_execute")
         def _start(conn, cursor, statement, parameters, context, executemany):
             conn.info.setdefault("tinkerd_t0", []).append(time.perf_counter())
 
-        @event.listens_for(store.engine, "after_cursor_execute")
         def _end(conn, cursor, statement, parameters, context, executemany):
             starts = conn.info.get("tinkerd_t0")
             if starts:
                 kind = statement.lstrip()[:6].lower()
                 self.db_latency.labels(kind if kind in _STATEMENTS else "other").observe(time.perf_counter() - starts.pop())
 
+        for name, fn in (("before_cursor_execute", _start), ("after_cursor_execute", _end)):
+            event.listen(store.engine, name, fn)
+            self._listeners.append((store.engine, name, fn))
+
+    def disable(self) -> None:
+        """Count nothing from now on (--no-metrics; benchmarks/metrics_overhead.py compares)."""
+        self.enabled = False
+        for target, name, fn in self._listeners:
+            event.remove(target, name, fn)
+        self._listeners.clear()
+
     # -- events (called from control) -------------------------------------------------------------
 
     def accepted(self, request_type: str, lane: str) -> None:
+        if not self.enabled:
+            return
         self.ops_accepted.labels(request_type, lane).inc()
 
-    def completed(self, q: "QueuedOp", lane: str, result: Any, compute_s: float, queue_wait_s: float,
+    def completed(self, q: "QueuedOp", result: Any, compute_s: float, queue_wait_s: float,
                   engine_done: float) -> None:
-        """After the op's result is stored. `engine_done`: perf_counter when the engine gave it back."""
+        """The op's outcome is stored (ResultStore.on_stored, before its callers wake). `engine_done`:
+        perf_counter when the engine gave it back."""
+        if not self.enabled and self.tracer is None:
+            return
         now = time.perf_counter()
+        lane = Scheduler.lane_of(q.op.op)
         status = "failed" if isinstance(result, TinkerdError) else "complete"
-        self.ops_completed.labels(q.request_type, status).inc()
         # The server's own ops (residency's releases and rebuilds) carry their op class name as type.
         accepted_at = q.op.accepted_at
-        self.op_latency.labels(q.request_type).observe(now - accepted_at)
-        self.queue_wait.labels(lane).observe(max(queue_wait_s, 0.0))
-        self.engine_time.labels(q.request_type).observe(compute_s)
+        if self.enabled:
+            self.ops_completed.labels(q.request_type, status).inc()
+            self.op_latency.labels(q.request_type).observe(now - accepted_at)
+            self.queue_wait.labels(lane).observe(max(queue_wait_s, 0.0))
+            self.engine_time.labels(q.request_type).observe(compute_s)
         if self.tracer is not None:
             queued_at = getattr(q.op, "queued_at", None) or accepted_at
             admitted = max(accepted_at + queue_wait_s, queued_at)
             self.tracer.op_done(q, lane, status, [accepted_at, queued_at, admitted, engine_done, now], result)
 
     def on_usage(self, request_id: str, account_id: str | None, usage: Usage) -> None:
+        if not self.enabled:
+            return
         for kind in ("prefill", "sampled", "trained", "forward"):
             n = getattr(usage, f"{kind}_tokens")
             if n:
@@ -113,6 +135,8 @@ class Metrics:
 
     def engine_recovery(self, outcome: str, attempts: int) -> None:
         """outcome: "recovered" or "down" (the restarts gave up)."""
+        if not self.enabled:
+            return
         self.engine_restarts.inc(attempts)
         self.engine_recoveries.labels(outcome).inc()
 

@@ -64,16 +64,20 @@ class ResultStore:
         # monotonic time the result being stored now first failed; None while results land.
         self.stalled_since: float | None = None
         self.stalls = 0
+        # Called once the op's outcome is stored, before its callers wake: (q, result, compute_s,
+        # queue_wait_s, engine_done perf_counter). Metrics (control/metrics.py) count the op here, so a
+        # caller that has its result sees it counted.
+        self.on_stored: Callable[[QueuedOp, Any, float, float, float], None] | None = None
 
     def complete(self, q: QueuedOp, result: Any, compute_s: float, queue_wait_s: float = 0.0) -> None:
         """Store the op's outcome, retrying storage faults until it lands (or the server stops)."""
         try:
-            self._complete(q, result, compute_s, queue_wait_s)
+            self._complete(q, result, compute_s, queue_wait_s, time.perf_counter())
         except Abandoned:
             log.error("server stopping with the result of %s %s unstored; it stays pending and runs again "
                       "after the restart", q.request_type, q.request_id)
 
-    def _complete(self, q: QueuedOp, result: Any, compute_s: float, queue_wait_s: float) -> None:
+    def _complete(self, q: QueuedOp, result: Any, compute_s: float, queue_wait_s: float, engine_done: float) -> None:
         values: dict[str, Any] = {"compute_s": compute_s}
         if not isinstance(result, TinkerdError):
             try:
@@ -103,6 +107,11 @@ class ResultStore:
             self.store.update(FutureRow, q.request_id, completed_at=utcnow(), **values)
 
         self._until_stored(q, "result", write)
+        if self.on_stored is not None:
+            try:
+                self.on_stored(q, result, compute_s, queue_wait_s, engine_done)
+            except Exception:  # counting must never lose a finished op
+                log.exception("on_stored of %s failed", q.request_id)
         self.hub.notify(q.request_id)
 
     def _until_stored(self, q: QueuedOp, what: str, fn: Callable[[], T]) -> T:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from datetime import timezone
 from typing import AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
@@ -67,8 +68,9 @@ async def list_models(request: Request) -> dict:
     created = int(time.time())
     data = [{"id": name, "object": "model", "created": created, "owned_by": "tinkerd"} for name in sorted(st.served)]
     rows, _ = st.runs.list_checkpoints(checkpoint_type="sampler", limit=1000, account_id=request.state.account_id)
-    data += [{"id": r.tinker_path, "object": "model", "created": int(r.created_at.timestamp()), "owned_by": "user",
-              "root": st.runs.run(r.model_id).base_model} for r in rows]
+    bases = st.runs.base_models({r.model_id for r in rows})
+    data += [{"id": r.tinker_path, "object": "model", "owned_by": "user", "root": bases.get(r.model_id),
+              "created": int(r.created_at.replace(tzinfo=timezone.utc).timestamp())} for r in rows]
     return {"object": "list", "data": data}
 
 
