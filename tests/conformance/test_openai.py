@@ -187,3 +187,16 @@ def test_usage_is_metered_like_asample(world):
     for e in usage.result().data:
         sums[e.event_info.type] = sums.get(e.event_info.type, 0) + e.event_info.token_count
     assert sums == {"sampling_prefill": r.usage.prompt_tokens, "sampling_sample": r.usage.completion_tokens}
+
+
+def test_a_multi_turn_chat_loop_equals_sample_on_the_whole_history(world):
+    """A plain chat loop: each reply is appended to the history, and every turn's answer is what
+    `sample` gives on the chat template of the whole history so far."""
+    tok, history = world["tok"], [{"role": "user", "content": "Hello."}]
+    for user_turn in ("And again?", "Once more."):
+        prompt = list(tok.apply_chat_template(history, add_generation_prompt=True, tokenize=True, return_dict=False))
+        want = _sdk(world, prompt, 1, max_tokens=6, temperature=0.0)[0]
+        r = world["client"].chat.completions.create(model=world["path"], messages=history, max_tokens=6, temperature=0)
+        assert r.choices[0].message.content == tok.decode(want.tokens, skip_special_tokens=True)
+        assert r.usage.prompt_tokens == len(prompt)
+        history += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": user_turn}]
