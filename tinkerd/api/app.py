@@ -14,8 +14,8 @@ from starlette.requests import ClientDisconnect
 
 from tinkerd.api import openai_schema
 from tinkerd.api.deps import AppState, error_response
-from tinkerd.api.routes import (account, admin, export, futures, metrics, openai, rest, sampling, service, sessions,
-                                training)
+from tinkerd.api.routes import account, admin, export, futures, rest, sampling, service, sessions, training
+from tinkerd.api.routes import metrics, openai
 from tinkerd.errors import TinkerdError, UserError
 
 log = logging.getLogger(__name__)
@@ -71,9 +71,12 @@ def create_app(app_state: AppState) -> FastAPI:
         return JSONResponse({"error": f"internal error: {type(e).__name__}", "category": "server"}, status_code=500)
 
     # rest last: its catch-all under /training_runs/{id}/checkpoints/ must not shadow export's routes.
-    for module in (service, training, sampling, futures, export, admin, account, sessions, openai, metrics, rest):
+    for module in (service, training, sampling, futures, export, admin, account, sessions, rest):
         for name in ("router", "authed"):
             router = getattr(module, name, None)
             if router is not None:
                 app.include_router(router)
+    # The OpenAI-compatible /v1 (docs/inference.md) and GET /metrics: no path of theirs overlaps the above.
+    for module in (openai, metrics):
+        app.include_router(module.router)
     return app
