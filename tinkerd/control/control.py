@@ -70,8 +70,6 @@ class Work:
     billing: Billing | None = None
     # When the op was accepted (perf_counter): its queue wait ends when the engine gets it.
     accepted_at: float = field(default_factory=time.perf_counter)
-    # When its FutureRow was committed (submit); the end of the "accept" span (control/tracing.py).
-    queued_at: float | None = None
 
 
 @dataclass
@@ -211,9 +209,8 @@ class Control:
             if existing is None:
                 raise ServerError("could not store the request")
             return Accepted(existing.request_id, new=False)
-        work.queued_at = time.perf_counter()
         self.queue.put(request_id, target, seq_id, request_type, work)
-        self.metrics.accepted(request_type, Scheduler.lane_of(work.op))
+        self.metrics.accepted(request_type, Scheduler.lane_of(work.op), request_id)
         return Accepted(request_id, new=True)
 
     def complete_now(self, request_type: str, target: str, payload: bytes, media_type: str,

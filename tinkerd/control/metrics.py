@@ -68,6 +68,9 @@ class Metrics:
         # False (--no-metrics): the event calls return at once and no statement is timed.
         self.enabled = True
         self._listeners: list = []
+        # request_id -> perf_counter when its FutureRow was committed (the end of the "accept" span);
+        # kept only while tracing.
+        self._queued_at: dict[str, float] = {}
 
     def bind(self, control: "Control") -> None:
         """Read control's state at scrape time, and time its store's statements."""
@@ -97,7 +100,10 @@ class Metrics:
 
     # -- events (called from control) -------------------------------------------------------------
 
-    def accepted(self, request_type: str, lane: str) -> None:
+    def accepted(self, request_type: str, lane: str, request_id: str | None = None) -> None:
+        """The op's FutureRow is committed and it is queued (Control.submit)."""
+        if self.tracer is not None and request_id is not None:
+            self._queued_at[request_id] = time.perf_counter()
         if not self.enabled:
             return
         self.ops_accepted.labels(request_type, lane).inc()
@@ -119,7 +125,7 @@ class Metrics:
             self.queue_wait.labels(lane).observe(max(queue_wait_s, 0.0))
             self.engine_time.labels(q.request_type).observe(compute_s)
         if self.tracer is not None:
-            queued_at = getattr(q.op, "queued_at", None) or accepted_at
+            queued_at = self._queued_at.pop(q.request_id, accepted_at)  # re-queued after a restart: none
             admitted = max(accepted_at + queue_wait_s, queued_at)
             self.tracer.op_done(q, lane, status, [accepted_at, queued_at, admitted, engine_done, now], result)
 

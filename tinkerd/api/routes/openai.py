@@ -25,6 +25,7 @@ from typing import AsyncIterator
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from tinkerd.api import codec
 from tinkerd.api import openai_schema as schema
 from tinkerd.api import openai_text as text
 from tinkerd.api.deps import AppState, AuthError, load_json, read_body, state
@@ -119,6 +120,9 @@ async def _sample(st: AppState, body: bytes, account_id: str) -> list[text.Seque
         if row.error_category == "user":
             raise UserError(row.error or "the request failed")
         raise ServerError(row.error or "the request failed")
+    # The stored result is retrieve_future's SampleResponse protobuf (api/codec.py).
+    if row.result_media_type != codec.PROTO_MEDIA_TYPE:
+        raise ServerError(f"cannot read a stored sample result of type {row.result_media_type!r}")
     return text.decode_sample_response(row.result)
 
 
