@@ -51,6 +51,10 @@ class ServerConfig(BaseModel):
     # heads are ~1 KB; 16 KiB (h11's default) leaves room for a proxy's X-Forwarded-* headers.
     max_request_head_bytes: int = Field(default=16 * 1024, ge=1024)
     max_sample_tokens_default: int = 256
+    # GET /metrics (Prometheus, unauthenticated: control/metrics.py says why); False answers 404.
+    metrics: bool = True
+    # OpenTelemetry spans per op (control/tracing.py) go to this OTLP/HTTP endpoint; None: no tracing.
+    otlp_endpoint: str | None = None
     max_num_samples: int = 128
     # The sampler's KV cache budget in GiB (None: a quarter of the device's memory). A sample request
     # that alone needs more is refused; others wait until rows leave instead of exhausting memory.

@@ -271,6 +271,9 @@ class Resident:
 
     training: int  # training adapters, one per loaded run
     sampler_paths: tuple[str, ...]  # sampler adapter keys (checkpoint directories) in the pools
+    # The samplers' decode KV caches, allocated and allowed, summed over base models (GET /metrics).
+    kv_cache_bytes: int = 0
+    kv_cache_budget_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -287,6 +290,9 @@ class ServedModel:
     # Non-empty: asked for (--base-model) but not loaded, and why; left out of get_server_capabilities,
     # and the reason every request naming it fails with.
     unavailable: str = ""
+    # Where the server's own tokenizer files are (a directory or a hub name): the OpenAI endpoints
+    # tokenize and detokenize on the server.
+    tokenizer_dir: str = ""
 
 
 @dataclass(frozen=True)

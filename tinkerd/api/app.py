@@ -12,8 +12,10 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from tinkerd.api import openai_schema
 from tinkerd.api.deps import AppState, error_response
 from tinkerd.api.routes import account, admin, custom_loss, export, futures, rest, sampling, service, sessions, training
+from tinkerd.api.routes import metrics, openai
 from tinkerd.errors import TinkerdError, UserError
 
 log = logging.getLogger(__name__)
@@ -28,16 +30,22 @@ def create_app(app_state: AppState) -> FastAPI:
     app = FastAPI(title="tinkerd", lifespan=lifespan)
     app.state.tinkerd = app_state
 
+    def shaped(request: Request, e: TinkerdError) -> JSONResponse:
+        # /v1 is the OpenAI-compatible API: its errors go out in OpenAI's shape.
+        return openai.error_response(e) if openai.is_openai_path(request.url.path) else error_response(e)
+
     @app.exception_handler(TinkerdError)
-    async def on_tinkerd_error(_: Request, e: TinkerdError) -> JSONResponse:
-        return error_response(e)
+    async def on_tinkerd_error(request: Request, e: TinkerdError) -> JSONResponse:
+        return shaped(request, e)
 
     @app.exception_handler(RequestValidationError)
-    async def on_validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
-        return error_response(UserError(f"invalid request: {e.errors()[:3]}"))
+    async def on_validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+        return shaped(request, UserError(f"invalid request: {e.errors()[:3]}"))
 
     @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+    async def on_http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        if openai.is_openai_path(request.url.path):
+            return openai_schema.error_response(e.status_code, f"{e.detail}", headers=e.headers)
         # Unknown routes (404) and wrong methods (405, with its Allow header) in the SDK's error shape
         # rather than FastAPI's {"detail": ...}: the SDK puts the body in its error's message.
         category = "user" if e.status_code < 500 else "server"
@@ -56,8 +64,10 @@ def create_app(app_state: AppState) -> FastAPI:
         return Response(status_code=400)  # never sent: uvicorn drops writes to a closed connection
 
     @app.exception_handler(Exception)
-    async def on_unexpected(_: Request, e: Exception) -> JSONResponse:
+    async def on_unexpected(request: Request, e: Exception) -> JSONResponse:
         log.exception("unhandled error")
+        if openai.is_openai_path(request.url.path):
+            return openai_schema.error_response(500, f"internal error: {type(e).__name__}")
         return JSONResponse({"error": f"internal error: {type(e).__name__}", "category": "server"}, status_code=500)
 
     # rest last: its catch-all under /training_runs/{id}/checkpoints/ must not shadow export's routes.
@@ -66,4 +76,7 @@ def create_app(app_state: AppState) -> FastAPI:
             router = getattr(module, name, None)
             if router is not None:
                 app.include_router(router)
+    # The OpenAI-compatible /v1 (docs/inference.md) and GET /metrics: no path of theirs overlaps the above.
+    for module in (openai, metrics):
+        app.include_router(module.router)
     return app

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Callable, TypeVar
 
 import numpy as np
 import pydantic
@@ -33,6 +33,9 @@ class AppState:
     accounts: Accounts
     # Sequences sampled with record_stability_info, for stable_reinforce (control/stability.py).
     records: StabilityRecords | None = None
+    # base model name -> its tokenizer (api/openai_text.py: TextTokenizer), for the OpenAI-compatible
+    # endpoints; wired by cli/serve.py, which may import transformers (this layer may not).
+    tokenizers: Callable[[str], Any] | None = None
 
     def served_model(self, name: str) -> ServedModel:
         model = self.served.get(name)

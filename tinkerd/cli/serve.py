@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import socket
 import sys
 import threading
@@ -70,6 +71,11 @@ def add_parser(sub) -> None:
                         "are refused with 503 (default: 1, or 5%% of the filesystem if less; 0: never refuse)")
     p.add_argument("--retrieve-future-timeout-s", type=_positive, default=None,
                    help="how long retrieve_future holds a pending request before try_again (default 20)")
+    p.add_argument("--no-metrics", dest="metrics", action="store_false",
+                   help="do not serve GET /metrics (default: served without a key; docs/configuration.md)")
+    p.add_argument("--otlp-endpoint", default=None,
+                   help="send OpenTelemetry spans per op to this OTLP/HTTP endpoint (default: "
+                        "$OTEL_EXPORTER_OTLP_ENDPOINT; unset: no tracing)")
     edge = p.add_argument_group("HTTP connections (docs/configuration.md: behind a proxy)")
     edge.add_argument("--request-head-timeout-s", type=_positive, default=None,
                       help="close a connection whose request head is not complete this long after it opened "
@@ -127,6 +133,12 @@ def build_config(args) -> ServerConfig:
                  "max_connections", "listen_backlog", "max_request_head_bytes"):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
+    if not args.metrics:
+        values["metrics"] = False
+    otlp = args.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
+        "OTEL_EXPORTER_OTLP_ENDPOINT")
+    if otlp:
+        values["otlp_endpoint"] = otlp
     return ServerConfig(**values)
 
 
@@ -136,6 +148,7 @@ def build_app(config: ServerConfig, client=None):
     from tinkerd.api.app import create_app
     from tinkerd.api.deps import AppState
     from tinkerd.api.replay import make_rebuild
+    from tinkerd.cli.tokenizers import Tokenizers
     from tinkerd.control.accounts import Accounts
     from tinkerd.control.control import Control
     from tinkerd.control.diskspace import DiskReserve
@@ -159,13 +172,20 @@ def build_app(config: ServerConfig, client=None):
                       retention=FutureRetention(store, recovery, config.future_retrieved_grace_s,
                                                 config.future_max_age_s, config.future_tombstone_s),
                       reserve=reserve)
+    if not config.metrics:
+        control.metrics.disable()
+    if config.otlp_endpoint:
+        from tinkerd.control.tracing import OpTracer
+
+        control.metrics.tracer = OpTracer.otlp(config.otlp_endpoint)
     runs = Runs(store, config.checkpoints_dir)
     runs.reserve = reserve
     served = {m.name: m for m in client.models()}  # a process engine: waits here until its child is ready
     accounts = Accounts(store)
     records = StabilityRecords(store, config.recorded_sequence_ttl_s)
     control.results.recorders.append(records.record)
-    app_state = AppState(config=config, control=control, runs=runs, served=served, accounts=accounts, records=records)
+    app_state = AppState(config=config, control=control, runs=runs, served=served, accounts=accounts, records=records,
+                         tokenizers=Tokenizers(served))
     recovery.rebuild = make_rebuild(app_state)
     return create_app(app_state), control
 

@@ -21,6 +21,7 @@ from typing import Any, Callable, Protocol
 from tinkerd.control.diskspace import DiskReserve
 from tinkerd.control.futures import FutureHub
 from tinkerd.control.metering import Billing, Meter
+from tinkerd.control.metrics import Metrics
 from tinkerd.control.queue import OpQueue, QueuedOp
 from tinkerd.control.quotas import Quotas
 from tinkerd.control.recovery import Recovery
@@ -112,6 +113,11 @@ class Control:
         self.results = ResultStore(store, self.meter, self.hub, self._stopping.is_set)
         # "running", "restarting" (rebuilding after a crash), or "down" (the last restart gave up).
         self.engine_state = "running"
+        # GET /metrics (control/metrics.py): events counted at the calls below, state read when scraped.
+        self.metrics = Metrics()
+        self.meter.listeners.append(self.metrics.on_usage)
+        self.metrics.bind(self)
+        self.results.on_stored = self.metrics.completed
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -159,6 +165,7 @@ class Control:
         if self._worker is not None:
             self._worker.join(timeout=30)
         self.engine.close()
+        self.metrics.close()
 
     # -- accepting work --------------------------------------------------------------------------
 
@@ -203,6 +210,7 @@ class Control:
                 raise ServerError("could not store the request")
             return Accepted(existing.request_id, new=False)
         self.queue.put(request_id, target, seq_id, request_type, work)
+        self.metrics.accepted(request_type, Scheduler.lane_of(work.op), request_id)
         return Accepted(request_id, new=True)
 
     def complete_now(self, request_type: str, target: str, payload: bytes, media_type: str,
@@ -314,6 +322,7 @@ class Control:
                 restart_s = self.engine.restart()
                 released = self.residency.unloaded if self.residency is not None else ()
                 report = self.recovery.rebuild_engine(self.engine, skip=released) if self.recovery is not None else None
+                self.metrics.engine_recovery("recovered", attempt + 1)
                 break
             except EngineCrashed as e:  # died again while starting or rebuilding: start over
                 log.warning("engine restart %d failed: %s", attempt + 1, e)
@@ -321,6 +330,7 @@ class Control:
         else:
             # It cannot come back (a model that no longer loads, say): fail what it held, keep serving.
             self.engine_state = "down"
+            self.metrics.engine_recovery("down", _MAX_ENGINE_RESTARTS)
             for q in inflight:
                 self._complete(q, ServerError(f"the engine crashed and could not restart: {crash}"), 0.0)
             return

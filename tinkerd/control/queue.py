@@ -129,6 +129,11 @@ class OpQueue:
                 return sum(len(t.get(target, ())) for t in self._lanes.values())
             return sum(len(q) for t in self._lanes.values() for q in t.values())
 
+    def lanes(self) -> dict[str, list[QueuedOp]]:
+        """Every queued op by lane (a snapshot, for GET /metrics at scrape time)."""
+        with self._cond:
+            return {lane: [q for heap in targets.values() for q in heap] for lane, targets in self._lanes.items()}
+
     def close(self) -> None:
         with self._cond:
             self._closed = True

@@ -69,16 +69,20 @@ class ResultStore:
         # its future completes, so what a result refers to exists once the client can see it (the
         # recorded sequences of stable_reinforce: control/stability.py). Safe to redo, like finalize.
         self.recorders: list[Callable[[str, Any, Any], None]] = []
+        # Called once the op's outcome is stored, before its callers wake: (q, result, compute_s,
+        # queue_wait_s, engine_done perf_counter). Metrics (control/metrics.py) count the op here, so a
+        # caller that has its result sees it counted.
+        self.on_stored: Callable[[QueuedOp, Any, float, float, float], None] | None = None
 
     def complete(self, q: QueuedOp, result: Any, compute_s: float, queue_wait_s: float = 0.0) -> None:
         """Store the op's outcome, retrying storage faults until it lands (or the server stops)."""
         try:
-            self._complete(q, result, compute_s, queue_wait_s)
+            self._complete(q, result, compute_s, queue_wait_s, time.perf_counter())
         except Abandoned:
             log.error("server stopping with the result of %s %s unstored; it stays pending and runs again "
                       "after the restart", q.request_type, q.request_id)
 
-    def _complete(self, q: QueuedOp, result: Any, compute_s: float, queue_wait_s: float) -> None:
+    def _complete(self, q: QueuedOp, result: Any, compute_s: float, queue_wait_s: float, engine_done: float) -> None:
         values: dict[str, Any] = {"compute_s": compute_s}
         if not isinstance(result, TinkerdError):
             try:
@@ -110,6 +114,11 @@ class ResultStore:
             self.store.update(FutureRow, q.request_id, completed_at=utcnow(), **values)
 
         self._until_stored(q, "result", write)
+        if self.on_stored is not None:
+            try:
+                self.on_stored(q, result, compute_s, queue_wait_s, engine_done)
+            except Exception:  # counting must never lose a finished op
+                log.exception("on_stored of %s failed", q.request_id)
         self.hub.notify(q.request_id)
 
     def _until_stored(self, q: QueuedOp, what: str, fn: Callable[[], T]) -> T:

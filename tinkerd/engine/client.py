@@ -24,6 +24,7 @@ class InProcessEngineClient:
                 max_context_length=rt.loaded.max_context_length,
                 arch=type(rt.model).__name__,
                 loss_fns=tuple(supported_losses()),
+                tokenizer_dir=rt.loaded.tokenizer_dir,
             )
             for rt in self.engine.runtimes.values()
         ] + [ServedModel(name=name, tokenizer_id="", max_context_length=0, arch="", unavailable=reason)

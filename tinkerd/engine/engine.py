@@ -147,7 +147,9 @@ class Engine:
         """The adapters held now: training ones counted, sampler ones by key."""
         adapters = [a for rt in self.runtimes.values() for a in rt.pool.adapters.values()]
         return Resident(training=sum(a.trainable for a in adapters),
-                        sampler_paths=tuple(a.key for a in adapters if not a.trainable))
+                        sampler_paths=tuple(a.key for a in adapters if not a.trainable),
+                        kv_cache_bytes=sum(s.kv_cache_bytes() for s in self.samplers.values()),
+                        kv_cache_budget_bytes=sum(s.kv_budget for s in self.samplers.values()))
 
     def _guarded(self, fn, op: EngineOp) -> object:
         """fn(op), or the error that failed it: a bug must fail one future, not the engine loop."""

@@ -146,6 +146,10 @@ class Sampler:
         # After packing: the fused step binds each linear's packed weight once.
         self.fused = FusedDecode.build(self.body) if config.fused_decode else None
 
+    def kv_cache_bytes(self) -> int:
+        """The decode batch's KV cache as allocated now (rows x columns x bytes per position)."""
+        return self.cache.rows * self.cache.capacity * self.kv_token_bytes
+
     @property
     def active_rows(self) -> int:
         return len(self.rows) + sum(r.op.num_samples for r in self.joining)

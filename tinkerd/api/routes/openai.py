@@ -1,0 +1,231 @@
+"""OpenAI-compatible inference: GET /v1/models, POST /v1/completions, POST /v1/chat/completions.
+
+A request becomes an ordinary tinker `SampleRequest` body and goes through `prepare_asample` and
+`Control.submit` exactly as `/api/v1/asample` does: the same ownership check (another account's
+checkpoint is a 404), the same continuous-batching sampler, queue lane, quotas and metering, and
+the same write-ahead log entry (so recovery can rebuild it like any sample). The handler then waits
+on the future and renders the stored SampleResponse as OpenAI choices.
+
+Streaming (`stream: true`) answers in OpenAI's server-sent-event chunk format, one chunk per token,
+ending with `data: [DONE]`. The engine hands a request's tokens back when the request finishes
+(StepOutput.done), so the chunks go out together once it is done: the stream carries exactly the
+tokens of the non-streamed answer, but not earlier.
+
+Auth: `Authorization: Bearer <tinker API key>` (what the `openai` client sends), or `X-API-Key`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from datetime import timezone
+from typing import AsyncIterator
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from tinkerd.api import codec
+from tinkerd.api import openai_schema as schema
+from tinkerd.api import openai_text as text
+from tinkerd.api.deps import AppState, AuthError, load_json, read_body, state
+from tinkerd.api.routes.sampling import prepare_asample
+from tinkerd.control.runs import parse_tinker_path
+from tinkerd.control.store.tables import FutureRow
+from tinkerd.errors import NotFoundError, ServerError, TinkerdError, UserError
+
+
+def authenticate(request: Request) -> None:
+    header = request.headers.get("authorization", "")
+    key = header[7:].strip() if header.lower().startswith("bearer ") else request.headers.get("x-api-key")
+    accounts = state(request).accounts
+    source = request.client.host if request.client else "unknown"
+    if not key:
+        accounts.auth_failed(None, source)
+        raise AuthError("missing API key: send Authorization: Bearer <tinker API key>")
+    account_id = accounts.verify(key)
+    if account_id is None:
+        accounts.auth_failed(key, source)
+        raise AuthError("invalid or revoked API key")
+    request.state.account_id = account_id
+
+
+router = APIRouter(prefix="/v1", dependencies=[Depends(authenticate)])
+
+
+def is_openai_path(path: str) -> bool:
+    return path == "/v1" or path.startswith("/v1/")
+
+
+def error_response(e: TinkerdError) -> JSONResponse:
+    """app.py's error handlers answer /v1 paths with this."""
+    return schema.error_response(e.status_code, e.message, getattr(e, "param", None), getattr(e, "code", None),
+                                 headers=getattr(e, "headers", None))
+
+
+@router.get("/models")
+async def list_models(request: Request) -> dict:
+    st = state(request)
+    created = int(time.time())
+    data = [{"id": name, "object": "model", "created": created, "owned_by": "tinkerd"} for name in sorted(st.served)]
+    rows, _ = st.runs.list_checkpoints(checkpoint_type="sampler", limit=1000, account_id=request.state.account_id)
+    bases = st.runs.base_models({r.model_id for r in rows})
+    data += [{"id": r.tinker_path, "object": "model", "owned_by": "user", "root": bases.get(r.model_id),
+              "created": int(r.created_at.replace(tzinfo=timezone.utc).timestamp())} for r in rows]
+    return {"object": "list", "data": data}
+
+
+def _resolve(st: AppState, model: str, account_id: str) -> str:
+    """The base model of `model` (a served name or a tinker:// sampler path the caller may read)."""
+    if model.startswith("tinker://"):
+        path = parse_tinker_path(model)
+        if path.segment not in ("sampler_weights", "weights"):
+            raise schema.OpenAIError(f"cannot sample from {model}: use a sampler_weights path", "model")
+        ckpt = st.runs.owned_checkpoint(path, account_id, public_ok=True)  # another account's: NotFoundError
+        return st.runs.run(ckpt.model_id).base_model
+    if model not in st.served:
+        raise NotFoundError(f"the model {model!r} does not exist; served: {sorted(st.served)}")
+    return model
+
+
+def _sample_body(req: schema._Request, model: str, prompt: list[int], st: AppState) -> bytes:
+    """The tinker SampleRequest equivalent to an OpenAI request (prepare_asample validates it)."""
+    stops = req.stop_strings()
+    params = {
+        "max_tokens": req.token_limit() or st.config.max_sample_tokens_default,
+        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "top_k": -1 if req.top_k is None else req.top_k,
+        "seed": req.seed,
+        # OpenAI's stop never disables EOS; tinker's `stop: []` would, so no stops is None.
+        "stop": stops or None,
+    }
+    body = {"prompt": {"chunks": [{"type": "encoded_text", "tokens": prompt}]}, "sampling_params": params,
+            "num_samples": req.n, "topk_sample_logprobs": req.topk() or 0}
+    body["model_path" if model.startswith("tinker://") else "base_model"] = model
+    return json.dumps(body).encode()
+
+
+async def _sample(st: AppState, body: bytes, account_id: str) -> list[text.Sequence]:
+    prepared = prepare_asample(st, body, account_id)
+    accepted = st.control.submit(prepared.request_type, prepared.target, prepared.seq_id, body, prepared.work,
+                                 account_id=account_id)
+    while True:  # each wait is one long-poll hold; a queued or quota-paused request keeps waiting
+        row = await st.control.retrieve(accepted.request_id, st.config.retrieve_future_timeout_s)
+        if row is None:
+            raise ServerError("the request's record disappeared")
+        if row.status != "pending":
+            break
+    if row.status == "failed":
+        if row.error_category == "user":
+            raise UserError(row.error or "the request failed")
+        raise ServerError(row.error or "the request failed")
+    # The stored result is retrieve_future's SampleResponse protobuf (api/codec.py).
+    if row.result_media_type != codec.PROTO_MEDIA_TYPE:
+        raise ServerError(f"cannot read a stored sample result of type {row.result_media_type!r}")
+    return text.decode_sample_response(row.result)
+
+
+async def _tokenizer(st: AppState, base_model: str) -> text.TextTokenizer:
+    if st.tokenizers is None:
+        raise ServerError("this server has no tokenizers wired for the OpenAI endpoints")
+    return await asyncio.to_thread(st.tokenizers, base_model)  # the first load reads files for ~1-2 s
+
+
+async def _body(request: Request) -> object:
+    return load_json(await read_body(request))
+
+
+@router.post("/chat/completions")
+async def chat_completions(request: Request):
+    st = state(request)
+    req = schema.parse(schema.ChatCompletionRequest, await _body(request))
+    base = _resolve(st, req.model, request.state.account_id)
+    tok = await _tokenizer(st, base)
+    prompt = await asyncio.to_thread(tok.chat, req.chat())
+    seqs = await _sample(st, _sample_body(req, req.model, prompt, st), request.state.account_id)
+    return await _answer(st, "chat", req, tok, [(prompt, seqs)])
+
+
+@router.post("/completions")
+async def completions(request: Request):
+    st = state(request)
+    req = schema.parse(schema.CompletionRequest, await _body(request))
+    base = _resolve(st, req.model, request.state.account_id)
+    tok = await _tokenizer(st, base)
+    prompts = [p if isinstance(p, list) else await asyncio.to_thread(tok.encode, p) for p in req.prompts()]
+    # Every prompt is its own sample request; they queue together and share decode steps.
+    results = await asyncio.gather(*[_sample(st, _sample_body(req, req.model, p, st), request.state.account_id)
+                                     for p in prompts])
+    return await _answer(st, "text", req, tok, list(zip(prompts, results)))
+
+
+async def _answer(st: AppState, kind: str, req, tok: text.TextTokenizer,
+                  results: list[tuple[list[int], list[text.Sequence]]]):
+    stops = req.stop_strings()
+    rendered = [text.render(tok, seq, stops) for _, seqs in results for seq in seqs]
+    usage = {"prompt_tokens": sum(len(p) for p, _ in results),
+             "completion_tokens": sum(len(r.tokens) for r in rendered)}
+    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+    meta = {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{time.time_ns():x}", "created": int(time.time()),
+            "model": req.model}
+    if req.stream:
+        chunks = await asyncio.to_thread(_stream_chunks, kind, req, tok, rendered, meta, usage)
+        return StreamingResponse(_sse(chunks), media_type="text/event-stream")
+    choices = await asyncio.to_thread(_choices, kind, req, tok, rendered)
+    obj = "chat.completion" if kind == "chat" else "text_completion"
+    return JSONResponse({**meta, "object": obj, "choices": choices, "usage": usage})
+
+
+def _choices(kind: str, req, tok: text.TextTokenizer, rendered: list[text.Rendered]) -> list[dict]:
+    choices = []
+    for i, r in enumerate(rendered):
+        span = range(len(r.tokens))
+        lp = None
+        if req.topk() is not None:
+            lp = (text.chat_logprobs(tok, r, span, req.return_tokens_as_token_ids) if kind == "chat"
+                  else text.completion_logprobs(tok, r, span, req.return_tokens_as_token_ids))
+        if kind == "chat":
+            choices.append({"index": i, "message": {"role": "assistant", "content": r.text, "refusal": None},
+                            "logprobs": lp, "finish_reason": r.finish_reason})
+        else:
+            choices.append({"index": i, "text": r.text, "logprobs": lp, "finish_reason": r.finish_reason})
+    return choices
+
+
+def _stream_chunks(kind: str, req, tok: text.TextTokenizer, rendered: list[text.Rendered], meta: dict,
+                   usage: dict) -> list[dict]:
+    """OpenAI's chunk sequence: (chat) a role delta, one chunk per token, a finish chunk per choice;
+    then a usage chunk when stream_options.include_usage asks; `[DONE]` follows (_sse)."""
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+    extra = {"usage": None} if req.include_usage else {}
+
+    def chunk(index: int, payload: dict, finish: str | None = None, lp: dict | None = None) -> dict:
+        if kind == "chat":
+            choice = {"index": index, "delta": payload, "logprobs": lp, "finish_reason": finish}
+        else:
+            choice = {"index": index, "text": payload.get("content", ""), "logprobs": lp, "finish_reason": finish}
+        return {**meta, "object": obj, "choices": [choice], **extra}
+
+    out = []
+    for i, r in enumerate(rendered):
+        if kind == "chat":
+            out.append(chunk(i, {"role": "assistant", "content": ""}))
+        offset = 0
+        for j, delta in enumerate(text.deltas(tok, r)):
+            lp = None
+            if req.topk() is not None:
+                lp = (text.chat_logprobs(tok, r, range(j, j + 1), req.return_tokens_as_token_ids) if kind == "chat"
+                      else text.completion_logprobs(tok, r, range(j, j + 1), req.return_tokens_as_token_ids, offset))
+            offset += len(delta)
+            out.append(chunk(i, {"content": delta}, lp=lp))
+        out.append(chunk(i, {}, finish=r.finish_reason))
+    if req.include_usage:
+        out.append({**meta, "object": obj, "choices": [], "usage": usage})
+    return out
+
+
+async def _sse(chunks: list[dict]) -> AsyncIterator[bytes]:
+    for c in chunks:
+        yield f"data: {json.dumps(c)}\n\n".encode()
+    yield b"data: [DONE]\n\n"
