@@ -157,6 +157,8 @@ def build_app(config: ServerConfig, client=None):
                       reserve=reserve)
     runs = Runs(store, config.checkpoints_dir)
     runs.reserve = reserve
+    # Crash debris of checkpoint saves, swept with the snapshots' at start and after engine restarts.
+    recovery.sweeps.append(lambda: runs.sweep_stale_temp(older_than_s=0))
     served = {m.name: m for m in client.models()}  # a process engine: waits here until its child is ready
     accounts = Accounts(store)
     app_state = AppState(config=config, control=control, runs=runs, served=served, accounts=accounts)
@@ -296,7 +298,6 @@ def run(args) -> int:
         app, control = build_app(config, client)
         state["control"] = control
         runs = app.state.tinkerd.runs
-        runs.sweep_stale_temp(older_than_s=0)  # before any save can run: debris of a crash, restored or removed
         state["sweeper"] = CheckpointSweeper(runs, args.checkpoint_sweep_interval_s)
         state["key"] = local_key(config, app.state.tinkerd.accounts)
         # A resolver can take seconds to fail: asked here, off the loop, while the engine starts.
