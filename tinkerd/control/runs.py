@@ -361,9 +361,15 @@ class Runs:
     # -- sampling sessions -----------------------------------------------------------------------
 
     def create_sampling_session(self, session_id: str, seq_id: int, base_model: str, model_path: str | None,
-                                adapter_dir: str | None, account_id: str | None = None) -> SamplingSessionRow:
+                                adapter_dir: str | None, account_id: str | None = None,
+                                accepted: bool = False) -> SamplingSessionRow:
+        """accepted=True: the sampler an accepted op made (save_weights_for_sampler's ephemeral one),
+        which spends the free-space reserve; otherwise a new sampler is new work, refused under it
+        (a re-send of one already made is not)."""
         self.owned_session(session_id, account_id)
         sid = f"{session_id}:sample:{seq_id}"
+        if not accepted and self.reserve is not None and self.store.get(SamplingSessionRow, sid) is None:
+            self.reserve.check()
         row = SamplingSessionRow(sampling_session_id=sid, session_id=session_id, base_model=base_model,
                                  model_path=model_path, adapter_dir=adapter_dir, created_at=utcnow())
         if not self.store.add(row):
