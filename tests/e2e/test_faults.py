@@ -327,8 +327,14 @@ def test_store_locked_by_another_process_mid_loop(reference, tmp_path, models_di
         locker = sqlite3.connect(data / "tinkerd.sqlite", isolation_level=None)
         locker.execute("BEGIN EXCLUSIVE")  # WAL: readers go on, every writer waits
         t_lock = time.monotonic()
-        os.kill(engine, signal.SIGCONT)
         with httpx.Client(base_url=srv.url, headers={"X-API-Key": API_KEY}, timeout=30) as http:
+            # Before any write has failed (the engine is still stopped, nothing else writes):
+            # readyz probes the store itself (Store.write_probe).
+            early = http.get("/api/v1/readyz")
+            assert early.status_code == 503 and not any("cannot store the" in line for line in srv.lines)
+            assert "storage not writable: database is locked" in early.json()["reasons"], early.text
+            assert early.json()["storage"]["writable"] is False
+            os.kill(engine, signal.SIGCONT)
             refused = http.post("/api/v1/create_session", json={"tags": [], "user_metadata": {}, "sdk_version": "0.38.0"})
             refused_after_s = time.monotonic() - t_lock
             assert refused.status_code == 503, refused.text
