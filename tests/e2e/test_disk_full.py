@@ -1,6 +1,6 @@
 """The data directory fills up in the middle of an SDK training loop (a 64 MiB tmpfs and a ballast
-file): new work is refused with a 503 that names the full disk, the readiness probe says so, work
-accepted before finishes, and once the ballast goes the loop completes with the losses of an
+file): new work (a session, an op, a sampler) is refused with a 503 that names the full disk, the
+readiness probe says so, work accepted before finishes, and once the ballast goes the loop completes with the losses of an
 uninterrupted run, no future left pending and no partial checkpoint files.
 
 The server's models directory is a link out of the tmpfs: the converted tiny model (~86 MB) would
@@ -56,6 +56,11 @@ def _until_stored(data, request_type: str, n: int) -> None:
         time.sleep(0.02)
 
 
+def _sampling_session(http, session_id: str, seq: int):
+    return http.post("/api/v1/create_sampling_session", json={
+        "session_id": session_id, "sampling_session_seq_id": seq, "base_model": TINY})
+
+
 def test_a_full_disk_refuses_new_work_and_the_loop_resumes_exactly(tmp_path, models_dir):
     with small_tmpfs(tmp_path / "data", "64m") as data:
         (data / "models").symlink_to(models_dir, target_is_directory=True)
@@ -76,6 +81,9 @@ def _run(srv, data):
 
     tc = _client(service)
     losses = [_step(tc) for _ in range(2)]
+    session = http.post("/api/v1/create_session", json={"tags": [], "user_metadata": {}, "sdk_version": "0.38.0"}).json()
+    sampler = _sampling_session(http, session["session_id"], 0)
+    assert sampler.status_code == 200, sampler.text
     accepted = tc.forward_backward(DATA, "cross_entropy")
     _until_stored(data, "ForwardBackward", STEPS + 3)  # the SDK sends it from its own thread: accepted now
     reserve = http.get("/api/v1/readyz").json()["storage"]["reserve_bytes"]
@@ -88,6 +96,12 @@ def _run(srv, data):
     body = refused.json()
     assert body["category"] == "server" and body["error"].startswith("server storage is full: "), body
     assert str(data) in body["error"]
+    # A new sampler is new work too: refused before anything is stored. A re-send of one made
+    # before the disk filled is not new work: it answers its sampler.
+    refused = _sampling_session(http, session["session_id"], 1)
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "10", refused.text
+    assert refused.json()["error"].startswith("server storage is full: "), refused.text
+    assert _sampling_session(http, session["session_id"], 0).json() == sampler.json()
     ready = http.get("/api/v1/readyz")
     assert ready.status_code == 503 and ready.json()["storage"]["ok"] is False
     assert "storage under its free-space reserve" in ready.json()["reasons"]
@@ -104,6 +118,7 @@ def _run(srv, data):
     assert losses == expected  # bit-identical to the uninterrupted run
 
     assert http.get("/api/v1/readyz").status_code == 200
+    assert _sampling_session(http, session["session_id"], 1).status_code == 200
     assert_nothing_stranded(srv.url, data)  # nothing stranded or failed; every result retrievable
     debris = [p for p in data.rglob("*") if ".tmp-" in p.name or ".old-" in p.name]
     assert not debris

@@ -171,9 +171,9 @@ def _wait_gone(pid: int, timeout_s: float = 20) -> None:
 @pytest.mark.slow
 def test_engine_sigkilled_inside_a_checkpoint_write(reference, tmp_path, models_dir, capsys):
     """Exercises the engine-crash recovery path (Control._recover_engine): the in-flight save_state,
-    never stored, is re-queued and written again; the frozen write's temp dir is left for the next
-    start's sweep, which fsck reports and --repair removes. Without the temp-then-rename write the
-    kill would leave a half checkpoint under its real name (read_adapter would fail on it)."""
+    never stored, is re-queued and written again; the frozen write's temp dir is swept before the
+    rebuild (control/debris.py), so fsck finds nothing. Without the temp-then-rename write the kill
+    would leave a half checkpoint under its real name (read_adapter would fail on it)."""
     data = _data_dir(tmp_path, models_dir)
     srv = start_server(data, [TINY], ARGS)
     box: dict = {}
@@ -197,22 +197,21 @@ def test_engine_sigkilled_inside_a_checkpoint_write(reference, tmp_path, models_
     finally:
         srv.stop()
     _assert_same(result, reference, data)
-    assert box["tmp"].is_dir()  # the killed write: its temp dir, never renamed
-    rc, out = _fsck(data, capsys)
-    assert rc == 1 and f"temp-debris: {box['tmp']}" in out and "1 problems, 1 of them debris" in out, out
-    rc, out = _fsck(data, capsys, "--repair")
-    assert rc == 0 and f"repair: removed {box['tmp']}" in out, out
+    assert not box["tmp"].exists()  # the killed write's temp dir: swept after the engine restart
     rc, out = _fsck(data, capsys)
     assert rc == 0 and "clean" in out, out
     print(f"engine kill inside save_state: {box['seconds']:.1f} s loop, {ids} futures all retrieved, "
           f"recovery {recoveries(srv.lines)}")
 
 
-def _restart_after_group_kill(srv: ServerProcess, data: Path, port: str, frozen_engine: int | None) -> ServerProcess:
+def _restart_after_group_kill(srv: ServerProcess, data: Path, port: str, frozen_engine: int | None,
+                              while_down: Callable | None = None) -> ServerProcess:
     os.killpg(srv.proc.pid, signal.SIGKILL)  # the server and its engine child: a power cut for the process tree
     srv.proc.wait()
     if frozen_engine is not None:
         _wait_gone(frozen_engine)
+    if while_down is not None:
+        while_down()
     return start_server(data, [TINY], ARGS + ["--port", port], launcher=["setsid"])
 
 
@@ -220,9 +219,10 @@ def _restart_after_group_kill(srv: ServerProcess, data: Path, port: str, frozen_
 def test_server_group_sigkilled_inside_save_state(reference, tmp_path, models_dir, capsys):
     """Exercises the write-ahead log and start-up recovery (Control._recover_from_store): the
     save_state was accepted (its FutureRow stored) but never finished; after the restart it is
-    re-queued from its stored body and written, and the start's sweep (Runs.sweep_stale_temp)
-    removes the frozen write's temp dir. Without the write-ahead row the SDK's poll of that
-    request_id would get a 404 after the restart."""
+    re-queued from its stored body and written, and the start's sweep (control/debris.py) removes
+    the frozen write's temp dir and a snapshot write's temp dir planted while the server was down,
+    leaving the real snapshots recovery starts from. Without the write-ahead row the SDK's poll of
+    that request_id would get a 404 after the restart."""
     data = _data_dir(tmp_path, models_dir)
     port = str(_free_port())
     srv = start_server(data, [TINY], ARGS + ["--port", port], launcher=["setsid"])  # its own process group
@@ -232,8 +232,14 @@ def test_server_group_sigkilled_inside_save_state(reference, tmp_path, models_di
         def run():
             pid, tmp = _freeze_in_write(srv.proc.pid, data / "checkpoints" / tc.model_id / "weights", "mid")
             box["tmp"] = tmp
+            # What a snapshot write killed mid-way leaves (engine/training.py: _snapshot).
+            box["planted"] = data / "snapshots" / tc.model_id / ".seq-000000000099.tmp-pl4nt3d0"
+
+            def plant():
+                box["planted"].mkdir(parents=True)
+                (box["planted"] / "adapter_model.safetensors").write_bytes(b"half")
             t0 = time.monotonic()
-            box["srv"] = _restart_after_group_kill(srv, data, port, pid)
+            box["srv"] = _restart_after_group_kill(srv, data, port, pid, while_down=plant)
             box["restart_s"] = time.monotonic() - t0
         box["thread"] = _in_thread(run)[0]
 
@@ -246,8 +252,9 @@ def test_server_group_sigkilled_inside_save_state(reference, tmp_path, models_di
     finally:
         box["srv"].stop()
         srv.stop()
-    _assert_same(result, reference, data)
-    assert not box["tmp"].exists()  # swept at the restart
+    _assert_same(result, reference, data)  # recovery started from a real snapshot: the sweep kept them
+    assert not box["tmp"].exists() and not box["planted"].exists()  # swept at the restart
+    assert any(p.name.startswith("seq-") for p in box["planted"].parent.iterdir())
     rc, out = _fsck(data, capsys)
     assert rc == 0 and "clean" in out, out
     print(f"server group kill inside save_state: restart {box['restart_s']:.1f} s, {ids} futures all retrieved")
@@ -320,8 +327,14 @@ def test_store_locked_by_another_process_mid_loop(reference, tmp_path, models_di
         locker = sqlite3.connect(data / "tinkerd.sqlite", isolation_level=None)
         locker.execute("BEGIN EXCLUSIVE")  # WAL: readers go on, every writer waits
         t_lock = time.monotonic()
-        os.kill(engine, signal.SIGCONT)
         with httpx.Client(base_url=srv.url, headers={"X-API-Key": API_KEY}, timeout=30) as http:
+            # Before any write has failed (the engine is still stopped, nothing else writes):
+            # readyz probes the store itself (Store.write_probe).
+            early = http.get("/api/v1/readyz")
+            assert early.status_code == 503 and not any("cannot store the" in line for line in srv.lines)
+            assert "storage not writable: database is locked" in early.json()["reasons"], early.text
+            assert early.json()["storage"]["writable"] is False
+            os.kill(engine, signal.SIGCONT)
             refused = http.post("/api/v1/create_session", json={"tags": [], "user_metadata": {}, "sdk_version": "0.38.0"})
             refused_after_s = time.monotonic() - t_lock
             assert refused.status_code == 503, refused.text

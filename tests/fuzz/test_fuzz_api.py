@@ -11,7 +11,9 @@ Three generators, each stopped by a wall-clock budget (all of it well under a mi
    run and sampler, and another account's run), so generated values reach validation deep inside.
 
 Asserted: no response >= 500, no accepted op that fails with category "server", the server process
-still alive, and a run of another account made before the fuzz gives the same forward result after.
+still alive, a run of another account made before the fuzz gives the same forward result after, and
+a training loop that account runs through the SDK *while* the fuzz runs has the losses, `==`, of the
+same loop run undisturbed before it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import json
 import math
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -121,6 +124,51 @@ def _datum(tokens: list[int]) -> t.Datum:
     return t.Datum(model_input=t.ModelInput.from_ints(tokens), loss_fn_inputs={"target_tokens": tokens[1:] + [tokens[0]]})
 
 
+# The other account's training loop during the fuzz: LOOP_STEPS steps spread over the generators'
+# budgets, so that it runs while each of them does (~0.2 s of compute a step on the tiny model).
+LOOP_STEPS = 12
+LOOP_DATA = [[_datum([(7 * i + 3 * j) % 900 + 1 for j in range(6 + i % 5)])] for i in range(LOOP_STEPS)]
+
+
+def _loop_client(sc: tinker.ServiceClient):
+    return sc.create_lora_training_client(base_model=TINY, rank=4, seed=23).result()
+
+
+def _loop_step(tc, i: int) -> float:
+    fb = tc.forward_backward(LOOP_DATA[i], "cross_entropy")
+    tc.optim_step(t.AdamParams(learning_rate=1e-2)).result()
+    return fb.result().metrics["loss:sum"]
+
+
+class ConcurrentLoop:
+    """The SDK loop on a thread, one step every `interval_s`, until LOOP_STEPS or `stop()`."""
+
+    def __init__(self, sc: tinker.ServiceClient, interval_s: float):
+        self.tc = _loop_client(sc)
+        self.interval_s = interval_s
+        self.losses: list[float] = []
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fuzz-concurrent-loop", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for i in range(LOOP_STEPS):
+                if self._stop.wait(self.interval_s if i else 0.0):
+                    return
+                self.losses.append(_loop_step(self.tc, i))
+        except BaseException as e:  # raised by the test that checks it
+            self.error = e
+
+    def stop(self) -> list[float]:
+        self._stop.set()
+        self._thread.join(timeout=120)
+        if self.error is not None:
+            raise self.error
+        return self.losses
+
+
 @pytest.fixture(scope="module")
 def fuzz_env(tmp_path_factory):
     data_dir = tmp_path_factory.mktemp("fuzz-data")
@@ -135,6 +183,11 @@ def fuzz_env(tmp_path_factory):
             victim.forward_backward(probe, "cross_entropy").result()
             victim.optim_step(t.AdamParams(learning_rate=1e-2)).result()
         before = victim.forward(probe, "cross_entropy").result()
+        # The loop undisturbed, then the same loop started again to run alongside the fuzz.
+        reference = _loop_client(sc)
+        undisturbed = [_loop_step(reference, i) for i in range(LOOP_STEPS)]
+        fuzz_s = BUDGET_S["openapi"] + BUDGET_S["protobuf"] + BUDGET_S["json"]
+        loop = ConcurrentLoop(sc, interval_s=fuzz_s / LOOP_STEPS)
         # The fuzzing account and ids of its own to aim at.
         out = subprocess.run([sys.executable, "-m", "tinkerd.cli.main", "keys", "--data-dir", str(data_dir), "create",
                               "--name", "fuzzer", "--account", "fuzzer"], capture_output=True, text=True, check=True)
@@ -147,7 +200,9 @@ def fuzz_env(tmp_path_factory):
         sampler = c.post("/create_sampling_session", json={"session_id": session, "sampling_session_seq_id": 0,
                                                            "base_model": TINY}).json()["sampling_session_id"]
         yield dict(srv=srv, key=key, client=c, session=session, run=created["model_id"], sampler=sampler,
-                   victim=victim, victim_id=victim.model_id, probe=probe, before=before, tally=Tally())
+                   victim=victim, victim_id=victim.model_id, probe=probe, before=before, tally=Tally(),
+                   loop=loop, undisturbed=undisturbed)
+        loop.stop()
     finally:
         srv.stop()
 
@@ -401,3 +456,9 @@ def test_after_the_fuzz_the_server_and_the_other_accounts_run_are_intact(fuzz_en
     after = env["victim"].forward(env["probe"], "cross_entropy").result()
     assert after.loss_fn_outputs[0]["logprobs"].data == env["before"].loss_fn_outputs[0]["logprobs"].data
     assert after.metrics == env["before"].metrics
+    # The loop that ran during the fuzz: every step it made equals the undisturbed loop's, bit for bit.
+    during = env["loop"].stop()
+    print(f"concurrent SDK loop: {len(during)} of {LOOP_STEPS} steps during the fuzz, losses == undisturbed: "
+          f"{during == env['undisturbed'][:len(during)]}")
+    assert len(during) >= LOOP_STEPS // 2, during  # it did run alongside the generators
+    assert during == env["undisturbed"][:len(during)]

@@ -180,6 +180,8 @@ def build_app(config: ServerConfig, client=None):
         control.metrics.tracer = OpTracer.otlp(config.otlp_endpoint)
     runs = Runs(store, config.checkpoints_dir)
     runs.reserve = reserve
+    # Crash debris of checkpoint saves, swept with the snapshots' at start and after engine restarts.
+    recovery.sweeps.append(lambda: runs.sweep_stale_temp(older_than_s=0))
     served = {m.name: m for m in client.models()}  # a process engine: waits here until its child is ready
     accounts = Accounts(store)
     records = StabilityRecords(store, config.recorded_sequence_ttl_s)
@@ -320,7 +322,6 @@ def run(args) -> int:
         app, control = build_app(config, client)
         state["control"] = control
         runs = app.state.tinkerd.runs
-        runs.sweep_stale_temp(older_than_s=0)  # before any save can run: debris of a crash, restored or removed
         state["sweeper"] = CheckpointSweeper(runs, args.checkpoint_sweep_interval_s)
         state["key"] = local_key(config, app.state.tinkerd.accounts)
         # A resolver can take seconds to fail: asked here, off the loop, while the engine starts.

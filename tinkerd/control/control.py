@@ -377,6 +377,11 @@ class Control:
             storage = disk.as_dict()
             if not disk.ok:
                 reasons.append("storage under its free-space reserve")
+        # Locked by another process or read-only: known before any write fails on it.
+        write_error = self.store.write_probe()
+        storage = {**(storage or {}), "writable": write_error is None, "write_error": write_error}
+        if write_error is not None:
+            reasons.append(f"storage not writable: {write_error}")
         stalled = self.results.stalled_since
         if stalled is not None:
             reasons.append("a finished op's result cannot be stored")

@@ -67,7 +67,7 @@ def copy_weights(runs: Runs, source_path: str, account_id: str | None, *, sessio
         user_metadata=dict(source_run.user_metadata or {}), created_at=now, last_request_at=now))
     # Never in the engine: marked so, residency does not try to release it or count it as loaded.
     runs.store.add(UnloadedRunRow(model_id=model_id, unloaded_at=now))
-    _copy_files(Path(ckpt.dir_path), runs.checkpoint_dir(dest))
+    _copy_files(runs, Path(ckpt.dir_path), runs.checkpoint_dir(dest))
     row = runs.register_checkpoint(dest, ttl, ckpt.user_metadata)
     runs._audit_checkpoint("checkpoint_copied", row, source_path=str(source))
     return dest
@@ -91,16 +91,18 @@ def _copy_session(runs: Runs, account_id: str | None, idempotency_key: str | Non
     return runs.owned_session(session_id, account_id).session_id
 
 
-def _copy_files(src: Path, dst: Path) -> None:
+def _copy_files(runs: Runs, src: Path, dst: Path) -> None:
     if not src.is_dir():
         raise UserError(f"checkpoint files of {src.name} are missing; it cannot be copied")
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.parent / f".{dst.name}.tmp-{secrets.token_hex(4)}"
-    try:
-        shutil.copytree(src, tmp)
-        os.replace(tmp, dst) if not dst.exists() else _swap(tmp, dst)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    # Marked as in progress: the sweep after an engine restart takes every other temp dir.
+    with runs.copying(tmp):
+        try:
+            shutil.copytree(src, tmp)
+            os.replace(tmp, dst) if not dst.exists() else _swap(tmp, dst)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _swap(tmp: Path, dst: Path) -> None:

@@ -34,6 +34,7 @@ from typing import Callable
 
 from sqlalchemy import select
 
+from tinkerd.control.debris import CHECKPOINT_TEMP, SNAPSHOT_TEMP
 from tinkerd.control.recovery import STATE_CHANGING, Recovery
 from tinkerd.control.retention import dedupe_prefix
 from tinkerd.control.runs import SEGMENT_TYPES
@@ -60,8 +61,8 @@ REQUIRED_FILES = {
 SNAPSHOT_FILES = REQUIRED_FILES["training"]  # engine/training.py: _snapshot saves with the optimizer
 # Temp names of every writer under the data directory, relative to the directory they sit in.
 TEMP_PATTERNS = {
-    "checkpoints": ("*/*/.*.tmp-*", "*/*/.*.old-*", "*/.*.tmp-*", "*/.*.old-*"),  # named, then _ephemeral
-    "snapshots": ("*/.*.tmp-*", "*/.*.old-*"),  # snapshots/<model_id>/.seq-<n>.tmp-*
+    "checkpoints": CHECKPOINT_TEMP,  # named, then _ephemeral (control/debris.py)
+    "snapshots": SNAPSHOT_TEMP,  # snapshots/<model_id>/.seq-<n>.tmp-*
     "models": (".build-*", "*/.build-*"),
     ".": (".url_signing.key.*",),
 }

@@ -25,6 +25,7 @@ from typing import Any, Callable, Collection, Iterable
 
 from sqlalchemy import select
 
+from tinkerd.control.debris import SNAPSHOT_TEMP, sweep_temp
 from tinkerd.control.store.db import Store
 from tinkerd.control.store.tables import FutureRow, TrainingRunRow
 from tinkerd.errors import TinkerdError
@@ -55,6 +56,9 @@ class Recovery:
         self.rebuild = rebuild
         self.snapshot_interval_s = snapshot_interval_s
         self._last_snapshot: dict[str, float] = {}
+        # More debris sweeps to run before every rebuild, beside the snapshots' own: cli/serve.py
+        # adds the checkpoints' (Runs.sweep_stale_temp with older_than_s=0).
+        self.sweeps: list[Callable[[], object]] = []
 
     # -- snapshots -------------------------------------------------------------------------------
 
@@ -131,9 +135,24 @@ class Recovery:
                     log.error("cannot replay %s %s of %s: %s", row.request_type, row.request_id, model_id, e.message)
         return plan
 
+    def sweep_temp(self) -> int:
+        """Remove the temp dirs of snapshot writes a dead engine left (control/debris.py), and run
+        the other sweeps; returns how many snapshot temp dirs went. Only while the engine is fresh:
+        at server start and after an engine restart, before the replay writes new snapshots."""
+        swept = sweep_temp(self.snapshots_dir, SNAPSHOT_TEMP)
+        if swept:
+            log.info("removed %d snapshot temp dir(s) of writes that never finished", len(swept))
+        for sweep in self.sweeps:
+            try:
+                sweep()
+            except Exception:  # disk space only: a failed sweep must not stop the recovery
+                log.exception("sweeping temp dirs before the rebuild failed")
+        return len(swept)
+
     def rebuild_engine(self, engine, skip: Collection[str] = ()) -> RecoveryReport:
         """Run the replay plan on a fresh engine (synchronously, before any new work); runs in
-        `skip` (released ones) stay out until their next op."""
+        `skip` (released ones) stay out until their next op. The dead engine's temp dirs go first."""
+        self.sweep_temp()
         t0 = time.perf_counter()
         plan = self.replay_plan(skip=skip)
         models = len({op.model_id for op in plan})

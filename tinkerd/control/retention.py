@@ -35,7 +35,7 @@ from sqlalchemy import delete, or_, select, update
 
 from tinkerd.control.recovery import STATE_CHANGING, Recovery
 from tinkerd.control.store.db import Store, utcnow
-from tinkerd.control.store.tables import FutureRow, FutureWatermarkRow
+from tinkerd.control.store.tables import FutureRow, FutureWatermarkRow, SamplingSessionRow
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,7 @@ def forgotten(store: Store, request_type: str, account_id: str | None, target: s
 class SweepReport:
     expired: int
     forgotten: int
+    marks_dropped: int = 0
 
 
 class FutureRetention:
@@ -107,7 +108,26 @@ class FutureRetention:
     def sweep(self, now: datetime | None = None) -> SweepReport:
         now = now or utcnow()
         snapshots: dict[str, int | None] = {}  # target -> latest usable snapshot seq, per sweep
-        return SweepReport(self._expire(now, snapshots), self._forget(now, snapshots))
+        expired, forgotten = self._expire(now, snapshots), self._forget(now, snapshots)
+        return SweepReport(expired, forgotten, self._drop_marks_of_gone_samplers())
+
+    def _drop_marks_of_gone_samplers(self) -> int:
+        """Delete the watermarks of sampling sessions that no longer exist. A request to a deleted
+        sampler is a 404 before any dedupe (api/routes/sampling.py), so its watermark guards nothing;
+        kept, they were one row per sampler for good, and an RL loop makes a sampler per step
+        (save_weights_and_get_sampling_client; found by benchmarks/soak.py)."""
+        marks = self.store.query(select(FutureWatermarkRow.dedupe_prefix).where(
+            FutureWatermarkRow.dedupe_prefix.like("%:sample:%")))
+        by_target: dict[str, list[str]] = {}
+        for key in marks:
+            by_target.setdefault(key.split("|", 2)[-1], []).append(key)
+        live = set(self.store.query(select(SamplingSessionRow.sampling_session_id).where(
+            SamplingSessionRow.sampling_session_id.in_(list(by_target))))) if by_target else set()
+        gone = [key for target, keys in by_target.items() if target not in live for key in keys]
+        if gone:
+            with self.store.write() as s:
+                s.execute(delete(FutureWatermarkRow).where(FutureWatermarkRow.dedupe_prefix.in_(gone)))
+        return len(gone)
 
     def _expire(self, now: datetime, snapshots: dict) -> int:
         due = or_(FutureRow.retrieved_at < now - timedelta(seconds=self.retrieved_grace_s),

@@ -13,20 +13,20 @@ create-via-load), sampler id = `{session_id}:sample:{n}`, checkpoint paths
 from __future__ import annotations
 
 import logging
-import os
 import re
 import secrets
 import shutil
 import threading
-import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from sqlalchemy import func, or_, select
 
 from tinkerd.control.audit import AuditLog
+from tinkerd.control.debris import CHECKPOINT_TEMP, sweep_temp
 from tinkerd.control.storage import StorageLedger
 from tinkerd.control.store.db import Store, utcnow
 from tinkerd.control.store.tables import CheckpointRow, SamplingSessionRow, SessionRow, TrainingRunRow
@@ -106,6 +106,9 @@ class Runs:
         # The data directory's free-space reserve (control/diskspace.py): a new session is new work,
         # refused under it. None (tests) never refuses.
         self.reserve = None
+        # Temp dirs of copy_weights calls in progress, which no sweep may take (sweep_stale_temp).
+        self._copying: set[Path] = set()
+        self._copying_lock = threading.Lock()
 
     # -- sessions --------------------------------------------------------------------------------
 
@@ -317,34 +320,27 @@ class Runs:
         return len(expired)
 
     def sweep_stale_temp(self, older_than_s: float = STALE_TEMP_S) -> int:
-        """Clear what a crashed save left next to checkpoints; returns how many directories.
-
-        `.<name>.tmp-*` is a save that never finished: deleted. `.<name>.old-*/ckpt` is the previous
-        checkpoint set aside while a new one was renamed into place: if the crash came between the
-        two renames the real name is empty, so the old checkpoint goes back (its registration never
-        changed); otherwise it is deleted. Run with older_than_s=0 only while no save can be running
-        (at start-up).
+        """Clear what a crashed save left next to checkpoints (control/debris.py); returns how many
+        directories. `.<name>.tmp-*` is a save that never finished: deleted. `.<name>.old-*/ckpt`
+        is the previous checkpoint set aside while a new one was renamed into place: put back if the
+        real name is empty, else deleted. older_than_s=0 only while no engine save can be running
+        (at start-up, after an engine restart); copies in progress here are always kept.
         """
-        if not self.checkpoints_dir.is_dir():
-            return 0
-        cutoff = time.time() - older_than_s
-        handled = 0
-        # <model>/<segment>/.<name>.* for named checkpoints, _ephemeral/.<id>.* for samplers.
-        for pattern in ("*/*/.*.tmp-*", "*/*/.*.old-*", "*/.*.tmp-*", "*/.*.old-*"):
-            for d in self.checkpoints_dir.glob(pattern):
-                try:
-                    if not d.is_dir() or d.stat().st_mtime >= cutoff:
-                        continue
-                    kept = d / "ckpt"
-                    target = d.parent / d.name[1:].rsplit(".old-", 1)[0]
-                    if ".old-" in d.name and kept.is_dir() and not target.exists():
-                        os.replace(kept, target)
-                        log.warning("restored %s, set aside by a save that crashed before replacing it", target)
-                    shutil.rmtree(d, ignore_errors=True)
-                    handled += 1
-                except FileNotFoundError:
-                    pass
-        return handled
+        with self._copying_lock:
+            copying = set(self._copying)
+        return len(sweep_temp(self.checkpoints_dir, CHECKPOINT_TEMP, older_than_s, keep=copying.__contains__))
+
+    @contextmanager
+    def copying(self, tmp: Path) -> Iterator[None]:
+        """Mark `tmp` as a copy being written in this process (control/copies.py), so that a sweep
+        with older_than_s=0 after an engine restart leaves it alone."""
+        with self._copying_lock:
+            self._copying.add(tmp)
+        try:
+            yield
+        finally:
+            with self._copying_lock:
+                self._copying.discard(tmp)
 
     def _remove(self, row: CheckpointRow) -> None:
         self.storage.removed(row)
@@ -365,9 +361,15 @@ class Runs:
     # -- sampling sessions -----------------------------------------------------------------------
 
     def create_sampling_session(self, session_id: str, seq_id: int, base_model: str, model_path: str | None,
-                                adapter_dir: str | None, account_id: str | None = None) -> SamplingSessionRow:
+                                adapter_dir: str | None, account_id: str | None = None,
+                                accepted: bool = False) -> SamplingSessionRow:
+        """accepted=True: the sampler an accepted op made (save_weights_for_sampler's ephemeral one),
+        which spends the free-space reserve; otherwise a new sampler is new work, refused under it
+        (a re-send of one already made is not)."""
         self.owned_session(session_id, account_id)
         sid = f"{session_id}:sample:{seq_id}"
+        if not accepted and self.reserve is not None and self.store.get(SamplingSessionRow, sid) is None:
+            self.reserve.check()
         row = SamplingSessionRow(sampling_session_id=sid, session_id=session_id, base_model=base_model,
                                  model_path=model_path, adapter_dir=adapter_dir, created_at=utcnow())
         if not self.store.add(row):

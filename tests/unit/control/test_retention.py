@@ -14,7 +14,7 @@ from tinkerd.control.control import Control, Work
 from tinkerd.control.recovery import Recovery
 from tinkerd.control.retention import FutureRetention
 from tinkerd.control.store.db import Store, utcnow
-from tinkerd.control.store.tables import FutureRow, FutureWatermarkRow, TrainingRunRow, UsageRow
+from tinkerd.control.store.tables import FutureRow, FutureWatermarkRow, SamplingSessionRow, TrainingRunRow, UsageRow
 from tinkerd.errors import UserError
 from tinkerd.types import AdamParams, OptimStepOp
 from tests.unit.control.test_scheduler import FakeEngine
@@ -168,3 +168,19 @@ def test_retrieving_starts_the_grace_once_and_an_expired_row_is_not_marked(store
     FutureRetention(store, None, GRACE, MAX_AGE, TOMBSTONE).sweep(first + timedelta(seconds=GRACE * 1.1))
     row = asyncio.run(control.retrieve(rid, 0.0))
     assert row.expired_at is not None and row.result is None
+
+
+def test_watermarks_of_deleted_samplers_go_and_the_others_stay(store, tmp_path):
+    """An RL loop makes a sampler per step and the session keeps its newest few: a watermark per
+    sampler kept forever grew one row per step (benchmarks/soak.py)."""
+    live, pruned = "sess-1:sample:7", "sess-1:sample:3"
+    store.add(SamplingSessionRow(sampling_session_id=live, session_id="sess-1", base_model="tiny", model_path=None,
+                                 adapter_dir=None, created_at=utcnow()))
+    for target in (live, pruned):
+        store.add(FutureWatermarkRow(dedupe_prefix=f"Sample|acct|{target}", seq_id=4))
+    store.add(FutureWatermarkRow(dedupe_prefix=f"OptimStep|acct|{MODEL}", seq_id=9))
+    retention = FutureRetention(store, _recovery(store, tmp_path), GRACE, MAX_AGE, TOMBSTONE)
+    assert retention.sweep().marks_dropped == 1
+    assert sorted(store.query(select(FutureWatermarkRow.dedupe_prefix))) == [
+        f"OptimStep|acct|{MODEL}", f"Sample|acct|{live}"]
+    assert retention.sweep().marks_dropped == 0

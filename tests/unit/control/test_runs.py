@@ -11,7 +11,7 @@ import pytest
 from tinkerd.control.runs import CheckpointSweeper, Runs, TinkerPath, check_ttl
 from tinkerd.control.store.db import Store, utcnow
 from tinkerd.control.store.tables import CheckpointRow
-from tinkerd.errors import NotFoundError, ServerError, UserError
+from tinkerd.errors import NotFoundError, ServerError, StorageUnavailable, UserError
 
 
 @pytest.fixture
@@ -131,3 +131,21 @@ def test_crash_debris_is_removed_and_a_set_aside_checkpoint_restored(runs):
     assert (runs.checkpoint_dir(live) / "adapter_model.safetensors").read_bytes() == b"x" * 100
     # At start-up nothing can be saving, so age does not matter.
     assert runs.sweep_stale_temp(older_than_s=0) == 1 and not fresh.exists()
+
+
+class FullDisk:
+    """DiskReserve under its reserve (control/diskspace.py)."""
+
+    def check(self) -> None:
+        raise StorageUnavailable("server storage is full: 1 MB free on /data, under the 3 MB reserve")
+
+
+def test_a_new_sampling_session_is_refused_under_the_reserve_but_not_a_resend_or_an_accepted_ops(runs):
+    session = runs.list_runs()[0][0].session_id
+    first = runs.create_sampling_session(session, 0, "tiny", None, None)
+    runs.reserve = FullDisk()
+    with pytest.raises(StorageUnavailable, match="server storage is full"):
+        runs.create_sampling_session(session, 1, "tiny", None, None)
+    assert runs.create_sampling_session(session, 0, "tiny", None, None).sampling_session_id == first.sampling_session_id
+    # save_weights_for_sampler's ephemeral sampler: the op was accepted, so it spends the reserve.
+    assert runs.create_sampling_session(session, 2, "tiny", None, "/x", accepted=True).adapter_dir == "/x"

@@ -22,10 +22,11 @@ async def healthz() -> dict:
 
 
 @router.get("/readyz")
-async def readyz(request: Request) -> JSONResponse:
+def readyz(request: Request) -> JSONResponse:
     """Whether this server should get new work, for a load balancer: 200 when it should, 503 (with
-    Retry-After) when storage is under its reserve, a result waits on storage, or the engine is
-    restarting or down. Unauthenticated like healthz; it names no runs or accounts."""
+    Retry-After) when storage is under its reserve or not writable, a result waits on storage, or
+    the engine is restarting or down. Unauthenticated like healthz; it names no runs or accounts.
+    A plain def: FastAPI runs it on a thread, as the store probe may wait its 0.1 s busy timeout."""
     health = state(request).control.health()
     body = {"status": "ok" if health["ready"] else "unavailable", **health}
     if health["ready"]:

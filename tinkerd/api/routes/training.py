@@ -198,7 +198,8 @@ def prepare_save_weights_for_sampler(st: AppState, body: bytes, account_id: str 
         op = SaveWeightsOp(req.model_id, adapter_dir, with_optimizer=False)
 
         def finalize(_):
-            st.runs.create_sampling_session(run.session_id, req.sampling_session_seq_id, run.base_model, None, adapter_dir)
+            st.runs.create_sampling_session(run.session_id, req.sampling_session_seq_id, run.base_model, None, adapter_dir,
+                                            accepted=True)
             # An RL loop writes one of these per step: the session's older ones go (on the worker,
             # where finalize runs, so whether a request still uses one is exact).
             st.runs.prune_ephemeral_samplers(run.session_id, st.config.ephemeral_samplers_kept, st.control.busy)

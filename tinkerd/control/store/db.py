@@ -11,6 +11,7 @@ retries storing a finished op's result until it lands (control/results.py).
 
 from __future__ import annotations
 
+import sqlite3
 import threading
 from contextlib import contextmanager
 from datetime import datetime, timezone
@@ -89,6 +90,32 @@ class Store:
     def query(self, stmt) -> list:
         with self._faults(), self._lock, self._sessions() as s:
             return list(s.scalars(stmt))
+
+    def write_probe(self, timeout_s: float = 0.1) -> str | None:
+        """Why a write would fail now, or None: for readiness (GET /readyz), so that a store another
+        process has locked, or a read-only one, shows before a write has failed on it. SQLite only,
+        on a connection of its own with a short busy timeout: BEGIN IMMEDIATE takes the write lock
+        (in WAL mode readers go on), a CREATE TABLE makes SQLite open the file for writing (BEGIN
+        alone passes on a read-only file), and the ROLLBACK leaves nothing. The store's own writes
+        hold the lock for well under a millisecond, so they do not make it fail."""
+        if self.engine.dialect.name != "sqlite":
+            return None
+        try:
+            db = sqlite3.connect(self._where, timeout=timeout_s, isolation_level=None)
+        except sqlite3.Error as e:
+            return str(e)
+        try:
+            db.execute("BEGIN IMMEDIATE")
+            db.execute("CREATE TABLE tinkerd_write_probe (x)")
+            return None
+        except sqlite3.Error as e:
+            return str(e)
+        finally:
+            try:
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
+            finally:
+                db.close()
 
     def future_by_dedupe_key(self, key: str) -> FutureRow | None:
         rows = self.query(select(FutureRow).where(FutureRow.dedupe_key == key))

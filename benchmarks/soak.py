@@ -1,0 +1,212 @@
+"""Soak (issue 16): one SDK client for many steps against a real `tinkerd serve`; does what the
+server holds stay bounded?
+
+The loop: forward_backward + optim_step every step; every `--sample-every` steps a
+save_weights_and_get_sampling_client and a sample from it (as an RL loop does: ephemeral samplers,
+the session keeps its newest few); every `--save-every` steps a save_state with `--ttl-s`. The
+server runs with futures retention on (results deleted `--grace-s` after they were retrieved,
+tombstones forgotten `--tombstone-s` later) and the checkpoint sweeper every 10 s, on timescales
+short enough that a run of a few hundred steps reaches its steady state; the defaults of a real
+server (600 s, 24 h, 24 h) make the same curves over hours.
+
+Every `--every` steps it samples: the RSS of the server and of its engine process, the data
+directory's size (without the converted models), and the row count of every store table. At the
+end it prints the table over time and a verdict per quantity, comparing the last third of the
+samples with the middle third (the first third is warm-up: retention windows and TTLs fill up):
+- RSS flat: the last third's peak within `--rss-tolerance` (default 10%) of the middle third's;
+- data dir and rows bounded: the last third's peak within `--tolerance` (default 25%, plus a
+  small absolute slack) of the middle third's. Ledger tables grow by design, one row per op or per
+  checkpoint: usage (billing), checkpoint_storage (GB-hour billing), audit_log; their growth per
+  step is printed instead.
+Exit 1 if anything meant to be bounded is not, or the loop saw an error.
+
+    python benchmarks/soak.py                      # 2000 steps (~25-40 min on 2 shared cores)
+    python benchmarks/soak.py --steps 300 --every 20 --ttl-s 30 --grace-s 10 --tombstone-s 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sqlite3
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import tinker  # noqa: E402
+from tinker import types  # noqa: E402
+
+from tests.chaos import TINY, engine_pid  # noqa: E402
+from tests.serverproc import API_KEY, start_server  # noqa: E402
+
+LEDGERS = ("usage", "checkpoint_storage", "audit_log")
+MIB = 2**20
+
+
+@dataclass
+class Sample:
+    step: int
+    elapsed_s: float
+    server_rss: int
+    engine_rss: int
+    data_bytes: int
+    rows: dict[str, int] = field(default_factory=dict)
+
+
+def rss(pid: int | None) -> int:
+    try:
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, TypeError):
+        pass
+    return 0
+
+
+def dir_bytes(root: Path, skip: str = "models") -> int:
+    total = 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        if Path(dirpath) == root and skip in dirnames:
+            dirnames.remove(skip)
+        for name in filenames:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512  # allocated, as df sees it
+            except FileNotFoundError:  # deleted meanwhile (a swept checkpoint)
+                pass
+    return total
+
+
+def row_counts(db_path: Path) -> dict[str, int]:
+    db = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True, timeout=10)
+    try:
+        tables = [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")]
+        return {t: db.execute(f'SELECT count(*) FROM "{t}"').fetchone()[0] for t in sorted(tables)}
+    finally:
+        db.close()
+
+
+def soak(args) -> int:
+    root = Path(args.data_dir or tempfile.mkdtemp(prefix="tinkerd-soak-"))
+    server_args = ["--threads", str(args.threads), "--checkpoint-sweep-interval-s", "10",
+                   "--future-retrieved-grace-s", str(args.grace_s), "--future-tombstone-s", str(args.tombstone_s),
+                   "--future-max-age-s", str(max(args.grace_s, 60.0))]
+    srv = start_server(root, [TINY], server_args)
+    rng = random.Random(args.seed)
+    samples: list[Sample] = []
+    errors: list[str] = []
+    try:
+        sc = tinker.ServiceClient(base_url=srv.url, api_key=API_KEY)
+        tc = sc.create_lora_training_client(base_model=TINY, rank=8, seed=args.seed).result()
+        t0 = time.monotonic()
+
+        def record(step: int) -> None:
+            samples.append(Sample(step, time.monotonic() - t0, rss(srv.proc.pid), rss(engine_pid(srv.proc.pid)),
+                                  dir_bytes(root), row_counts(root / "tinkerd.sqlite")))
+            s = samples[-1]
+            print(f"  step {step:5d}  {s.elapsed_s:7.1f} s  rss server {s.server_rss / MIB:6.1f} MiB engine "
+                  f"{s.engine_rss / MIB:6.1f} MiB  data {s.data_bytes / MIB:6.1f} MiB  futures {s.rows.get('futures', 0)}",
+                  flush=True)
+
+        record(0)
+        for step in range(1, args.steps + 1):
+            toks = [[rng.randrange(1, 5000) for _ in range(rng.randrange(12, 40))] for _ in range(2)]
+            data = [types.Datum(model_input=types.ModelInput.from_ints(t[:-1]), loss_fn_inputs={"target_tokens": t[1:]})
+                    for t in toks]
+            try:
+                fb = tc.forward_backward(data, "cross_entropy")
+                optim = tc.optim_step(types.AdamParams(learning_rate=1e-3))
+                loss = fb.result().metrics["loss:sum"]
+                optim.result()
+                if loss != loss:
+                    errors.append(f"step {step}: loss is NaN")
+                if step % args.sample_every == 0:
+                    sampler = tc.save_weights_and_get_sampling_client().result()
+                    sampler.sample(types.ModelInput.from_ints(toks[0][:8]), 1,
+                                   types.SamplingParams(max_tokens=8, temperature=1.0, seed=step)).result()
+                if step % args.save_every == 0:
+                    tc.save_state(f"step-{step:06d}", ttl_seconds=args.ttl_s).result()
+            except Exception as e:  # noqa: BLE001  a soak reports every error, then goes on
+                errors.append(f"step {step}: {type(e).__name__}: {e}")
+            if step % args.every == 0 or step == args.steps:
+                record(step)
+    finally:
+        load = os.getloadavg()
+        srv.stop()
+    return report(samples, errors, args, load)
+
+
+def _bounded(values: list[float], tolerance: float, slack: float) -> tuple[bool, float, float]:
+    """(bounded, middle third's peak, last third's peak). The first third is warm-up: the retention
+    windows and the checkpoints' TTL fill up then, so growth there is expected."""
+    third = len(values) // 3
+    middle, last = max(values[third:2 * third]), max(values[2 * third:])
+    return last <= middle * (1 + tolerance) + slack, middle, last
+
+
+def report(samples: list[Sample], errors: list[str], args, load: tuple[float, float, float]) -> int:
+    if len(samples) < 6:
+        print("too few samples for a verdict: lower --every")
+        return 1
+    steps = samples[-1].step
+    wall = samples[-1].elapsed_s
+    print(f"\nsoak: {steps} steps in {wall:.0f} s ({wall / steps * 1000:.0f} ms a step, with a sample every "
+          f"{args.sample_every} and a save_state every {args.save_every}), threads={args.threads}, "
+          f"load average {load[0]:.2f}/{load[1]:.2f}/{load[2]:.2f} on {os.cpu_count()} CPUs; retention grace "
+          f"{args.grace_s:g} s, tombstones {args.tombstone_s:g} s, checkpoint TTL {args.ttl_s} s")
+    tables = sorted({t for s in samples for t in s.rows})
+    head = f"{'step':>6} {'s':>6} {'srv MiB':>8} {'eng MiB':>8} {'data MiB':>9} " + " ".join(f"{t[:12]:>12}" for t in tables)
+    print(head)
+    for s in samples:
+        print(f"{s.step:6d} {s.elapsed_s:6.0f} {s.server_rss / MIB:8.1f} {s.engine_rss / MIB:8.1f} "
+              f"{s.data_bytes / MIB:9.1f} " + " ".join(f"{s.rows.get(t, 0):12d}" for t in tables))
+    ok = not errors
+    print()
+    for name, values in (("server RSS", [s.server_rss for s in samples]), ("engine RSS", [s.engine_rss for s in samples])):
+        flat, a, b = _bounded(values, args.rss_tolerance, 0)
+        ok &= flat
+        print(f"{name}: {'flat' if flat else 'GROWING'} (peak {a / MIB:.1f} MiB in the middle third, {b / MIB:.1f} MiB "
+              f"in the last, tolerance {args.rss_tolerance:.0%})")
+    bounded, a, b = _bounded([s.data_bytes for s in samples], args.tolerance, 2 * MIB)
+    ok &= bounded
+    print(f"data dir: {'bounded' if bounded else 'GROWING'} (peak {a / MIB:.1f} MiB middle third, {b / MIB:.1f} MiB last)")
+    for t in tables:
+        values = [s.rows.get(t, 0) for s in samples]
+        if t in LEDGERS:
+            per_step = (values[-1] - values[1]) / max(1, samples[-1].step - samples[1].step)
+            print(f"rows {t}: a ledger, grows by design: {values[-1]} rows, {per_step:.2f} per step")
+            continue
+        bounded, a, b = _bounded(values, args.tolerance, 4)
+        ok &= bounded
+        print(f"rows {t}: {'bounded' if bounded else 'GROWING'} (peak {a:.0f} middle third, {b:.0f} last)")
+    print(f"errors: {len(errors)}")
+    for e in errors[:20]:
+        print(f"  {e}")
+    print("verdict: " + ("bounded" if ok else "NOT bounded (see above)"))
+    return 0 if ok else 1
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--save-every", type=int, default=50)
+    p.add_argument("--sample-every", type=int, default=10)
+    p.add_argument("--every", type=int, default=100, help="steps between measurements")
+    p.add_argument("--ttl-s", type=int, default=60, help="ttl_seconds of each save_state")
+    p.add_argument("--grace-s", type=float, default=15.0, help="--future-retrieved-grace-s of the server")
+    p.add_argument("--tombstone-s", type=float, default=15.0, help="--future-tombstone-s of the server")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=3)
+    p.add_argument("--tolerance", type=float, default=0.25)
+    p.add_argument("--rss-tolerance", type=float, default=0.10)
+    p.add_argument("--data-dir", type=Path, default=None, help="default: a new temp dir")
+    args = p.parse_args()
+    return soak(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

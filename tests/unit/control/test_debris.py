@@ -1,0 +1,79 @@
+"""Crash debris of the atomic writes is swept before every rebuild (server start, engine restart):
+snapshot temp dirs and checkpoint temp dirs go, whole snapshots and checkpoints stay byte for byte,
+and a copy_weights in progress is left alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tinkerd.control.recovery import Recovery
+from tinkerd.control.runs import Runs, TinkerPath
+from tinkerd.control.store.db import Store
+
+
+class NoEngine:
+    """A fresh engine with nothing to replay: step() is never reached on an empty store."""
+
+    def step(self, ops):
+        raise AssertionError("nothing to replay")
+
+
+def _dir(path: Path, content: bytes) -> Path:
+    path.mkdir(parents=True)
+    (path / "adapter_model.safetensors").write_bytes(content)
+    return path
+
+
+@pytest.fixture
+def store(tmp_path) -> Store:
+    return Store.sqlite(tmp_path / "db.sqlite")
+
+
+def test_the_rebuild_sweeps_snapshot_temp_dirs_and_keeps_whole_snapshots(store, tmp_path):
+    root = tmp_path / "snapshots" / "sess-1:train:0"
+    real = _dir(root / "seq-000000000004", b"real")
+    half = _dir(root / ".seq-000000000006.tmp-ab12cd34", b"half")  # a snapshot write killed mid-way
+    set_aside = _dir(root / ".seq-000000000005.old-ef56gh78" / "ckpt", b"five").parent  # killed between renames
+    stale = _dir(root / ".seq-000000000004.old-ij90kl12" / "ckpt", b"older").parent  # killed after the swap
+    recovery = Recovery(store, tmp_path / "snapshots", rebuild=None)
+    report = recovery.rebuild_engine(NoEngine())
+    assert report.replayed_ops == 0
+    assert not half.exists() and not set_aside.exists() and not stale.exists()
+    assert (real / "adapter_model.safetensors").read_bytes() == b"real"
+    assert (root / "seq-000000000005" / "adapter_model.safetensors").read_bytes() == b"five"  # put back
+    assert sorted(p.name for p in root.iterdir()) == ["seq-000000000004", "seq-000000000005"]
+
+
+def test_the_rebuild_runs_the_checkpoint_sweep_but_spares_a_copy_in_progress(store, tmp_path):
+    runs = Runs(store, tmp_path / "checkpoints")
+    session = runs.create_session([], {}, "test")
+    model_id = runs.create_run(session, 0, "tiny", {"rank": 4}, {})[0].model_id
+    saved = TinkerPath(model_id, "weights", "kept")
+    _dir(runs.checkpoint_dir(saved), b"ckpt")
+    runs.register_checkpoint(saved, None, None)
+    parent = runs.checkpoint_dir(saved).parent
+    killed = _dir(parent / ".mid.tmp-k1ll3d00", b"half")  # the dead engine's save_state, just now
+    sampler = _dir(parent.parent.parent / "_ephemeral" / ".s:sample:1.tmp-0a1b2c3d", b"half")
+    copy = _dir(parent / ".copy.tmp-c0py1234", b"copying")
+    recovery = Recovery(store, tmp_path / "snapshots", rebuild=None)
+    recovery.sweeps.append(lambda: runs.sweep_stale_temp(older_than_s=0))  # as cli/serve.py wires it
+    with runs.copying(copy):
+        recovery.rebuild_engine(NoEngine())
+    assert not killed.exists() and not sampler.exists()
+    assert (copy / "adapter_model.safetensors").read_bytes() == b"copying"
+    assert (runs.checkpoint_dir(saved) / "adapter_model.safetensors").read_bytes() == b"ckpt"
+    assert runs.checkpoint(saved).size_bytes == 4
+    recovery.rebuild_engine(NoEngine())  # the copy's own cleanup is not in this test: once unmarked, it is debris
+    assert not copy.exists()
+
+
+def test_a_failing_extra_sweep_does_not_stop_the_rebuild(store, tmp_path):
+    recovery = Recovery(store, tmp_path / "snapshots", rebuild=None)
+
+    def broken():
+        raise PermissionError("no")
+
+    recovery.sweeps.append(broken)
+    assert recovery.rebuild_engine(NoEngine()).models == 0
