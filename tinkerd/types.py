@@ -209,6 +209,9 @@ class StepBatch:
     admit: list[tuple[str, SampleOp]] = field(default_factory=list)
     # Advance the in-flight sampling requests: one prefill chunk, then one token per decoding row.
     decode: bool = False
+    # Tickets of sampling requests to stop (cancel_future): each leaves the batch before this step's
+    # decode and comes back in `done` failed as cancelled; a ticket the engine no longer holds is ignored.
+    cancel: list[str] = field(default_factory=list)
 
 
 @dataclass

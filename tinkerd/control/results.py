@@ -103,7 +103,7 @@ class ResultStore:
             self.store.update(FutureRow, q.request_id, completed_at=utcnow(), **values)
 
         self._until_stored(q, "result", write)
-        self.hub.notify(q.request_id)
+        self.hub.notify(q.request_id, q.target)
 
     def _until_stored(self, q: QueuedOp, what: str, fn: Callable[[], T]) -> T:
         delay, attempts, t0 = self._first_s, 0, None

@@ -380,6 +380,15 @@ class Runs:
     def owned_sampling_session(self, sampling_session_id: str, account_id: str | None) -> SamplingSessionRow:
         return self._lookup(SamplingSessionRow, sampling_session_id, "sampling_session_id", account_id)
 
+    def join_sampling_session(self, sampling_session_id: str, account_id: str | None) -> int:
+        """A new client id of the sampling session, unique among its clients: 1, 2, ... (0 is the
+        original client). Counted in one write transaction, so concurrent joiners never share one."""
+        self.owned_sampling_session(sampling_session_id, account_id)
+        with self.store.write() as s:
+            row = s.get(SamplingSessionRow, sampling_session_id)
+            row.clients_joined = (row.clients_joined or 0) + 1
+            return row.clients_joined
+
     def ephemeral_dir(self, sampling_session_id: str) -> Path:
         return self.checkpoints_dir / "_ephemeral" / sampling_session_id
 

@@ -42,6 +42,15 @@ async def create_sampling_session(request: Request) -> dict:
     return {"sampling_session_id": row.sampling_session_id, "type": "create_sampling_session"}
 
 
+@router.post("/join_sampling_session")
+async def join_sampling_session(request: Request) -> dict:
+    """A clone id for a new client of an existing sampling session (an unpickled SamplingClient,
+    `sample_join_sampling_session`), unique among its clients, so clones never share seq_ids."""
+    req = parse(t.JoinSamplingSessionRequest, await read_body(request))
+    counter = state(request).runs.join_sampling_session(req.sampling_session_id, account(request))
+    return {"type": "join_sampling_session", "client_counter": counter}
+
+
 @router.get("/samplers/{sampler_id}")
 async def get_sampler(sampler_id: str, request: Request) -> dict:
     row = state(request).runs.owned_sampling_session(sampler_id, account(request))

@@ -42,12 +42,17 @@ async def client_config(request: Request) -> dict:
         "pjwt_auth_enabled": False,
         "sample_max_concurrent_requests": 64,
         "proto_compress_fwdbwd": False,
+        # One retrieve_futures long poll per sampling client instead of one retrieve_future per
+        # in-flight sample (routes/futures.py), and server-allocated clone ids for unpickled clients.
+        "sample_use_retrieve_futures": True,
+        "sample_join_sampling_session": True,
     }
 
 
 @authed.post("/client/dynamic_config")
 async def dynamic_config() -> dict:
-    return {}
+    # An abandoned sample (a timeout, a cancel) is stopped in the engine at once (cancel_future).
+    return {"sample_cancel_enabled": True}
 
 
 @authed.post("/create_session")

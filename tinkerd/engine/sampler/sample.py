@@ -356,6 +356,35 @@ class Sampler:
             rows[b].topk_ids.append(ids[j, :kk])
             rows[b].topk_logprobs.append(vals[j, :kk])
 
+    # -- cancellation ----------------------------------------------------------------------------
+
+    def cancel(self, ticket: str) -> list[tuple[str, object]]:
+        """Stop a request wherever it is (prefilling or decoding): its rows leave the batch and its
+        KV cache, and it finishes failed as cancelled. [] when this sampler does not hold it."""
+        done: list[tuple[str, object]] = []
+        error = UserError("cancelled by the client (cancel_future)")
+        for req in self.joining:
+            if req.ticket == ticket:
+                self.joining.remove(req)
+                req.prefill.cache = None
+                self._finish(req, done, error)
+                return done
+        mine = [row.request for row in self.rows if row.request.ticket == ticket]
+        if not mine:
+            return done
+        mine[0].unfinished = 0
+        self._finish(mine[0], done, error)
+        keep = [b for b, row in enumerate(self.rows) if row.request.ticket != ticket]
+        if keep:
+            self.cache.keep(keep)
+            self.rows = [self.rows[b] for b in keep]
+            self.rules = self.rules.select(keep)
+            self.hidden = self.hidden[torch.tensor(keep, dtype=torch.long)]
+        else:
+            self.rows, self.rules, self.hidden = [], None, None
+            self.cache = BatchCache(len(self.body.layers))
+        return done
+
     # -- completion ------------------------------------------------------------------------------
 
     def _finish(self, req: Request, done: list, error: TinkerdError | None) -> None:
