@@ -170,6 +170,10 @@ class SampleOp:
     prompt_logprobs_last_n: int | None = None
     # K > 0: the top-K (id, logprob) of the model's distribution at every sampled position.
     topk_sample_logprobs: int = 0
+    # target_prompt_logprobs: [P-1, K] int64 ids whose logprobs to return (-1: none), row i at
+    # prompt position i + 1; and prompt_alt_tokens_k draws per prompt position (sampler/prompt_scores.py).
+    target_prompt_ids: np.ndarray | None = None
+    prompt_alt_tokens_k: int = 0
 
 
 @dataclass
@@ -188,6 +192,10 @@ class SampleResult:
     prompt_logprobs: np.ndarray | None = None
     # ([P, K] ids, [P, K] logprobs), row 0 empty; present when topk_prompt_logprobs > 0.
     topk_prompt_logprobs: tuple[np.ndarray, np.ndarray] | None = None
+    # [P-1, K] float32 logprobs of SampleOp.target_prompt_ids (0.0 where -1); when asked.
+    target_prompt_logprobs: np.ndarray | None = None
+    # ([P-1, k] int64 ids, [P-1, k] float32 logprobs) of the prompt_alt_tokens_k draws; when asked.
+    prompt_alt_tokens: tuple[np.ndarray, np.ndarray] | None = None
 
 
 EngineOp = (

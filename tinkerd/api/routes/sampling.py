@@ -7,7 +7,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from tinker import types as t
 
-from tinkerd.api import codec, limits
+from tinkerd.api import codec, limits, prompt_scores
 from tinkerd.api.deps import AppState, Prepared, account, authenticate, future_response, parse, read_body, state
 from tinkerd.control.control import Work
 from tinkerd.control.metering import Billing, Usage
@@ -115,29 +115,32 @@ def prepare_asample(st: AppState, body: bytes, account_id: str | None = None) ->
     limits.sample_request(req, served.max_context_length)
     if not 1 <= req.num_samples <= st.config.max_num_samples:
         raise UserError(f"num_samples must be between 1 and {st.config.max_num_samples}, got {req.num_samples}")
-    # Refused, not ignored: the SDK raises when prompt_alt_tokens are missing from the result, and
-    # a silently unscored target tensor would read as zeros.
-    if req.prompt_alt_tokens_k or req.target_prompt_logprobs is not None:
-        raise UserError("prompt_alt_tokens_k and target_prompt_logprobs are not supported by tinkerd yet")
+    prompt = _prompt_tokens(req.prompt)
+    target_ids, target_csr = (None, None)
+    if req.target_prompt_logprobs is not None:
+        target_ids, target_csr = prompt_scores.target_ids(req.target_prompt_logprobs, len(prompt))
+    limits.integer(req.prompt_alt_tokens_k, "prompt_alt_tokens_k", hi=prompt_scores.MAX_CELLS)
     if req.prompt_logprobs_last_n is not None and not req.prompt_logprobs:
         raise UserError("prompt_logprobs_last_n applies to prompt logprobs: set prompt_logprobs (include_prompt_logprobs)")
     op = SampleOp(
         base_model=base_model,
         adapter_path=adapter_dir,
-        prompt=_prompt_tokens(req.prompt),
+        prompt=prompt,
         params=_sampling_params(st, req.sampling_params),
         num_samples=req.num_samples,
         prompt_logprobs=bool(req.prompt_logprobs),
         topk_prompt_logprobs=int(req.topk_prompt_logprobs),
         prompt_logprobs_last_n=req.prompt_logprobs_last_n,
         topk_sample_logprobs=int(req.topk_sample_logprobs),
+        target_prompt_ids=target_ids,
+        prompt_alt_tokens_k=int(req.prompt_alt_tokens_k),
     )
     # Prefill is billed once per request (the prompt is encoded once for all num_samples).
     prefill = len(op.prompt)
     billing = Billing(account_id if account_id is not None else (st.runs.account_of(session_id) if session_id else None),
                       session_id, base_model,
                       lambda res: Usage(prefill_tokens=prefill, sampled_tokens=sum(len(s.tokens) for s in res.sequences)))
-    work = Work(op, lambda res: (codec.encode_sample_response(res), codec.PROTO_MEDIA_TYPE), billing)
+    work = Work(op, lambda res: (codec.encode_sample_response(res, target_csr), codec.PROTO_MEDIA_TYPE), billing)
     return Prepared("Sample", target, req.seq_id, work)
 
 

@@ -28,6 +28,7 @@ from torch import nn
 from tinkerd.engine.lora.layers import pack_for_decode
 from tinkerd.engine.sampler.decode import FusedDecode
 from tinkerd.engine.sampler.kv import BatchCache, default_kv_budget, kv_bytes_per_token
+from tinkerd.engine.sampler import prompt_scores
 from tinkerd.engine.sampler.prefill import Prefill, advance_packed
 from tinkerd.engine.sampler.rules import RowRules, StopRule, choose_tokens, row_generators, validate
 from tinkerd.errors import NotFoundError, ServerError, TinkerdError, UserError
@@ -120,7 +121,8 @@ class Request:
     def result(self) -> SampleResult:
         pf = self.prefill
         return SampleResult(
-            sequences=[row.result() for row in self.rows], prompt_logprobs=pf.logprobs, topk_prompt_logprobs=pf.topk
+            sequences=[row.result() for row in self.rows], prompt_logprobs=pf.logprobs, topk_prompt_logprobs=pf.topk,
+            target_prompt_logprobs=pf.targets, prompt_alt_tokens=pf.alt,
         )
 
 
@@ -155,6 +157,7 @@ class Sampler:
     def admit(self, ticket: str, op: SampleOp) -> None:
         """Queue a request for prefill; raises (a UserError for bad input) with nothing changed."""
         validate(op, self.rt.vocab_size, self.rt.loaded.max_context_length)
+        prompt_scores.validate(op, self.rt.vocab_size)
         tokens = int(op.prompt.shape[0]) + op.params.max_tokens
         need = op.num_samples * tokens * self.kv_token_bytes
         if need > self.kv_budget:
@@ -169,6 +172,7 @@ class Sampler:
                 op.prompt, self.rt.model.config, self.device, op.prompt_logprobs,
                 op.topk_prompt_logprobs, op.prompt_logprobs_last_n,
             )
+            prefill.also_score(op)
             req = Request(ticket, op, adapter, prefill)
             p = op.params
             stop = StopRule(
