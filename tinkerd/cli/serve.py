@@ -134,6 +134,7 @@ def build_app(config: ServerConfig, client=None):
     from tinkerd.api.deps import AppState
     from tinkerd.api.replay import make_rebuild
     from tinkerd.control.accounts import Accounts
+    from tinkerd.control.audit import AuditLog
     from tinkerd.control.control import Control
     from tinkerd.control.diskspace import DiskReserve
     from tinkerd.control.quotas import Quotas
@@ -142,6 +143,7 @@ def build_app(config: ServerConfig, client=None):
     from tinkerd.control.retention import FutureRetention
     from tinkerd.control.runs import Runs
     from tinkerd.control.store.db import Store
+    from tinkerd.control.tokens import Tokens
 
     config.data_dir.mkdir(parents=True, exist_ok=True)
     if client is None:
@@ -155,11 +157,15 @@ def build_app(config: ServerConfig, client=None):
                       retention=FutureRetention(store, recovery, config.future_retrieved_grace_s,
                                                 config.future_max_age_s, config.future_tombstone_s),
                       reserve=reserve)
-    runs = Runs(store, config.checkpoints_dir)
+    # One audit log for the accounts' events and the checkpoints': only one instance folds failed
+    # authentications in memory, and the audit route reads through it.
+    audit = AuditLog(store)
+    runs = Runs(store, config.checkpoints_dir, audit=audit)
     runs.reserve = reserve
     served = {m.name: m for m in client.models()}  # a process engine: waits here until its child is ready
-    accounts = Accounts(store)
-    app_state = AppState(config=config, control=control, runs=runs, served=served, accounts=accounts)
+    accounts = Accounts(store, audit)
+    app_state = AppState(config=config, control=control, runs=runs, served=served, accounts=accounts,
+                         tokens=Tokens.in_dir(config.data_dir))
     recovery.rebuild = make_rebuild(app_state)
     return create_app(app_state), control
 

@@ -96,13 +96,13 @@ def check_ttl(ttl_seconds) -> int | None:
 
 
 class Runs:
-    def __init__(self, store: Store, checkpoints_dir: Path):
+    def __init__(self, store: Store, checkpoints_dir: Path, audit: AuditLog | None = None):
         self.store = store
         self.checkpoints_dir = Path(checkpoints_dir)
         # GB-hour storage billing: told when a checkpoint goes (its storage ends then).
         self.storage = StorageLedger(store)
         # Publishing, unpublishing, deleting and copying checkpoints are audited (control/audit.py).
-        self.audit = AuditLog(store)
+        self.audit = audit or AuditLog(store)
         # The data directory's free-space reserve (control/diskspace.py): a new session is new work,
         # refused under it. None (tests) never refuses.
         self.reserve = None

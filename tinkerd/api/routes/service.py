@@ -39,7 +39,8 @@ async def client_config(request: Request) -> dict:
         # Serial chunk submission keeps every model's ops in seq_id order on arrival, so gradient
         # accumulation sums in one fixed order and resumed runs reproduce bit-for-bit.
         "parallel_fwdbwd_chunks": False,
-        "pjwt_auth_enabled": False,
+        # The SDK trades its key for a JWT (POST /api/v1/auth/token) and sends that: whoami reads it.
+        "pjwt_auth_enabled": state(request).tokens is not None,
         "sample_max_concurrent_requests": 64,
         "proto_compress_fwdbwd": False,
         # One retrieve_futures long poll per sampling client instead of one retrieve_future per
