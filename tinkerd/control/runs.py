@@ -110,7 +110,8 @@ class Runs:
     # -- sessions --------------------------------------------------------------------------------
 
     def create_session(self, tags: list[str], user_metadata: dict, sdk_version: str | None,
-                       account_id: str | None = None, display_name: str | None = None) -> str:
+                       account_id: str | None = None, display_name: str | None = None,
+                       project_id: str | None = None) -> str:
         if self.reserve is not None:
             self.reserve.check()
         session_id = f"sess-{secrets.token_hex(8)}"
@@ -118,7 +119,7 @@ class Runs:
         self.store.add(
             SessionRow(session_id=session_id, account_id=account_id, created_at=now, last_heartbeat_at=now, tags=list(tags or []),
                        user_metadata=dict(user_metadata or {}), sdk_version=sdk_version,
-                       display_name=display_name)
+                       display_name=display_name, project_id=project_id)
         )
         return session_id
 
@@ -143,6 +144,12 @@ class Runs:
     def account_of(self, session_id: str) -> str | None:
         row = self.store.get(SessionRow, session_id)
         return row.account_id if row is not None else None
+
+    def set_project(self, session_id: str, project_id: str, account_id: str | None) -> None:
+        row = self.owned_session(session_id, account_id)
+        self.store.update(SessionRow, session_id, project_id=project_id)
+        self.audit.record("project_session_assigned", row.account_id, session_id=session_id, project_id=project_id,
+                          previous_project_id=row.project_id)
 
     def heartbeat(self, session_id: str, account_id: str | None = None) -> None:
         self.owned_session(session_id, account_id)
@@ -176,13 +183,16 @@ class Runs:
     def touch(self, model_id: str) -> None:
         self.store.update(TrainingRunRow, model_id, last_request_at=utcnow())
 
-    def list_runs(self, limit: int | None = None, offset: int = 0,
-                  account_id: str | None = None) -> tuple[list[TrainingRunRow], int]:
-        """A page of runs (of one account, or all), newest first, and how many there are in all."""
+    def list_runs(self, limit: int | None = None, offset: int = 0, account_id: str | None = None,
+                  project_id: str | None = None) -> tuple[list[TrainingRunRow], int]:
+        """A page of runs (of one account, or all; of one of its projects), newest first, and how many
+        there are in all."""
         stmt = select(TrainingRunRow).order_by(TrainingRunRow.created_at.desc(), TrainingRunRow.model_id)
         count = select(func.count()).select_from(TrainingRunRow)
         if account_id is not None:
             stmt, count = _of_account(stmt, account_id), _of_account(count, account_id)
+        if project_id is not None:
+            stmt, count = stmt.where(SessionRow.project_id == project_id), count.where(SessionRow.project_id == project_id)
         if limit is not None:
             stmt = stmt.limit(limit)
         rows = self.store.query(stmt.offset(offset))
@@ -253,8 +263,8 @@ class Runs:
             return False
 
     def list_checkpoints(self, model_id: str | None = None, checkpoint_type: str | None = None,
-                         limit: int | None = None, offset: int = 0,
-                         account_id: str | None = None) -> tuple[list[CheckpointRow], int]:
+                         limit: int | None = None, offset: int = 0, account_id: str | None = None,
+                         project_id: str | None = None) -> tuple[list[CheckpointRow], int]:
         """A page of live checkpoints (of one account, or all), newest first, and how many there are in all."""
         self.sweep_expired()  # so that a page and its total count only live rows
         stmt = select(CheckpointRow)
@@ -262,6 +272,8 @@ class Runs:
         if account_id is not None:
             own = select(TrainingRunRow.model_id).join(SessionRow, SessionRow.session_id == TrainingRunRow.session_id)
             own = own.where(SessionRow.account_id == account_id)
+            if project_id is not None:
+                own = own.where(SessionRow.project_id == project_id)
             stmt, count = stmt.where(CheckpointRow.model_id.in_(own)), count.where(CheckpointRow.model_id.in_(own))
         if model_id is not None:
             stmt, count = stmt.where(CheckpointRow.model_id == model_id), count.where(CheckpointRow.model_id == model_id)

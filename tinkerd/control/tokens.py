@@ -71,6 +71,22 @@ class Tokens:
                   "key_id": key_id, "iat": now, "exp": now + self.lifetime_s}
         return jwt.encode(claims, self._secret, algorithm=ALGORITHM)
 
+    def sign_url_token(self, audience: str, claims: dict, lifetime_s: int) -> str:
+        """A token for a signed download URL (trace_export): `aud` keeps it from passing `verify`
+        (an auth token), and an auth token from passing `verify_url_token`."""
+        now = int(time.time())
+        return jwt.encode({**claims, "iss": ISSUER, "aud": audience, "iat": now, "exp": now + lifetime_s},
+                          self._secret, algorithm=ALGORITHM)
+
+    def verify_url_token(self, token: str, audience: str) -> dict:
+        try:
+            return jwt.decode(token, self._secret, algorithms=[ALGORITHM], issuer=ISSUER, audience=audience,
+                              options={"require": ["exp", "aud"]})
+        except jwt.ExpiredSignatureError:
+            raise InvalidToken("the link has expired") from None
+        except jwt.InvalidTokenError as e:
+            raise InvalidToken(f"invalid link: {e}") from None
+
     def verify(self, token: str) -> dict:
         """The claims of a token this server signed and that has not expired; InvalidToken otherwise."""
         try:

@@ -10,6 +10,7 @@ from tinker import types as t
 
 from tinkerd.api.compat import session_warning
 from tinkerd.api.deps import account, authenticate, check_json_depth, empty, parse, parse_ignoring_unknown, read_body, state
+from tinkerd.control.projects import check_project_id
 from tinkerd.errors import StorageUnavailable
 
 router = APIRouter(prefix="/api/v1")
@@ -59,8 +60,9 @@ async def dynamic_config() -> dict:
 @authed.post("/create_session")
 async def create_session(request: Request) -> dict:
     req, ignored = parse_ignoring_unknown(t.CreateSessionRequest, await read_body(request))
+    project_id = check_project_id(req.project_id) if req.project_id is not None else None
     session_id = state(request).runs.create_session(req.tags, req.user_metadata or {}, req.sdk_version,
-                                                    account(request), getattr(req, "display_name", None))
+                                                    account(request), getattr(req, "display_name", None), project_id)
     answer = {"session_id": session_id, "type": "create_session"}
     warning = session_warning(req.sdk_version, ignored)
     if warning:

@@ -26,6 +26,8 @@ class SessionRow(Base):
     finished_reason: Mapped[str | None] = mapped_column(String, nullable=True)
     # CreateSessionRequest.display_name: shown and searched (RestClient.search_sessions), not unique.
     display_name: Mapped[str | None] = mapped_column(String, nullable=True)
+    # The account's project it belongs to (control/projects.py), with its runs, samplers, checkpoints.
+    project_id: Mapped[str | None] = mapped_column(String, nullable=True)
 
 
 class TrainingRunRow(Base):
