@@ -10,8 +10,6 @@ bad input as `user` 400s.
 from __future__ import annotations
 
 import concurrent.futures
-import subprocess
-import sys
 import time
 
 import httpx
@@ -22,9 +20,10 @@ from tinker import types
 from tinker.resources.futures import AsyncFuturesResource
 
 from tests.conformance.conftest import TINY
+from tests.conformance.test_ownership import _key
 from tests.serverproc import API_KEY
 from tinkerd.control.store.db import Store
-from tinkerd.control.store.tables import FutureRow
+from tinkerd.control.store.tables import FutureRow, UsageRow
 
 PROMPT = [9707, 11, 1879, 0, 220, 3555, 13, 1416]
 GREEDY = types.SamplingParams(max_tokens=6, temperature=0.0, stop=[])
@@ -32,12 +31,6 @@ GREEDY = types.SamplingParams(max_tokens=6, temperature=0.0, stop=[])
 
 def _post(url: str, path: str, body: dict, key: str = API_KEY) -> httpx.Response:
     return httpx.post(f"{url}/api/v1{path}", json=body, headers={"X-API-Key": key}, timeout=60)
-
-
-def _key(data_dir, account: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "tinkerd.cli.main", "keys", "--data-dir", str(data_dir), "create",
-                          "--name", f"{account}-key", "--account", account], capture_output=True, text=True, check=True)
-    return out.stdout.split("TINKER_API_KEY=")[1].split()[0]
 
 
 def _rows(server, target: str) -> list[FutureRow]:
@@ -111,6 +104,7 @@ def test_cursor_clone_blocks_and_failures_on_the_wire(server, sc):
     assert ok not in {c["request_id"] for c in poll(0, 0, timeout=0)["completions"]}
 
     for bad in ({"target": {"sampling_session_id": sid}, "prev_cursor": -1},
+                {"target": {"sampling_session_id": sid}, "prev_cursor": 2**62},
                 {"target": {"sampling_session_id": sid, "cloned_sampler_id": -2}},
                 {"target": {"sampling_session_id": sid}, "timeout": -1},
                 {"target": {"sampling_session_id": sid}, "prev_cursor": "x"}, {}):
@@ -161,8 +155,8 @@ def test_an_abandoned_sample_is_cancelled_in_the_engine(server, sc, sampler):
     # The engine is free again and nothing was billed for the cancelled request.
     assert sampler.sample(types.ModelInput.from_ints(PROMPT), 1, GREEDY).result(timeout=120).sequences
     usage = Store.sqlite(server.data_dir / "tinkerd.sqlite").query(
-        select(FutureRow).where(FutureRow.request_id == cancelled[0].request_id))
-    assert usage[0].result is None
+        select(UsageRow).where(UsageRow.request_id == cancelled[0].request_id))
+    assert usage == [] and cancelled[0].result is None
 
 
 def test_cancel_future_on_the_wire(server, sc):

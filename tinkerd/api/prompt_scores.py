@@ -41,7 +41,7 @@ def target_ids(td, prompt_len: int) -> tuple[np.ndarray, Csr | None]:
     if rows * k > MAX_CELLS:
         raise UserError(f"{where} of shape {shape} asks for more than {MAX_CELLS} logprobs")
     data = np.asarray(td.data, dtype=np.float64)
-    if data.size and (not np.isfinite(data).all() or (data != np.round(data)).any()):
+    if data.size and (not np.isfinite(data).all() or (data != np.round(data)).any() or (np.abs(data) > 2**62).any()):
         raise UserError(f"{where} must hold integer token ids")
     data = data.astype(np.int64)
     if (td.sparse_crow_indices is None) != (td.sparse_col_indices is None):

@@ -43,6 +43,10 @@ def cursor_of(at: datetime) -> int:
     return (at - _EPOCH) // timedelta(microseconds=1)
 
 
+# The largest cursor that is a time (datetime's year 9999); a larger one is a client's error.
+MAX_CURSOR = cursor_of(datetime(9999, 12, 31))
+
+
 def completions(store: Store, target: str, clone: int, cursor: int) -> tuple[list[Completion], int]:
     """What `clone` of sampling session `target` has not heard yet after `cursor`, and the next cursor."""
     since = _EPOCH + timedelta(microseconds=cursor)

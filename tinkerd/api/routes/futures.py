@@ -10,7 +10,7 @@ from tinker import types as t
 
 from tinkerd.api import limits
 from tinkerd.api.deps import account, authenticate, empty, load_json, parse, read_body, state
-from tinkerd.control.completions import CLONE_BLOCK, completions
+from tinkerd.control.completions import CLONE_BLOCK, MAX_CURSOR, completions
 from tinkerd.control.quotas import PAUSED
 from tinkerd.control.store.tables import FutureRow
 from tinkerd.errors import NotFoundError, UserError
@@ -64,7 +64,7 @@ async def retrieve_futures(request: Request) -> dict:
     target = req.target.sampling_session_id
     st.runs.owned_sampling_session(target, account(request))  # another account's: 404 as an unknown one
     limits.integer(req.target.cloned_sampler_id, "target.cloned_sampler_id", hi=limits.INT64_MAX // CLONE_BLOCK)
-    limits.integer(req.prev_cursor, "prev_cursor")
+    limits.integer(req.prev_cursor, "prev_cursor", hi=MAX_CURSOR)
     hold = st.config.retrieve_future_timeout_s
     if req.timeout is not None:
         limits.real(req.timeout, "timeout", 0.0)
