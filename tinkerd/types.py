@@ -211,6 +211,10 @@ class SampleOp:
     # so its sequences can be named by that session's stable_reinforce datums; None records nothing.
     # The engine ignores it.
     record_for_session: str | None = None
+    # target_prompt_logprobs: [P-1, K] int64 ids whose logprobs to return (-1: none), row i at
+    # prompt position i + 1; and prompt_alt_tokens_k draws per prompt position (sampler/prompt_scores.py).
+    target_prompt_ids: np.ndarray | None = None
+    prompt_alt_tokens_k: int = 0
 
 
 @dataclass
@@ -229,6 +233,10 @@ class SampleResult:
     prompt_logprobs: np.ndarray | None = None
     # ([P, K] ids, [P, K] logprobs), row 0 empty; present when topk_prompt_logprobs > 0.
     topk_prompt_logprobs: tuple[np.ndarray, np.ndarray] | None = None
+    # [P-1, K] float32 logprobs of SampleOp.target_prompt_ids (0.0 where -1); when asked.
+    target_prompt_logprobs: np.ndarray | None = None
+    # ([P-1, k] int64 ids, [P-1, k] float32 logprobs) of the prompt_alt_tokens_k draws; when asked.
+    prompt_alt_tokens: tuple[np.ndarray, np.ndarray] | None = None
 
 
 EngineOp = (
@@ -250,6 +258,9 @@ class StepBatch:
     admit: list[tuple[str, SampleOp]] = field(default_factory=list)
     # Advance the in-flight sampling requests: one prefill chunk, then one token per decoding row.
     decode: bool = False
+    # Tickets of sampling requests to stop (cancel_future): each leaves the batch before this step's
+    # decode and comes back in `done` failed as cancelled; a ticket the engine no longer holds is ignored.
+    cancel: list[str] = field(default_factory=list)
 
 
 @dataclass

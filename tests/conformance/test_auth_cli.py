@@ -69,8 +69,12 @@ def test_logout_of_a_generated_key_deletes_it_on_the_server(server, tmp_path):
     assert httpx.get(f"{server.url}/api/v1/auth/apikey/me", headers={"X-API-Key": key}).status_code == 401
 
 
-@pytest.mark.xfail(strict=True, reason="whoami reads the claims of a JWT from the SDK's auth exchange; "
-                   "tinkerd serves plain API keys (pjwt_auth_enabled false), so the SDK refuses client-side")
-def test_whoami(server, tmp_path):
-    out = _tinker(tmp_path, server, "auth", "whoami", key=_key(server.data_dir, "frank-auth"))
+def test_whoami_reads_the_claims_of_the_servers_jwt(server, tmp_path):
+    key = _key(server.data_dir, "frank-auth")
+    out = _tinker(tmp_path, server, "--format", "json", "auth", "whoami", key=key)
     assert out.returncode == 0, out.stderr + out.stdout
+    me = json.loads(out.stdout)
+    account_id = me["org_urn"].removeprefix("tml:organization:")
+    assert me == {"user_urn": f"tml:user:{account_id}", "org_urn": f"tml:organization:{account_id}",
+                  "email": "frank-auth"}
+    assert account_id.startswith("acct-") and key not in out.stdout + out.stderr

@@ -249,8 +249,9 @@ def test_bad_paths_and_values_are_clear_4xx_and_change_nothing(service_client, r
     assert _status("POST", f"{api}/weights_info", json={"tinker_path": "s3://bucket/x"})[0] == 400
     assert _status("POST", f"{api}/weights_info", json={"tinker_path": f"tinker://{mid}/weights/a/b"})[0] == 400
     assert _status("POST", f"{api}/weights_info", json={"tinker_path": "tinker://sess-nope:train:0/weights/x"})[0] == 404
-    for query in ("access_scope=everyone", "limit=-1", "limit=abc", "offset=-3", "project_id=p"):
+    for query in ("access_scope=everyone", "limit=-1", "limit=abc", "offset=-3", "project_id=a/b"):
         assert _status("GET", f"{api}/training_runs?{query}")[0] == 400, query
+    assert _status("GET", f"{api}/training_runs?project_id=no-such-project")[0] == 404
     assert _status("GET", f"{api}/checkpoints?limit=100000")[0] == 400
 
     with pytest.raises(tinker.BadRequestError):

@@ -72,7 +72,7 @@ def create_app(app_state: AppState) -> FastAPI:
 
     # rest last: its catch-all under /training_runs/{id}/checkpoints/ must not shadow export's routes.
     for module in (service, training, custom_loss, sampling, futures, export, admin, account, sessions, rest):
-        for name in ("router", "authed"):
+        for name in ("router", "authed", "public"):
             router = getattr(module, name, None)
             if router is not None:
                 app.include_router(router)

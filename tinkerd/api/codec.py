@@ -12,6 +12,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 from tinker.proto import tinker_public_pb2 as pb
 
+from tinkerd.api import prompt_scores
 from tinkerd.errors import UserError
 from tinkerd.types import Datum, ForwardBackwardOp, ForwardBackwardResult, ProvenanceSpan, SampleResult
 
@@ -150,7 +151,8 @@ def encode_forward_backward_output(result: ForwardBackwardResult) -> bytes:
     return out.SerializeToString()
 
 
-def encode_sample_response(result: SampleResult) -> bytes:
+def encode_sample_response(result: SampleResult, target_csr=None) -> bytes:
+    """`target_csr`: the CSR layout of the request's target_prompt_logprobs, kept in the answer."""
     out = pb.SampleResponse()
     for seq in result.sequences:
         s = out.sequences.add()
@@ -163,6 +165,7 @@ def encode_sample_response(result: SampleResult) -> bytes:
         out.prompt_logprobs = np.asarray(result.prompt_logprobs, dtype=np.float32).tobytes()
     if result.topk_prompt_logprobs is not None:
         _fill_topk(out.topk_prompt_logprobs, *result.topk_prompt_logprobs)
+    prompt_scores.fill_response(out, result.target_prompt_logprobs, result.prompt_alt_tokens, target_csr)
     return out.SerializeToString()
 
 

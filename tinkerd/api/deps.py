@@ -18,6 +18,7 @@ from tinkerd.control.accounts import Accounts
 from tinkerd.control.control import Control, Work
 from tinkerd.control.runs import Runs
 from tinkerd.control.stability import StabilityRecords
+from tinkerd.control.tokens import InvalidToken, Tokens, looks_like_jwt
 from tinkerd.errors import TinkerdError, UserError
 from tinkerd.types import ServedModel
 
@@ -36,6 +37,8 @@ class AppState:
     # base model name -> its tokenizer (api/openai_text.py: TextTokenizer), for the OpenAI-compatible
     # endpoints; wired by cli/serve.py, which may import transformers (this layer may not).
     tokenizers: Callable[[str], Any] | None = None
+    # Signs and checks the JWTs of the SDK's auth exchange (control/tokens.py); None: API keys only.
+    tokens: Tokens | None = None
 
     def served_model(self, name: str) -> ServedModel:
         model = self.served.get(name)
@@ -56,16 +59,43 @@ def state(request: Request) -> AppState:
 
 
 def authenticate(request: Request) -> None:
+    """X-API-Key is an API key, or a JWT this server issued for one (POST /api/v1/auth/token)."""
     key = request.headers.get("x-api-key")
-    accounts = state(request).accounts
+    st = state(request)
+    accounts = st.accounts
     if not key:
         accounts.auth_failed(None, _source(request))
         raise AuthError("missing X-API-Key header")
-    account_id = accounts.verify(key)
-    if account_id is None:
+    if st.tokens is not None and looks_like_jwt(key):
+        _authenticate_jwt(request, st, key)
+        return
+    row = accounts.key_row(key)
+    if row is None or row.revoked_at is not None:
         accounts.auth_failed(key, _source(request))
         raise AuthError("invalid or revoked API key")
-    request.state.account_id = account_id
+    request.state.account_id = row.account_id
+    request.state.key_id = row.key_id
+
+
+def _authenticate_jwt(request: Request, st: AppState, token: str) -> None:
+    # A refused JWT says invalid_token (RFC 6750): the SDK then exchanges its key for a new one and
+    # replays the request once, and an exchange refused for a revoked key surfaces to the caller.
+    try:
+        claims = st.tokens.verify(token)
+    except InvalidToken as e:
+        st.accounts.audit.auth_failed(_source(request), None, e.args[0])
+        raise InvalidTokenError(e.args[0]) from None
+    row = st.accounts.key_by_id(claims["key_id"])
+    if row is None or row.revoked_at is not None or row.account_id != claims["org_id"]:
+        st.accounts.audit.auth_failed(_source(request), row.account_id if row else None, "token of a revoked key",
+                                      claims["key_id"])
+        raise InvalidTokenError("the API key this token was issued for is revoked")
+    request.state.account_id = row.account_id
+    request.state.key_id = row.key_id
+
+
+class InvalidTokenError(AuthError):
+    headers = {"WWW-Authenticate": 'Bearer error="invalid_token"'}
 
 
 def _source(request: Request) -> str:

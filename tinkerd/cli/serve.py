@@ -150,6 +150,7 @@ def build_app(config: ServerConfig, client=None):
     from tinkerd.api.replay import make_rebuild
     from tinkerd.cli.tokenizers import Tokenizers
     from tinkerd.control.accounts import Accounts
+    from tinkerd.control.audit import AuditLog
     from tinkerd.control.control import Control
     from tinkerd.control.diskspace import DiskReserve
     from tinkerd.control.quotas import Quotas
@@ -159,6 +160,7 @@ def build_app(config: ServerConfig, client=None):
     from tinkerd.control.runs import Runs
     from tinkerd.control.stability import StabilityRecords
     from tinkerd.control.store.db import Store
+    from tinkerd.control.tokens import Tokens
 
     config.data_dir.mkdir(parents=True, exist_ok=True)
     if client is None:
@@ -178,16 +180,19 @@ def build_app(config: ServerConfig, client=None):
         from tinkerd.control.tracing import OpTracer
 
         control.metrics.tracer = OpTracer.otlp(config.otlp_endpoint)
-    runs = Runs(store, config.checkpoints_dir)
+    # One audit log for the accounts' events and the checkpoints': only one instance folds failed
+    # authentications in memory, and the audit route reads through it.
+    audit = AuditLog(store)
+    runs = Runs(store, config.checkpoints_dir, audit=audit)
     runs.reserve = reserve
     # Crash debris of checkpoint saves, swept with the snapshots' at start and after engine restarts.
     recovery.sweeps.append(lambda: runs.sweep_stale_temp(older_than_s=0))
     served = {m.name: m for m in client.models()}  # a process engine: waits here until its child is ready
-    accounts = Accounts(store)
+    accounts = Accounts(store, audit)
     records = StabilityRecords(store, config.recorded_sequence_ttl_s)
     control.results.recorders.append(records.record)
     app_state = AppState(config=config, control=control, runs=runs, served=served, accounts=accounts, records=records,
-                         tokenizers=Tokenizers(served))
+                         tokenizers=Tokenizers(served), tokens=Tokens.in_dir(config.data_dir))
     recovery.rebuild = make_rebuild(app_state)
     return create_app(app_state), control
 

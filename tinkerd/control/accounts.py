@@ -73,6 +73,9 @@ class Accounts:
         rows = self.store.query(select(ApiKeyRow).where(ApiKeyRow.key_hash == hash_key(key)))
         return rows[0] if rows else None
 
+    def key_by_id(self, key_id: str) -> ApiKeyRow | None:
+        return self.store.get(ApiKeyRow, key_id)
+
     def auth_failed(self, key: str | None, source: str) -> None:
         """Audit a refused key: under its account when it is a revoked key (the owner should see
         it is still in use), under no account otherwise."""

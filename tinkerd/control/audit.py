@@ -26,7 +26,7 @@ from tinkerd.control.store.tables import AuditRow
 EVENT_TYPES = {
     "all": None,
     "checkpoints": ("checkpoint_",),
-    "projects": (),
+    "projects": ("project_",),
     "teams": (),
     "organizations": ("account_", "api_key_", "auth_"),
 }

@@ -118,6 +118,9 @@ class Control:
         self.meter.listeners.append(self.metrics.on_usage)
         self.metrics.bind(self)
         self.results.on_stored = self.metrics.completed
+        # Sampling tickets to stop, handed to the engine with the next step (cancel_future).
+        self._cancels: set[str] = set()
+        self._cancels_lock = threading.Lock()
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -253,6 +256,22 @@ class Control:
             return self._retrieved(self.store.get(FutureRow, request_id))
         return row
 
+    def cancel(self, row: FutureRow) -> None:
+        """Stop a pending sampling request whose client gave up on it (cancel_future). Still queued:
+        taken out and failed now. Otherwise (in the engine, or about to be) its ticket goes to the
+        engine with the next step, which drops its rows and returns it failed. Nothing is billed:
+        only completed ops record usage. A finished request is left as it is."""
+        if row.status != "pending":
+            return
+        if row.request_type != "Sample":
+            raise UserError(f"only sampling requests can be cancelled; {row.request_id} is a {row.request_type}")
+        q = self.queue.remove(row.request_id)
+        if q is not None:
+            self._complete(q, UserError("cancelled by the client (cancel_future) before it started"), 0.0)
+            return
+        with self._cancels_lock:
+            self._cancels.add(row.request_id)
+
     def expired_message(self, request_id: str) -> str:
         if self.retention is not None:
             return self.retention.expired_message(request_id)
@@ -283,6 +302,9 @@ class Control:
             self._inflight[q.request_id] = (q, t0)
             if self.recovery is not None:
                 self.recovery.maybe_snapshot(q.op.op, q.seq_id)
+        with self._cancels_lock:  # drained once this step's ops are in flight: a cancel meanwhile goes with them
+            cancels, self._cancels = self._cancels, set()
+        picked.batch.cancel = [rid for rid in cancels if rid in self._inflight]
         try:
             if self.residency is not None:
                 for q in picked.ops:

@@ -6,9 +6,10 @@ The copy is a checkpoint like any other: its own row and its own files (copied i
 never a half copy under the real name), listed, loadable, billed as storage to its owner.
 
 The SDK sends either a session and a model slot (`{session_id}:train:{model_seq_id}` must not
-exist yet: a copy's run holds copies only and cannot be trained on) or a destination project.
-tinkerd has no projects, so with a project the copy goes into a new session of the caller's, whose
-id is derived from the request's idempotency key: a retried request finds the copy it already made.
+exist yet: a copy's run holds copies only and cannot be trained on) or a destination project. With
+a project the copy goes into a new session of the caller's in that project (control/projects.py),
+whose id is derived from the request's idempotency key: a retried request finds the copy it already
+made. With a session, the copy is in that session's project.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import secrets
 import shutil
 from pathlib import Path
 
+from tinkerd.control.projects import check_project_id
 from tinkerd.control.runs import Runs, TinkerPath, check_ttl, parse_tinker_path
 from tinkerd.control.store.db import utcnow
 from tinkerd.control.store.tables import SessionRow, TrainingRunRow, UnloadedRunRow
@@ -54,7 +56,7 @@ def copy_weights(runs: Runs, source_path: str, account_id: str | None, *, sessio
         if runs.store.get(TrainingRunRow, model_id) is not None:
             raise UserError(f"training run {model_id} already exists: copy into an unused model_seq_id")
     else:
-        session_id = _copy_session(runs, account_id, idempotency_key)
+        session_id = _copy_session(runs, account_id, idempotency_key, check_project_id(project_id))
         model_id = f"{session_id}:train:0"
     dest = TinkerPath(model_id, source.segment, source.name)
     existing = runs.store.get(TrainingRunRow, model_id)
@@ -73,7 +75,7 @@ def copy_weights(runs: Runs, source_path: str, account_id: str | None, *, sessio
     return dest
 
 
-def _copy_session(runs: Runs, account_id: str | None, idempotency_key: str | None) -> str:
+def _copy_session(runs: Runs, account_id: str | None, idempotency_key: str | None, project_id: str) -> str:
     """The session that holds one copy: derived from the idempotency key (per account, so another
     account's key cannot name it), or new without one."""
     if idempotency_key:
@@ -87,7 +89,8 @@ def _copy_session(runs: Runs, account_id: str | None, idempotency_key: str | Non
     now = utcnow()
     # Finished at once: nobody heart-beats it, and its run must not count as a live one for quotas.
     runs.store.add(SessionRow(session_id=session_id, account_id=account_id, created_at=now, last_heartbeat_at=now,
-                              tags=["copy_weights"], user_metadata={}, sdk_version=None, finished_reason="copy_weights"))
+                              tags=["copy_weights"], user_metadata={}, sdk_version=None, finished_reason="copy_weights",
+                              project_id=project_id))
     return runs.owned_session(session_id, account_id).session_id
 
 

@@ -35,9 +35,13 @@ class FutureHub:
         except asyncio.TimeoutError:
             return is_done()
 
-    def notify(self, request_id: str) -> None:
-        """Called from any thread once the result is stored."""
+    def notify(self, request_id: str, target: str | None = None) -> None:
+        """Called from any thread once the result is stored; also wakes `wait`s on its target
+        (retrieve_futures long-polls a sampling session, keyed "target:<id>")."""
         with self._lock:
-            event = self._events.pop(request_id, None)
-        if event is not None and self._loop is not None:
-            self._loop.call_soon_threadsafe(event.set)
+            events = [self._events.pop(request_id, None)]
+            if target is not None:
+                events.append(self._events.pop(f"target:{target}", None))
+        for event in events:
+            if event is not None and self._loop is not None:
+                self._loop.call_soon_threadsafe(event.set)

@@ -101,6 +101,21 @@ class OpQueue:
                 targets[target] = heap
             return item
 
+    def remove(self, request_id: str) -> QueuedOp | None:
+        """Take a still-queued op out of its target's queue (cancel_future); None once it was popped."""
+        with self._cond:
+            where = self._queued.pop(request_id, None)
+            if where is None:
+                return None
+            lane, target = where
+            heap = self._lanes[lane][target]
+            item = next(q for q in heap if q.request_id == request_id)
+            heap.remove(item)
+            heapq.heapify(heap)
+            if not heap:
+                del self._lanes[lane][target]
+            return item
+
     def has(self, lane: str, eligible: Callable[[QueuedOp], bool] | None = None) -> bool:
         """Whether `lane` holds an op that may start (with `eligible`: a target's head that passes)."""
         with self._cond:

@@ -119,7 +119,7 @@ class ResultStore:
                 self.on_stored(q, result, compute_s, queue_wait_s, engine_done)
             except Exception:  # counting must never lose a finished op
                 log.exception("on_stored of %s failed", q.request_id)
-        self.hub.notify(q.request_id)
+        self.hub.notify(q.request_id, q.target)
 
     def _until_stored(self, q: QueuedOp, what: str, fn: Callable[[], T]) -> T:
         delay, attempts, t0 = self._first_s, 0, None

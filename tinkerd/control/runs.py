@@ -96,13 +96,13 @@ def check_ttl(ttl_seconds) -> int | None:
 
 
 class Runs:
-    def __init__(self, store: Store, checkpoints_dir: Path):
+    def __init__(self, store: Store, checkpoints_dir: Path, audit: AuditLog | None = None):
         self.store = store
         self.checkpoints_dir = Path(checkpoints_dir)
         # GB-hour storage billing: told when a checkpoint goes (its storage ends then).
         self.storage = StorageLedger(store)
         # Publishing, unpublishing, deleting and copying checkpoints are audited (control/audit.py).
-        self.audit = AuditLog(store)
+        self.audit = audit or AuditLog(store)
         # The data directory's free-space reserve (control/diskspace.py): a new session is new work,
         # refused under it. None (tests) never refuses.
         self.reserve = None
@@ -113,7 +113,8 @@ class Runs:
     # -- sessions --------------------------------------------------------------------------------
 
     def create_session(self, tags: list[str], user_metadata: dict, sdk_version: str | None,
-                       account_id: str | None = None, display_name: str | None = None) -> str:
+                       account_id: str | None = None, display_name: str | None = None,
+                       project_id: str | None = None) -> str:
         if self.reserve is not None:
             self.reserve.check()
         session_id = f"sess-{secrets.token_hex(8)}"
@@ -121,7 +122,7 @@ class Runs:
         self.store.add(
             SessionRow(session_id=session_id, account_id=account_id, created_at=now, last_heartbeat_at=now, tags=list(tags or []),
                        user_metadata=dict(user_metadata or {}), sdk_version=sdk_version,
-                       display_name=display_name)
+                       display_name=display_name, project_id=project_id)
         )
         return session_id
 
@@ -146,6 +147,12 @@ class Runs:
     def account_of(self, session_id: str) -> str | None:
         row = self.store.get(SessionRow, session_id)
         return row.account_id if row is not None else None
+
+    def set_project(self, session_id: str, project_id: str, account_id: str | None) -> None:
+        row = self.owned_session(session_id, account_id)
+        self.store.update(SessionRow, session_id, project_id=project_id)
+        self.audit.record("project_session_assigned", row.account_id, session_id=session_id, project_id=project_id,
+                          previous_project_id=row.project_id)
 
     def heartbeat(self, session_id: str, account_id: str | None = None) -> None:
         self.owned_session(session_id, account_id)
@@ -179,13 +186,16 @@ class Runs:
     def touch(self, model_id: str) -> None:
         self.store.update(TrainingRunRow, model_id, last_request_at=utcnow())
 
-    def list_runs(self, limit: int | None = None, offset: int = 0,
-                  account_id: str | None = None) -> tuple[list[TrainingRunRow], int]:
-        """A page of runs (of one account, or all), newest first, and how many there are in all."""
+    def list_runs(self, limit: int | None = None, offset: int = 0, account_id: str | None = None,
+                  project_id: str | None = None) -> tuple[list[TrainingRunRow], int]:
+        """A page of runs (of one account, or all; of one of its projects), newest first, and how many
+        there are in all."""
         stmt = select(TrainingRunRow).order_by(TrainingRunRow.created_at.desc(), TrainingRunRow.model_id)
         count = select(func.count()).select_from(TrainingRunRow)
         if account_id is not None:
             stmt, count = _of_account(stmt, account_id), _of_account(count, account_id)
+        if project_id is not None:
+            stmt, count = stmt.where(SessionRow.project_id == project_id), count.where(SessionRow.project_id == project_id)
         if limit is not None:
             stmt = stmt.limit(limit)
         rows = self.store.query(stmt.offset(offset))
@@ -256,8 +266,8 @@ class Runs:
             return False
 
     def list_checkpoints(self, model_id: str | None = None, checkpoint_type: str | None = None,
-                         limit: int | None = None, offset: int = 0,
-                         account_id: str | None = None) -> tuple[list[CheckpointRow], int]:
+                         limit: int | None = None, offset: int = 0, account_id: str | None = None,
+                         project_id: str | None = None) -> tuple[list[CheckpointRow], int]:
         """A page of live checkpoints (of one account, or all), newest first, and how many there are in all."""
         self.sweep_expired()  # so that a page and its total count only live rows
         stmt = select(CheckpointRow)
@@ -265,6 +275,8 @@ class Runs:
         if account_id is not None:
             own = select(TrainingRunRow.model_id).join(SessionRow, SessionRow.session_id == TrainingRunRow.session_id)
             own = own.where(SessionRow.account_id == account_id)
+            if project_id is not None:
+                own = own.where(SessionRow.project_id == project_id)
             stmt, count = stmt.where(CheckpointRow.model_id.in_(own)), count.where(CheckpointRow.model_id.in_(own))
         if model_id is not None:
             stmt, count = stmt.where(CheckpointRow.model_id == model_id), count.where(CheckpointRow.model_id == model_id)
@@ -381,6 +393,15 @@ class Runs:
 
     def owned_sampling_session(self, sampling_session_id: str, account_id: str | None) -> SamplingSessionRow:
         return self._lookup(SamplingSessionRow, sampling_session_id, "sampling_session_id", account_id)
+
+    def join_sampling_session(self, sampling_session_id: str, account_id: str | None) -> int:
+        """A new client id of the sampling session, unique among its clients: 1, 2, ... (0 is the
+        original client). Counted in one write transaction, so concurrent joiners never share one."""
+        self.owned_sampling_session(sampling_session_id, account_id)
+        with self.store.write() as s:
+            row = s.get(SamplingSessionRow, sampling_session_id)
+            row.clients_joined = (row.clients_joined or 0) + 1
+            return row.clients_joined
 
     def ephemeral_dir(self, sampling_session_id: str) -> Path:
         return self.checkpoints_dir / "_ephemeral" / sampling_session_id

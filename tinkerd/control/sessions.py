@@ -25,6 +25,7 @@ class SessionSearch:
     statuses: list[dict] | None = None  # SDK SessionStatusQuery dicts
     limit: int = 50
     after: tuple[datetime, str] | None = None  # the cursor: (created_at, session_id) of the last one
+    project_ids: list[str] | None = None  # None: every project, and sessions in none
 
 
 def status_of(row: SessionRow) -> dict:
@@ -73,6 +74,8 @@ class Sessions:
     def search(self, account_id: str, q: SessionSearch) -> tuple[list[SessionRow], bool]:
         """A page of the account's matching sessions, newest first, and whether more follow."""
         stmt = select(SessionRow).where(SessionRow.account_id == account_id)
+        if q.project_ids is not None:
+            stmt = stmt.where(SessionRow.project_id.in_(q.project_ids))
         if q.after is not None:
             at, sid = q.after
             stmt = stmt.where((SessionRow.created_at < at) | ((SessionRow.created_at == at) & (SessionRow.session_id > sid)))

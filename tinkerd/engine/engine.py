@@ -138,6 +138,9 @@ class Engine:
             error = self._guarded(lambda o: self.sampler(o.base_model).admit(ticket, o), op)
             if error is not None:  # a bad request fails at once and never enters the batch
                 done.append((ticket, error))
+        for ticket in batch.cancel:  # after admission: a request admitted in this very step can go too
+            for sampler in self.samplers.values():
+                done.extend(sampler.cancel(ticket))
         if batch.decode:
             for sampler in self.samplers.values():
                 done.extend(sampler.step())

@@ -24,8 +24,18 @@ router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
 
 
 def _caller_key(request: Request) -> ApiKeyRow:
-    # authenticate() accepted this header, so the row exists and is not revoked.
-    return state(request).accounts.key_row(request.headers["x-api-key"])
+    # authenticate() accepted the key (or a JWT issued for it), so the row exists and is not revoked.
+    return state(request).accounts.key_by_id(request.state.key_id)
+
+
+@router.post("/auth/token")
+async def auth_token(request: Request) -> dict:
+    """The SDK's auth exchange (pjwt_auth_enabled): a short-lived JWT for the presented key, carrying
+    the identity claims `whoami` reads (control/tokens.py)."""
+    st = state(request)
+    row = _caller_key(request)
+    name = st.accounts.account_name(row.account_id) or row.account_id
+    return {"jwt": st.tokens.issue(row.account_id, name, row.key_id)}
 
 
 @router.get("/auth/apikey/me")

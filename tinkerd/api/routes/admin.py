@@ -19,7 +19,8 @@ from tinkerd.control.metering import TOKEN_KINDS, bucket_end, hourly_buckets
 from tinkerd.control.runs import iso
 from tinkerd.control.storage import BYTES_PER_GB, STORAGE_KIND, gb_hour_buckets, storage_cost_usd
 from tinkerd.control.store.db import utcnow
-from tinkerd.control.store.tables import AccountRow, SessionRow
+from tinkerd.control import projects
+from tinkerd.control.store.tables import AccountRow, SessionRow, TrainingRunRow
 from tinkerd.errors import UserError
 
 router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
@@ -82,20 +83,40 @@ async def billing_usage_events(request: Request, starting_on: str, ending_before
     if session_ids:
         for row in st.control.store.query(select(SessionRow).where(SessionRow.session_id.in_(session_ids))):
             sessions[row.session_id] = {"user_metadata": {str(k): str(v) for k, v in (row.user_metadata or {}).items()} or None}
+            for e in data:
+                if e["session_id"] == row.session_id:
+                    e["project_id"] = row.project_id  # the session's project now (usage follows a moved session)
     return {"data": data, "sessions": sessions, "cost_data_through": None}
 
 
 @router.get("/billing/usage/checkpoints/current")
 async def current_checkpoint_storage(request: Request, project_id: str | None = None) -> dict:
-    if project_id is not None:
-        raise UserError("tinkerd has no projects: ask for checkpoint storage without project_id")
+    """The caller's live checkpoints grouped by project (one owner: the account), or one project's."""
     st = state(request)
     account_id = account(request)
-    rows, count = st.runs.list_checkpoints(account_id=account_id)
-    size = sum(r.size_bytes or 0 for r in rows)
+    if project_id is not None:
+        projects.require(st.control.store, account_id, [project_id])
+    rows, _ = st.runs.list_checkpoints(account_id=account_id, project_id=project_id)
+    project_of = _projects_of_runs(st, {r.model_id for r in rows})
+    groups: dict[str | None, list] = {}
+    for r in rows:
+        groups.setdefault(project_of.get(r.model_id), []).append(r)
     rate = st.config.price_storage_usd_per_gb_month
     name = st.control.store.get(AccountRow, account_id)
-    item = {"project_id": None, "org_user_urn": account_id, "user_email": None,
-            "user_name": name.name if name else None, "checkpoint_count": count, "size_bytes": size,
-            "size_gigabytes": size / BYTES_PER_GB, "estimated_monthly_cost_usd": rate * size / BYTES_PER_GB}
-    return {"effective_rate_usd_per_gigabyte_month": rate, "data": [item] if count else []}
+    data = []
+    for pid, group in sorted(groups.items(), key=lambda g: (g[0] is not None, g[0] or "")):
+        size = sum(r.size_bytes or 0 for r in group)
+        data.append({"project_id": pid, "org_user_urn": account_id, "user_email": None,
+                     "user_name": name.name if name else None, "checkpoint_count": len(group), "size_bytes": size,
+                     "size_gigabytes": size / BYTES_PER_GB, "estimated_monthly_cost_usd": rate * size / BYTES_PER_GB})
+    return {"effective_rate_usd_per_gigabyte_month": rate, "data": data}
+
+
+def _projects_of_runs(st, model_ids: set[str]) -> dict[str, str | None]:
+    if not model_ids:
+        return {}
+    stmt = (select(TrainingRunRow.model_id, SessionRow.project_id)
+            .join(SessionRow, SessionRow.session_id == TrainingRunRow.session_id)
+            .where(TrainingRunRow.model_id.in_(model_ids)))
+    with st.control.store.session() as s:
+        return dict(s.execute(stmt).all())

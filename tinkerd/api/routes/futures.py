@@ -1,4 +1,6 @@
-"""retrieve_future: a long poll that answers when the result is ready or the hold time passes."""
+"""retrieve_future: a long poll that answers when the result is ready or the hold time passes;
+retrieve_futures: the same for all of one sampling-session client's requests (control/completions.py);
+cancel_future: stop a sampling request its client gave up on."""
 
 from __future__ import annotations
 
@@ -6,22 +8,29 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from tinker import types as t
 
-from tinkerd.api.deps import account, authenticate, parse, read_body, state
+from tinkerd.api import limits
+from tinkerd.api.deps import account, authenticate, empty, load_json, parse, read_body, state
+from tinkerd.control.completions import CLONE_BLOCK, MAX_CURSOR, completions
 from tinkerd.control.quotas import PAUSED
 from tinkerd.control.store.tables import FutureRow
-from tinkerd.errors import NotFoundError
+from tinkerd.errors import NotFoundError, UserError
 
 router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
+
+
+def _owned_future(st, request_id: str, account_id: str) -> FutureRow:
+    row = st.control.store.get(FutureRow, request_id)
+    # Another account's request id answers exactly like an unknown one.
+    if row is None or (row.account_id is not None and row.account_id != account_id):
+        raise NotFoundError(f"unknown request_id {request_id!r}")
+    return row
 
 
 @router.post("/retrieve_future")
 async def retrieve_future(request: Request) -> Response:
     st = state(request)
     req = parse(t.FutureRetrieveRequest, await read_body(request))
-    owner = st.control.store.get(FutureRow, req.request_id)
-    # Another account's request id answers exactly like an unknown one.
-    if owner is None or (owner.account_id is not None and owner.account_id != account(request)):
-        raise NotFoundError(f"unknown request_id {req.request_id!r}")
+    _owned_future(st, req.request_id, account(request))
     row = await st.control.retrieve(req.request_id, st.config.retrieve_future_timeout_s)
     if row is None:
         raise NotFoundError(f"unknown request_id {req.request_id!r}")
@@ -43,3 +52,53 @@ async def retrieve_future(request: Request) -> Response:
     if row.result_media_type == "application/json":
         return Response(row.result, media_type="application/json")
     return Response(row.result, media_type=row.result_media_type)
+
+
+@router.post("/retrieve_futures")
+async def retrieve_futures(request: Request) -> dict:
+    """The finished requests of one sampling-session client (the SDK's SessionFuturesPoller) after
+    its cursor, held up to the long-poll time (or `timeout`, 0: answer at once) while there are none.
+    `retrieved_request_ids` needs nothing here: fetching a result already started its retention."""
+    st = state(request)
+    req = parse(t.FuturesRetrieveRequest, await read_body(request))
+    target = req.target.sampling_session_id
+    st.runs.owned_sampling_session(target, account(request))  # another account's: 404 as an unknown one
+    limits.integer(req.target.cloned_sampler_id, "target.cloned_sampler_id", hi=limits.INT64_MAX // CLONE_BLOCK)
+    limits.integer(req.prev_cursor, "prev_cursor", hi=MAX_CURSOR)
+    hold = st.config.retrieve_future_timeout_s
+    if req.timeout is not None:
+        limits.real(req.timeout, "timeout", 0.0)
+        hold = min(hold, req.timeout)
+    clone, cursor = req.target.cloned_sampler_id, req.prev_cursor
+    found, next_cursor = completions(st.control.store, target, clone, cursor)
+    if not found and hold > 0:
+        box: list = []
+
+        def is_done() -> bool:
+            box[:] = [completions(st.control.store, target, clone, cursor)]
+            return bool(box[0][0])
+
+        await st.control.hub.wait(f"target:{target}", hold, is_done)
+        if box:
+            found, next_cursor = box[0]
+    return {
+        "completions": [
+            {"state": "finished", "request_id": c.request_id, "response_payload_uncompressed_size": c.payload_bytes}
+            if c.finished else {"state": "failed", "request_id": c.request_id}
+            for c in found
+        ],
+        "cursor": next_cursor,
+    }
+
+
+@router.post("/cancel_future")
+async def cancel_future(request: Request) -> Response:
+    """Stop a sampling request (the SDK sends this when a sample's future is abandoned: a timeout or
+    a cancel, with `sample_cancel_enabled`). 204 whether it was stopped or had already finished."""
+    st = state(request)
+    body = load_json(await read_body(request))
+    request_id = body.get("request_id") if isinstance(body, dict) else None
+    if not isinstance(request_id, str) or not request_id:
+        raise UserError("cancel_future needs a request_id (a string)")
+    st.control.cancel(_owned_future(st, request_id, account(request)))
+    return empty()

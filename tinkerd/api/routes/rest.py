@@ -18,6 +18,7 @@ from fastapi import APIRouter, Depends, Request, Response
 
 from tinkerd.api import limits
 from tinkerd.api.deps import account, authenticate, empty, load_json, read_body, state
+from tinkerd.control import projects
 from tinkerd.control.runs import LOCAL_OWNER, TYPE_SEGMENTS, Runs, TinkerPath, check_name, iso, parse_tinker_path
 from tinkerd.control.store.tables import CheckpointRow, TrainingRunRow
 from tinkerd.errors import NotFoundError, UserError
@@ -88,11 +89,11 @@ def _path(run_id: str, type_seg: str, name: str) -> TinkerPath:
 async def list_training_runs(request: Request, limit: int = 20, offset: int = 0, access_scope: str = "owned",
                              project_id: str | None = None) -> dict:
     _scope(access_scope)
-    if project_id is not None:
-        raise UserError("tinkerd has no projects: list training runs without project_id")
     limit, offset = _page(limit, offset)
     runs = state(request).runs
-    rows, total = runs.list_runs(limit, offset, account_id=account(request))
+    if project_id is not None:  # one of the caller's projects (control/projects.py); others are 404
+        projects.require(runs.store, account(request), [project_id])
+    rows, total = runs.list_runs(limit, offset, account_id=account(request), project_id=project_id)
     return {
         "training_runs": [run_json(runs, r) for r in rows],
         "cursor": {"offset": offset, "limit": limit, "total_count": total},

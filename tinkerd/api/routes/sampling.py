@@ -7,7 +7,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from tinker import types as t
 
-from tinkerd.api import codec, limits
+from tinkerd.api import codec, limits, prompt_scores
 from tinkerd.api.deps import AppState, Prepared, account, authenticate, future_response, parse, read_body, state
 from tinkerd.control.control import Work
 from tinkerd.control.metering import Billing, Usage
@@ -40,6 +40,15 @@ async def create_sampling_session(request: Request) -> dict:
     row = st.runs.create_sampling_session(req.session_id, req.sampling_session_seq_id, base_model, req.model_path,
                                           adapter_dir, account(request))
     return {"sampling_session_id": row.sampling_session_id, "type": "create_sampling_session"}
+
+
+@router.post("/join_sampling_session")
+async def join_sampling_session(request: Request) -> dict:
+    """A clone id for a new client of an existing sampling session (an unpickled SamplingClient,
+    `sample_join_sampling_session`), unique among its clients, so clones never share seq_ids."""
+    req = parse(t.JoinSamplingSessionRequest, await read_body(request))
+    counter = state(request).runs.join_sampling_session(req.sampling_session_id, account(request))
+    return {"type": "join_sampling_session", "client_counter": counter}
 
 
 @router.get("/samplers/{sampler_id}")
@@ -106,10 +115,11 @@ def prepare_asample(st: AppState, body: bytes, account_id: str | None = None) ->
     limits.sample_request(req, served.max_context_length)
     if not 1 <= req.num_samples <= st.config.max_num_samples:
         raise UserError(f"num_samples must be between 1 and {st.config.max_num_samples}, got {req.num_samples}")
-    # Refused, not ignored: the SDK raises when prompt_alt_tokens are missing from the result, and
-    # a silently unscored target tensor would read as zeros.
-    if req.prompt_alt_tokens_k or req.target_prompt_logprobs is not None:
-        raise UserError("prompt_alt_tokens_k and target_prompt_logprobs are not supported by tinkerd yet")
+    prompt = _prompt_tokens(req.prompt)
+    target_ids, target_csr = (None, None)
+    if req.target_prompt_logprobs is not None:
+        target_ids, target_csr = prompt_scores.target_ids(req.target_prompt_logprobs, len(prompt))
+    limits.integer(req.prompt_alt_tokens_k, "prompt_alt_tokens_k", hi=prompt_scores.MAX_CELLS)
     if req.prompt_logprobs_last_n is not None and not req.prompt_logprobs:
         raise UserError("prompt_logprobs_last_n applies to prompt logprobs: set prompt_logprobs (include_prompt_logprobs)")
     if req.record_stability_info and session_id is None:
@@ -118,7 +128,7 @@ def prepare_asample(st: AppState, body: bytes, account_id: str | None = None) ->
     op = SampleOp(
         base_model=base_model,
         adapter_path=adapter_dir,
-        prompt=_prompt_tokens(req.prompt),
+        prompt=prompt,
         params=_sampling_params(st, req.sampling_params),
         num_samples=req.num_samples,
         prompt_logprobs=bool(req.prompt_logprobs),
@@ -126,13 +136,15 @@ def prepare_asample(st: AppState, body: bytes, account_id: str | None = None) ->
         prompt_logprobs_last_n=req.prompt_logprobs_last_n,
         topk_sample_logprobs=int(req.topk_sample_logprobs),
         record_for_session=session_id if req.record_stability_info else None,
+        target_prompt_ids=target_ids,
+        prompt_alt_tokens_k=int(req.prompt_alt_tokens_k),
     )
     # Prefill is billed once per request (the prompt is encoded once for all num_samples).
     prefill = len(op.prompt)
     billing = Billing(account_id if account_id is not None else (st.runs.account_of(session_id) if session_id else None),
                       session_id, base_model,
                       lambda res: Usage(prefill_tokens=prefill, sampled_tokens=sum(len(s.tokens) for s in res.sequences)))
-    work = Work(op, lambda res: (codec.encode_sample_response(res), codec.PROTO_MEDIA_TYPE), billing)
+    work = Work(op, lambda res: (codec.encode_sample_response(res, target_csr), codec.PROTO_MEDIA_TYPE), billing)
     return Prepared("Sample", target, req.seq_id, work)
 
 

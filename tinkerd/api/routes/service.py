@@ -10,6 +10,7 @@ from tinker import types as t
 
 from tinkerd.api.compat import session_warning
 from tinkerd.api.deps import account, authenticate, check_json_depth, empty, parse, parse_ignoring_unknown, read_body, state
+from tinkerd.control.projects import check_project_id
 from tinkerd.errors import StorageUnavailable
 
 router = APIRouter(prefix="/api/v1")
@@ -40,25 +41,32 @@ async def client_config(request: Request) -> dict:
         # Serial chunk submission keeps every model's ops in seq_id order on arrival, so gradient
         # accumulation sums in one fixed order and resumed runs reproduce bit-for-bit.
         "parallel_fwdbwd_chunks": False,
-        "pjwt_auth_enabled": False,
+        # The SDK trades its key for a JWT (POST /api/v1/auth/token) and sends that: whoami reads it.
+        "pjwt_auth_enabled": state(request).tokens is not None,
         "sample_max_concurrent_requests": 64,
         "proto_compress_fwdbwd": False,
         # create_custom_loss uploads the traced loss and forward_backward_custom runs it here in one
         # pass (api/routes/custom_loss.py, engine/losses/custom.py).
         "custom_loss_server_side": True,
+        # One retrieve_futures long poll per sampling client instead of one retrieve_future per
+        # in-flight sample (routes/futures.py), and server-allocated clone ids for unpickled clients.
+        "sample_use_retrieve_futures": True,
+        "sample_join_sampling_session": True,
     }
 
 
 @authed.post("/client/dynamic_config")
 async def dynamic_config() -> dict:
-    return {}
+    # An abandoned sample (a timeout, a cancel) is stopped in the engine at once (cancel_future).
+    return {"sample_cancel_enabled": True}
 
 
 @authed.post("/create_session")
 async def create_session(request: Request) -> dict:
     req, ignored = parse_ignoring_unknown(t.CreateSessionRequest, await read_body(request))
+    project_id = check_project_id(req.project_id) if req.project_id is not None else None
     session_id = state(request).runs.create_session(req.tags, req.user_metadata or {}, req.sdk_version,
-                                                    account(request), getattr(req, "display_name", None))
+                                                    account(request), getattr(req, "display_name", None), project_id)
     answer = {"session_id": session_id, "type": "create_session"}
     warning = session_warning(req.sdk_version, ignored)
     if warning:

@@ -2,9 +2,8 @@
 
 Every caller sees its own account's sessions only; another account's session id answers 404
 exactly like a missing one. `access_scope=accessible` is the same as `owned` (tinkerd shares no
-sessions between accounts). tinkerd has no projects: a project filter or assignment is a user error,
-except copy_weights' destination_project_id, which the SDK's RestClient cannot send without (the
-copy goes into a new session of the caller's; the project id itself is not kept).
+sessions between accounts). Projects are the account's own (control/projects.py): a project filter
+naming one the account has no session in is a 404; assigning a session to a new name creates it.
 """
 
 from __future__ import annotations
@@ -12,17 +11,25 @@ from __future__ import annotations
 from datetime import datetime, timezone
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from tinker import types as t
 
 from tinkerd.api import limits
-from tinkerd.api.deps import account, authenticate, load_json, parse, read_body, state
+from tinkerd.api.deps import account, authenticate, empty, load_json, parse, read_body, state
+from tinkerd.control import projects
+from tinkerd.control.projects import check_project_id
 from tinkerd.control.copies import copy_weights
 from tinkerd.control.runs import LOCAL_OWNER, iso
 from tinkerd.control.sessions import SessionSearch, Sessions, status_of
+from tinkerd.control.tokens import InvalidToken
+from tinkerd.control.traces import session_trace
 from tinkerd.errors import UserError
 
 router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
+# The signed trace download: the URL is the credential (the SDK and CLI fetch it with no headers).
+public = APIRouter(prefix="/api/v1")
+TRACE_AUDIENCE = "trace_export"
+TRACE_LINK_S = 3600  # the SDK says its URL "expires after about an hour"
 
 ACCESS_SCOPES = ("owned", "accessible")
 MAX_PAGE = 10_000
@@ -50,7 +57,7 @@ async def list_sessions(request: Request, limit: int = 20, offset: int = 0, acce
 async def search_sessions(request: Request) -> dict:
     req = parse(t.SessionSearchRequest, await read_body(request))
     if req.project_ids is not None:
-        raise UserError("tinkerd has no projects: search sessions without project_ids")
+        projects.require(state(request).runs.store, account(request), list(req.project_ids), "project_ids")
     if req.owner.type == "user":
         raise UserError("tinkerd shares no sessions between accounts: search your own (owner type 'own')")
     after = None
@@ -59,13 +66,13 @@ async def search_sessions(request: Request) -> dict:
         after = (at, req.cursor.last_session_id)
     q = SessionSearch(session_id=req.session_id, display_name=req.display_name, user_metadata=dict(req.user_metadata),
                       statuses=[s.model_dump() for s in req.statuses] if req.statuses else None, limit=req.limit,
-                      after=after)
+                      after=after, project_ids=list(req.project_ids) if req.project_ids is not None else None)
     sessions = _sessions(request)
     rows, more = sessions.search(account(request), q)
     totals = sessions.checkpoint_totals([r.session_id for r in rows])
     page = [{
         "session_id": r.session_id, "created_at": iso(r.created_at), "owner": r.account_id or LOCAL_OWNER,
-        "project_id": "",  # required by SessionSummary; tinkerd has no projects
+        "project_id": r.project_id or "",  # a str in SessionSummary: "" for a session in no project
         "status": status_of(r), "checkpoints_count": totals.get(r.session_id, (0, 0))[0],
         "display_name": r.display_name, "user_metadata": {str(k): str(v) for k, v in (r.user_metadata or {}).items()},
         "checkpoint_storage_bytes": totals.get(r.session_id, (0, 0))[1],
@@ -85,11 +92,44 @@ async def get_session(session_id: str, request: Request, access_scope: str = "ow
             "display_name": row.display_name}
 
 
+@router.get("/sessions/{session_id}/trace_export")
+async def trace_export(session_id: str, request: Request) -> dict:
+    """Ready at once: the trace is built from the store when the signed URL is fetched, so it is
+    always up to date (control/traces.py)."""
+    st = state(request)
+    row = st.runs.owned_session(session_id, account(request))
+    token = st.tokens.sign_url_token(TRACE_AUDIENCE, {"session_id": row.session_id}, TRACE_LINK_S)
+    return {"status": "ready", "url": f"{str(request.base_url).rstrip('/')}/api/v1/trace_downloads/{token}"}
+
+
+class LinkRefused(UserError):
+    status_code = 403
+
+
+@public.get("/trace_downloads/{token}")
+async def trace_download(token: str, request: Request) -> JSONResponse:
+    st = state(request)
+    try:
+        claims = st.tokens.verify_url_token(token, TRACE_AUDIENCE)
+    except InvalidToken as e:
+        raise LinkRefused(f"{e.args[0]}: export the trace again for a new link") from None
+    session_id = claims.get("session_id")
+    if not isinstance(session_id, str):
+        raise LinkRefused("invalid link: export the trace again for a new link")
+    trace = session_trace(st.runs.store, session_id)
+    return JSONResponse(trace, headers={"Content-Disposition": f'attachment; filename="{session_id}.pftrace"'})
+
+
 @router.put("/sessions/{session_id}/project")
 async def assign_session_project(session_id: str, request: Request) -> Response:
-    state(request).runs.owned_session(session_id, account(request))  # a foreign session is a 404 first
-    load_json(await read_body(request))
-    raise UserError("tinkerd has no projects: a session cannot be assigned to one")
+    runs = state(request).runs
+    runs.owned_session(session_id, account(request))  # a foreign session is a 404 first
+    body = load_json(await read_body(request))
+    project_id = body.get("project_id") if isinstance(body, dict) else None
+    if project_id is None:
+        raise UserError("assign_session_project needs a project_id (a session cannot leave its project)")
+    runs.set_project(session_id, check_project_id(project_id), account(request))
+    return empty()
 
 
 @router.post("/copy_weights")

@@ -26,6 +26,8 @@ class SessionRow(Base):
     finished_reason: Mapped[str | None] = mapped_column(String, nullable=True)
     # CreateSessionRequest.display_name: shown and searched (RestClient.search_sessions), not unique.
     display_name: Mapped[str | None] = mapped_column(String, nullable=True)
+    # The account's project it belongs to (control/projects.py), with its runs, samplers, checkpoints.
+    project_id: Mapped[str | None] = mapped_column(String, nullable=True)
 
 
 class TrainingRunRow(Base):
@@ -50,6 +52,9 @@ class SamplingSessionRow(Base):
     # The adapter directory the engine loads (None = the base model alone).
     adapter_dir: Mapped[str | None] = mapped_column(String, nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime)
+    # Clients that joined it (join_sampling_session: unpickled SamplingClients); the n-th joiner is
+    # clone n and numbers its requests from n * 1e9. NULL: none yet (the original client is clone 0).
+    clients_joined: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
 class CheckpointRow(Base):

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from tinkerd.engine.sampler import prompt_scores
 from tinkerd.engine.sampler.rules import EMPTY_LOGPROB
 
 # Prompt positions scored per lm_head call: 128 x 151,669 fp32 logits = 78 MB at a time, instead
@@ -38,6 +39,13 @@ class Prefill:
     logprobs: np.ndarray | None = None  # [P] float32, NaN where not scored
     topk: tuple[np.ndarray, np.ndarray] | None = None  # ([P, K] ids, [P, K] logprobs), empty rows
     chunk_calls: list[int] = field(default_factory=list)  # tokens per body call, for tests and logs
+    # target_prompt_logprobs and prompt_alt_tokens (prompt_scores.py): scored at every position,
+    # whatever score_from says. Set by `also_score`.
+    target_ids: torch.Tensor | None = None  # [P-1, K] int64, -1 = none
+    targets: np.ndarray | None = None  # [P-1, K] float32
+    alt_u: torch.Tensor | None = None  # [P-1, k] float64 uniforms
+    alt_temperature: float = 1.0
+    alt: tuple[np.ndarray, np.ndarray] | None = None  # ([P-1, k] ids, [P-1, k] logprobs)
 
     @staticmethod
     def start(
@@ -58,6 +66,20 @@ class Prefill:
             pf.topk = (np.zeros((n, k), dtype=np.int64), np.full((n, k), EMPTY_LOGPROB, dtype=np.float32))
         return pf
 
+    def also_score(self, op) -> None:
+        """Ask this prefill for the request's target_prompt_logprobs and prompt_alt_tokens."""
+        self.targets, self.alt = prompt_scores.empty_results(op)
+        if op.target_prompt_ids is not None:
+            self.target_ids = torch.as_tensor(op.target_prompt_ids, dtype=torch.long, device=self.prompt.device)
+        if op.prompt_alt_tokens_k > 0:
+            rows = int(self.prompt.shape[0]) - 1
+            self.alt_u = prompt_scores.alt_uniforms(op.params.seed, rows, op.prompt_alt_tokens_k).to(self.prompt.device)
+            self.alt_temperature = op.params.temperature
+
+    @property
+    def scores(self) -> bool:
+        return self.want_logprobs or self.k > 0 or self.targets is not None or self.alt is not None
+
     @property
     def finished(self) -> bool:
         return self.done == self.prompt.shape[0]
@@ -72,7 +94,7 @@ class Prefill:
         end = min(int(self.prompt.shape[0]), start + budget)
         out = body(input_ids=self.prompt[None, start:end], cache=self.cache, use_cache=True)
         hidden = out.last_hidden_state[0]  # [c, H]
-        if self.want_logprobs or self.k > 0:
+        if self.scores:
             self._score(head, hidden, start)
         self.last_hidden = hidden[-1:]
         self.done = end
@@ -82,18 +104,28 @@ class Prefill:
     def _score(self, head: nn.Module, hidden: torch.Tensor, offset: int) -> None:
         """Score the positions of this chunk (hidden [c, H] at offset) that predict a prompt token."""
         n = int(self.prompt.shape[0])
-        lo = max(offset, self.score_from)
+        every = self.targets is not None or self.alt is not None
+        lo = max(offset, 0 if every else self.score_from)
         hi = min(offset + hidden.shape[0], n - 1)  # the last position predicts a generated token
         for a in range(lo, hi, _SCORE_CHUNK):
             b = min(hi, a + _SCORE_CHUNK)
-            lp = torch.log_softmax(head(hidden[a - offset : b - offset]).float(), dim=-1)  # [c, V]
+            logits = head(hidden[a - offset : b - offset]).float()  # [c, V]
+            lp = torch.log_softmax(logits, dim=-1)
+            if self.targets is not None:
+                self.targets[a:b] = prompt_scores.target_logprobs(lp, self.target_ids[a:b]).cpu().numpy()
+            if self.alt is not None:
+                ids, lps = prompt_scores.alt_draws(logits, lp, self.alt_u[a:b], self.alt_temperature)
+                self.alt[0][a:b], self.alt[1][a:b] = ids.cpu().numpy(), lps.cpu().numpy()
+            s = max(a, self.score_from)  # prompt logprobs and top-k: only the last N when asked
+            if s >= b:
+                continue
             if self.logprobs is not None:
-                targets = self.prompt[a + 1 : b + 1, None]
-                self.logprobs[a + 1 : b + 1] = lp.gather(1, targets).squeeze(1).cpu().numpy()
+                targets = self.prompt[s + 1 : b + 1, None]
+                self.logprobs[s + 1 : b + 1] = lp[s - a :].gather(1, targets).squeeze(1).cpu().numpy()
             if self.topk is not None:
-                vals, ids = torch.topk(lp, self.k, dim=-1)  # [c, K] sorted best-first
-                self.topk[0][a + 1 : b + 1] = ids.cpu().numpy()
-                self.topk[1][a + 1 : b + 1] = vals.cpu().numpy()
+                vals, ids = torch.topk(lp[s - a :], self.k, dim=-1)  # [c, K] sorted best-first
+                self.topk[0][s + 1 : b + 1] = ids.cpu().numpy()
+                self.topk[1][s + 1 : b + 1] = vals.cpu().numpy()
 
 
 def advance_packed(prefills: list[Prefill], body: nn.Module, head: nn.Module) -> None:
@@ -123,7 +155,7 @@ def advance_packed(prefills: list[Prefill], body: nn.Module, head: nn.Module) ->
             # DynamicCache.update concatenates onto an empty layer: each prompt gets its own copy.
             pf.cache.update(layer.keys[:, :, start : start + n], layer.values[:, :, start : start + n], i)
         own = hidden[start : start + n]
-        if pf.want_logprobs or pf.k > 0:
+        if pf.scores:
             pf._score(head, own, 0)
         pf.last_hidden = own[-1:]
         pf.done = n

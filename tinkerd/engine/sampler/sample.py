@@ -28,6 +28,7 @@ from torch import nn
 from tinkerd.engine.lora.layers import pack_for_decode
 from tinkerd.engine.sampler.decode import FusedDecode
 from tinkerd.engine.sampler.kv import BatchCache, default_kv_budget, kv_bytes_per_token
+from tinkerd.engine.sampler import prompt_scores
 from tinkerd.engine.sampler.prefill import Prefill, advance_packed
 from tinkerd.engine.sampler.rules import RowRules, StopRule, choose_tokens, row_generators, validate
 from tinkerd.errors import NotFoundError, ServerError, TinkerdError, UserError
@@ -120,7 +121,8 @@ class Request:
     def result(self) -> SampleResult:
         pf = self.prefill
         return SampleResult(
-            sequences=[row.result() for row in self.rows], prompt_logprobs=pf.logprobs, topk_prompt_logprobs=pf.topk
+            sequences=[row.result() for row in self.rows], prompt_logprobs=pf.logprobs, topk_prompt_logprobs=pf.topk,
+            target_prompt_logprobs=pf.targets, prompt_alt_tokens=pf.alt,
         )
 
 
@@ -159,6 +161,7 @@ class Sampler:
     def admit(self, ticket: str, op: SampleOp) -> None:
         """Queue a request for prefill; raises (a UserError for bad input) with nothing changed."""
         validate(op, self.rt.vocab_size, self.rt.loaded.max_context_length)
+        prompt_scores.validate(op, self.rt.vocab_size)
         tokens = int(op.prompt.shape[0]) + op.params.max_tokens
         need = op.num_samples * tokens * self.kv_token_bytes
         if need > self.kv_budget:
@@ -173,6 +176,7 @@ class Sampler:
                 op.prompt, self.rt.model.config, self.device, op.prompt_logprobs,
                 op.topk_prompt_logprobs, op.prompt_logprobs_last_n,
             )
+            prefill.also_score(op)
             req = Request(ticket, op, adapter, prefill)
             p = op.params
             stop = StopRule(
@@ -359,6 +363,35 @@ class Sampler:
             kk = rows[b].topk
             rows[b].topk_ids.append(ids[j, :kk])
             rows[b].topk_logprobs.append(vals[j, :kk])
+
+    # -- cancellation ----------------------------------------------------------------------------
+
+    def cancel(self, ticket: str) -> list[tuple[str, object]]:
+        """Stop a request wherever it is (prefilling or decoding): its rows leave the batch and its
+        KV cache, and it finishes failed as cancelled. [] when this sampler does not hold it."""
+        done: list[tuple[str, object]] = []
+        error = UserError("cancelled by the client (cancel_future)")
+        for req in self.joining:
+            if req.ticket == ticket:
+                self.joining.remove(req)
+                req.prefill.cache = None
+                self._finish(req, done, error)
+                return done
+        mine = [row.request for row in self.rows if row.request.ticket == ticket]
+        if not mine:
+            return done
+        mine[0].unfinished = 0
+        self._finish(mine[0], done, error)
+        keep = [b for b, row in enumerate(self.rows) if row.request.ticket != ticket]
+        if keep:
+            self.cache.keep(keep)
+            self.rows = [self.rows[b] for b in keep]
+            self.rules = self.rules.select(keep)
+            self.hidden = self.hidden[torch.tensor(keep, dtype=torch.long)]
+        else:
+            self.rows, self.rules, self.hidden = [], None, None
+            self.cache = BatchCache(len(self.body.layers))
+        return done
 
     # -- completion ------------------------------------------------------------------------------
 
