@@ -45,6 +45,9 @@ def add_parser(sub) -> None:
     p.add_argument("--ephemeral-samplers-kept", type=_positive_int, default=None,
                    help="save_weights_and_get_sampling_client samplers kept per session, newest first; "
                         "older unused ones are deleted (default 4)")
+    p.add_argument("--max-lora-rank", type=_positive_int, default=None,
+                   help="highest LoRA rank create_model and load_weights accept (default 256); runs accepted "
+                        "under a higher one still recover (docs/op-contract.md)")
     p.add_argument("--max-concurrent-runs", type=_positive_int, default=None,
                    help="default per-account limit on training runs of open sessions (default: unlimited; "
                         "per account: tinkerd accounts set-quota)")
@@ -118,7 +121,7 @@ def build_config(args) -> ServerConfig:
         values["session_expiry_s"] = args.session_expiry_s
     if args.ephemeral_samplers_kept is not None:
         values["ephemeral_samplers_kept"] = args.ephemeral_samplers_kept
-    for name in ("max_concurrent_runs", "max_tokens_per_minute", "quota_window_s", "retrieve_future_timeout_s",
+    for name in ("max_lora_rank", "max_concurrent_runs", "max_tokens_per_minute", "quota_window_s", "retrieve_future_timeout_s",
                  "sample_kv_cache_gb", "future_retrieved_grace_s", "future_max_age_s", "future_tombstone_s",
                  "min_free_disk_gb", "request_head_timeout_s", "request_body_timeout_s", "keep_alive_timeout_s",
                  "max_connections", "listen_backlog", "max_request_head_bytes"):
@@ -132,7 +135,7 @@ def build_app(config: ServerConfig, client=None):
     started (`run` spawns the engine child before anything else); None starts one here."""
     from tinkerd.api.app import create_app
     from tinkerd.api.deps import AppState
-    from tinkerd.api.replay import make_rebuild
+    from tinkerd.api import legacy
     from tinkerd.control.accounts import Accounts
     from tinkerd.control.control import Control
     from tinkerd.control.diskspace import DiskReserve
@@ -147,20 +150,19 @@ def build_app(config: ServerConfig, client=None):
     if client is None:
         client = build_engine_client(config)
     store = Store.sqlite(config.db_path)
-    # rebuild needs the app state, which needs control: wired right below.
     reserve = DiskReserve(config.data_dir, config.min_free_disk_bytes)
-    recovery = Recovery(store, config.data_dir / "snapshots", rebuild=None, snapshot_interval_s=config.snapshot_interval_s)
+    recovery = Recovery(store, config.data_dir / "snapshots", snapshot_interval_s=config.snapshot_interval_s)
+    runs = Runs(store, config.checkpoints_dir)
+    runs.reserve = reserve
     control = Control(store, client, recovery, quotas=Quotas(store, config),
                       residency=Residency(store, recovery, config.session_expiry_s),
                       retention=FutureRetention(store, recovery, config.future_retrieved_grace_s,
                                                 config.future_max_age_s, config.future_tombstone_s),
-                      reserve=reserve)
-    runs = Runs(store, config.checkpoints_dir)
-    runs.reserve = reserve
+                      reserve=reserve, runs=runs, ephemeral_samplers_kept=config.ephemeral_samplers_kept)
     served = {m.name: m for m in client.models()}  # a process engine: waits here until its child is ready
     accounts = Accounts(store)
     app_state = AppState(config=config, control=control, runs=runs, served=served, accounts=accounts)
-    recovery.rebuild = make_rebuild(app_state)
+    legacy.convert(app_state)  # a data directory from before the op log: once, before control recovers
     return create_app(app_state), control
 
 

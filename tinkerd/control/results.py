@@ -54,8 +54,11 @@ class Abandoned(Exception):
 
 class ResultStore:
     def __init__(self, store: Store, meter: Meter, hub: FutureHub, stopping: Callable[[], bool],
-                 first_s: float = RETRY_FIRST_S, max_s: float = RETRY_MAX_S):
+                 first_s: float = RETRY_FIRST_S, max_s: float = RETRY_MAX_S,
+                 finalize: Callable[[Any, Any], tuple[bytes, str]] | None = None):
         self.store = store
+        # finalize(work, result) -> (stored result, media type): the op's bookkeeping (Control._finalize).
+        self._finalize = finalize or (lambda work, result: work.finalize(result))
         self.meter = meter
         self.hub = hub
         self._stopping = stopping
@@ -77,7 +80,7 @@ class ResultStore:
         values: dict[str, Any] = {"compute_s": compute_s}
         if not isinstance(result, TinkerdError):
             try:
-                payload, media_type = self._until_stored(q, "finalize", lambda: q.op.finalize(result))
+                payload, media_type = self._until_stored(q, "finalize", lambda: self._finalize(q.op, result))
                 values.update(status="complete", result=payload, result_media_type=media_type)
             except Abandoned:
                 raise

@@ -7,6 +7,7 @@ from fastapi.responses import JSONResponse, Response
 from tinker import types as t
 
 from tinkerd.api.deps import account, authenticate, parse, read_body, state
+from tinkerd.api.results import wire_result
 from tinkerd.control.quotas import PAUSED
 from tinkerd.control.store.tables import FutureRow
 from tinkerd.errors import NotFoundError
@@ -40,6 +41,5 @@ async def retrieve_future(request: Request) -> Response:
         return JSONResponse(body, status_code=408)
     if row.status == "failed":
         return JSONResponse({"error": row.error, "category": row.error_category or "unknown"})
-    if row.result_media_type == "application/json":
-        return Response(row.result, media_type="application/json")
-    return Response(row.result, media_type=row.result_media_type)
+    body, media_type = wire_result(row.request_type, row.result, row.result_media_type)
+    return Response(body, media_type=media_type)

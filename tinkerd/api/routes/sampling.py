@@ -7,10 +7,10 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from tinker import types as t
 
-from tinkerd.api import codec, limits
+from tinkerd.api import limits
 from tinkerd.api.deps import AppState, Prepared, account, authenticate, future_response, parse, read_body, state
 from tinkerd.control.control import Work
-from tinkerd.control.metering import Billing, Usage
+from tinkerd.control.oplog import OpRecord, OpType, Payer
 from tinkerd.control.runs import parse_tinker_path
 from tinkerd.errors import UserError
 from tinkerd.types import SampleOp, SamplingParams
@@ -123,13 +123,9 @@ def prepare_asample(st: AppState, body: bytes, account_id: str | None = None) ->
         prompt_logprobs_last_n=req.prompt_logprobs_last_n,
         topk_sample_logprobs=int(req.topk_sample_logprobs),
     )
-    # Prefill is billed once per request (the prompt is encoded once for all num_samples).
-    prefill = len(op.prompt)
-    billing = Billing(account_id if account_id is not None else (st.runs.account_of(session_id) if session_id else None),
-                      session_id, base_model,
-                      lambda res: Usage(prefill_tokens=prefill, sampled_tokens=sum(len(s.tokens) for s in res.sequences)))
-    work = Work(op, lambda res: (codec.encode_sample_response(res), codec.PROTO_MEDIA_TYPE), billing)
-    return Prepared("Sample", target, req.seq_id, work)
+    payer = Payer(account_id if account_id is not None else (st.runs.account_of(session_id) if session_id else None),
+                  session_id, base_model)
+    return Prepared("Sample", target, req.seq_id, Work.of(OpRecord(OpType.SAMPLE, op, payer)))
 
 
 @router.post("/asample")
