@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import numpy as np
 import pytest
@@ -15,8 +16,19 @@ from tinkerd.control.oplog import OpRecord, OpType, Payer, RegisterCheckpoint
 from tinkerd.control.recovery import rebuild_work
 from tinkerd.control.store.tables import FutureRow
 from tinkerd.errors import ServerError
-from tinkerd.types import (AdamParams, CreateModelOp, Datum, ForwardBackwardOp, ForwardBackwardResult, LoraSpec,
-                           OptimStepOp, SampledSequence, SampleOp, SampleResult, SamplingParams)
+from tinkerd.types import (
+    AdamParams,
+    CreateModelOp,
+    Datum,
+    ForwardBackwardOp,
+    ForwardBackwardResult,
+    LoraSpec,
+    OptimStepOp,
+    SampledSequence,
+    SampleOp,
+    SampleResult,
+    SamplingParams,
+)
 
 
 def _fb() -> ForwardBackwardOp:
@@ -36,7 +48,7 @@ def _same(a, b) -> bool:
         return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    return a == b or (a != a and b != b)
+    return a == b or (isinstance(a, float) and math.isnan(a) and math.isnan(b))
 
 
 @pytest.mark.parametrize("value", [
