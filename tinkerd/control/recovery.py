@@ -173,7 +173,7 @@ class Recovery:
                                         f"restart: replaying its {type(op).__name__} failed: {result.message}")
         for model_id in models - failed:
             self.store.delete(UnrecoverableRunRow, model_id)
-        report = RecoveryReport(len(models), len(plan), time.perf_counter() - t0)
+        report = RecoveryReport(len(models - failed), len(plan), time.perf_counter() - t0)
         log.info("rebuilt %d adapters from %d ops in %.2f s", report.models, report.replayed_ops, report.seconds)
         return report
 

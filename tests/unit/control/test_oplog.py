@@ -11,11 +11,14 @@ import math
 import numpy as np
 import pytest
 
+from tests.unit.control.test_scheduler import _wait_done
 from tinkerd.control import oplog
+from tinkerd.control.control import Control, Work
 from tinkerd.control.oplog import OpRecord, OpType, Payer, RegisterCheckpoint
-from tinkerd.control.recovery import rebuild_work
-from tinkerd.control.store.tables import FutureRow
-from tinkerd.errors import ServerError
+from tinkerd.control.recovery import Recovery, rebuild_work
+from tinkerd.control.store.db import Store, utcnow
+from tinkerd.control.store.tables import FutureRow, TrainingRunRow
+from tinkerd.errors import ServerError, UserError
 from tinkerd.types import (
     AdamParams,
     CreateModelOp,
@@ -28,6 +31,8 @@ from tinkerd.types import (
     SampleOp,
     SampleResult,
     SamplingParams,
+    ServedModel,
+    StepOutput,
 )
 
 
@@ -107,3 +112,62 @@ def test_a_pydantic_model_in_a_field_comes_back_and_only_ours_load():
     assert oplog.loads(oplog.dumps({"p": params})) == {"p": params}
     with pytest.raises(ValueError, match="not one of"):
         oplog.loads(b'{"$pd": "os:system", "v": {}}')
+
+
+class _Engine:
+    """Serves only `served`; replays succeed unless an op's model_id is in `fail`."""
+
+    def __init__(self, served: list[str], fail: tuple[str, ...] = ()):
+        self.served, self.fail, self.replayed = served, fail, []
+
+    def models(self):
+        return [ServedModel(name, name, 64, "qwen3") for name in self.served]
+
+    def step(self, batch):
+        if isinstance(batch, list):  # recovery's plan
+            self.replayed += batch
+            return [UserError("broken snapshot") if op.model_id in self.fail else None for op in batch]
+        return StepOutput([(t, {}) for t, _ in batch.run], active_rows=0)
+
+    def close(self):
+        pass
+
+
+def _logged(store, model_id: str, seq_id: int, record: OpRecord, status: str) -> str:
+    rid = f"req-{model_id}-{seq_id}"
+    store.add(FutureRow(request_id=rid, request_type=record.op_type.value, target=model_id, seq_id=seq_id,
+                        body=oplog.dumps(record), op_version=oplog.SCHEMA_VERSION, status=status, created_at=utcnow()))
+    return rid
+
+
+@pytest.mark.parametrize("engine,why", [
+    (_Engine(["other"]), "trained on tiny, which this server does not serve now"),
+    (_Engine(["tiny"], fail=("s:train:0",)), "replaying its CreateModelOp failed: broken snapshot"),
+])
+def test_a_run_that_cannot_be_rebuilt_is_recorded_and_its_ops_fail_with_the_reason(tmp_path, engine, why):
+    store = Store.sqlite(tmp_path / "db.sqlite")
+    store.add(TrainingRunRow(model_id="s:train:0", session_id="s", base_model="tiny", lora_rank=4, lora_config={},
+                             created_at=utcnow(), last_request_at=utcnow()))
+    _logged(store, "s:train:0", 0, OpRecord(OpType.CREATE_MODEL, CreateModelOp("s:train:0", "tiny", LoraSpec(4, 8.0))),
+            "complete")
+    step = OpRecord(OpType.OPTIM_STEP, OptimStepOp("s:train:0", AdamParams()))
+    _logged(store, "s:train:0", 1, step, "complete")
+    pending = _logged(store, "s:train:0", 2, step, "pending")
+    control = Control(store, engine, Recovery(store, tmp_path / "snapshots"))
+    control.start()
+    try:
+        row = store.get(FutureRow, pending)
+        assert row.status == "failed" and why in row.error
+        with pytest.raises(UserError, match=why):
+            control.submit("OptimStep", "s:train:0", 3, b"", Work.of(step))
+    finally:
+        control.stop()
+    # A start that can rebuild it drops the record.
+    control = Control(store, _Engine(["tiny"]), Recovery(store, tmp_path / "snapshots"))
+    control.start()
+    try:
+        assert control.recovery.failure("s:train:0") is None
+        assert _wait_done(control, control.submit("OptimStep", "s:train:0", 3, b"", Work.of(step)).request_id).status \
+            == "complete"
+    finally:
+        control.stop()
