@@ -214,6 +214,8 @@ class SampleOp:
     # target_prompt_logprobs: [P-1, K] int64 ids whose logprobs to return (-1: none), row i at
     # prompt position i + 1; and prompt_alt_tokens_k draws per prompt position (sampler/prompt_scores.py).
     target_prompt_ids: np.ndarray | None = None
+    # The request's CSR layout of those ids (crow, col), kept for the answer; the engine ignores it.
+    target_prompt_csr: tuple[np.ndarray, np.ndarray] | None = None
     prompt_alt_tokens_k: int = 0
 
 

@@ -13,7 +13,7 @@ Two reasons a number is refused, both as a UserError (400, category `user`) nami
 The engine's own checks (engine/training.py, engine/sampler/rules.py: the vocabulary, the context
 length, loss_fn_config) stay where they are, as does its last line against non-finite results.
 
-Ops already in the write-ahead log as complete are rebuilt without these checks (api/replay.py,
+Ops already in the write-ahead log as complete are rebuilt without these checks (api/legacy.py,
 `logged=True`): they ran, and the adapter's state is a function of them. Pending ones are checked.
 """
 

@@ -51,7 +51,7 @@ def holders(paths: list[Path]) -> list[tuple[int, str]]:
 
 
 def parse_body(row) -> None:
-    """Decode a pending op's stored wire request the way the start-up re-queue will (api/replay.py):
+    """Decode a pending pre-op-log row's wire request the way the start-up conversion will (api/legacy.py):
     protobuf for forward(_backward), the SDK's pydantic request otherwise."""
     from tinker import types as t
 

@@ -46,6 +46,9 @@ def add_parser(sub) -> None:
     p.add_argument("--ephemeral-samplers-kept", type=_positive_int, default=None,
                    help="save_weights_and_get_sampling_client samplers kept per session, newest first; "
                         "older unused ones are deleted (default 4)")
+    p.add_argument("--max-lora-rank", type=_positive_int, default=None,
+                   help="highest LoRA rank create_model and load_weights accept (default 256); runs accepted "
+                        "under a higher one still recover (docs/op-contract.md)")
     p.add_argument("--max-concurrent-runs", type=_positive_int, default=None,
                    help="default per-account limit on training runs of open sessions (default: unlimited; "
                         "per account: tinkerd accounts set-quota)")
@@ -127,7 +130,7 @@ def build_config(args) -> ServerConfig:
         values["session_expiry_s"] = args.session_expiry_s
     if args.ephemeral_samplers_kept is not None:
         values["ephemeral_samplers_kept"] = args.ephemeral_samplers_kept
-    for name in ("max_concurrent_runs", "max_tokens_per_minute", "quota_window_s", "retrieve_future_timeout_s",
+    for name in ("max_lora_rank", "max_concurrent_runs", "max_tokens_per_minute", "quota_window_s", "retrieve_future_timeout_s",
                  "sample_kv_cache_gb", "future_retrieved_grace_s", "future_max_age_s", "future_tombstone_s",
                  "recorded_sequence_ttl_s", "min_free_disk_gb", "request_head_timeout_s", "request_body_timeout_s", "keep_alive_timeout_s",
                  "max_connections", "listen_backlog", "max_request_head_bytes"):
@@ -147,7 +150,7 @@ def build_app(config: ServerConfig, client=None):
     started (`run` spawns the engine child before anything else); None starts one here."""
     from tinkerd.api.app import create_app
     from tinkerd.api.deps import AppState
-    from tinkerd.api.replay import make_rebuild
+    from tinkerd.api import legacy
     from tinkerd.cli.tokenizers import Tokenizers
     from tinkerd.control.accounts import Accounts
     from tinkerd.control.audit import AuditLog
@@ -166,25 +169,24 @@ def build_app(config: ServerConfig, client=None):
     if client is None:
         client = build_engine_client(config)
     store = Store.sqlite(config.db_path)
-    # rebuild needs the app state, which needs control: wired right below.
     reserve = DiskReserve(config.data_dir, config.min_free_disk_bytes)
-    recovery = Recovery(store, config.data_dir / "snapshots", rebuild=None, snapshot_interval_s=config.snapshot_interval_s)
+    recovery = Recovery(store, config.data_dir / "snapshots", snapshot_interval_s=config.snapshot_interval_s)
+    # One audit log for the accounts' events and the checkpoints': only one instance folds failed
+    # authentications in memory, and the audit route reads through it.
+    audit = AuditLog(store)
+    runs = Runs(store, config.checkpoints_dir, audit=audit)
+    runs.reserve = reserve
     control = Control(store, client, recovery, quotas=Quotas(store, config),
                       residency=Residency(store, recovery, config.session_expiry_s),
                       retention=FutureRetention(store, recovery, config.future_retrieved_grace_s,
                                                 config.future_max_age_s, config.future_tombstone_s),
-                      reserve=reserve)
+                      reserve=reserve, runs=runs, ephemeral_samplers_kept=config.ephemeral_samplers_kept)
     if not config.metrics:
         control.metrics.disable()
     if config.otlp_endpoint:
         from tinkerd.control.tracing import OpTracer
 
         control.metrics.tracer = OpTracer.otlp(config.otlp_endpoint)
-    # One audit log for the accounts' events and the checkpoints': only one instance folds failed
-    # authentications in memory, and the audit route reads through it.
-    audit = AuditLog(store)
-    runs = Runs(store, config.checkpoints_dir, audit=audit)
-    runs.reserve = reserve
     # Crash debris of checkpoint saves, swept with the snapshots' at start and after engine restarts.
     recovery.sweeps.append(lambda: runs.sweep_stale_temp(older_than_s=0))
     served = {m.name: m for m in client.models()}  # a process engine: waits here until its child is ready
@@ -193,7 +195,7 @@ def build_app(config: ServerConfig, client=None):
     control.results.recorders.append(records.record)
     app_state = AppState(config=config, control=control, runs=runs, served=served, accounts=accounts, records=records,
                          tokenizers=Tokenizers(served), tokens=Tokens.in_dir(config.data_dir))
-    recovery.rebuild = make_rebuild(app_state)
+    legacy.convert(app_state)  # a data directory from before the op log: once, before control recovers
     return create_app(app_state), control
 
 

@@ -1,12 +1,12 @@
 """The control plane facade: accept ops durably, queue them, run them through the engine, store results.
 
-Flow of one op: `submit` stores the wire request (write-ahead) and returns a request_id; the op
-waits in the in-memory OpQueue; the worker thread loops over engine steps, each picked by the
-Scheduler (one training op, or sampling admissions plus one decode step) and handed to the
-EngineClient; a step returns the ops that finished in it, which may have been admitted steps
-earlier (sampling). For each, `finalize` (supplied by the caller with the op) does the op's
-bookkeeping and encodes the wire result; the result is stored and long-polling `retrieve_future`
-callers wake up. The worker blocks only while the engine has no rows in flight and nothing waits.
+Flow of one op: `submit` stores the op's record (write-ahead, control/oplog.py) and returns a
+request_id; the op waits in the in-memory OpQueue; the worker thread loops over engine steps, each
+picked by the Scheduler (one training op, or sampling admissions plus one decode step) and handed to
+the EngineClient; a step returns the ops that finished in it, which may have been admitted steps
+earlier (sampling). For each, control does the op's bookkeeping from its record (bookkeeping.py)
+and stores its domain result (the API encodes it for the wire when it is retrieved); long-polling
+`retrieve_future` callers wake up. The worker blocks only while the engine has no rows in flight and nothing waits.
 """
 
 from __future__ import annotations
@@ -15,16 +15,18 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
+from tinkerd.control import oplog
+from tinkerd.control.bookkeeping import Bookkeeper
 from tinkerd.control.diskspace import DiskReserve
 from tinkerd.control.futures import FutureHub
-from tinkerd.control.metering import Billing, Meter
+from tinkerd.control.metering import Meter
 from tinkerd.control.metrics import Metrics
-from tinkerd.control.queue import OpQueue, QueuedOp
+from tinkerd.control.queue import Finalize, OpQueue, QueuedOp, Work
 from tinkerd.control.quotas import Quotas
-from tinkerd.control.recovery import Recovery
+from tinkerd.control.recovery import Recovery, UnrecoverableRun
 from tinkerd.control.residency import Residency
 from tinkerd.control.results import ResultStore
 from tinkerd.control.retention import FutureRetention, forgotten
@@ -44,10 +46,6 @@ _MAX_ENGINE_RESTARTS = 20
 # restart and take everyone's in-flight work down with it, forever.
 _POISON_CRASHES = 2
 
-# finalize(result) -> (payload bytes, media type); runs on the worker after the engine succeeded.
-Finalize = Callable[[Any], tuple[bytes, str]]
-
-
 class EngineClient(Protocol):
     """The seam between control and compute.
 
@@ -57,19 +55,14 @@ class EngineClient(Protocol):
 
     def step(self, batch: StepBatch) -> StepOutput: ...
 
+    def restart(self) -> float:
+        """A fresh engine after a crash (EngineCrashed); returns the seconds it took. Control then
+        rebuilds every adapter through `step` (docs/op-contract.md)."""
+        ...
+
     def models(self) -> list[ServedModel]: ...
 
     def close(self) -> None: ...
-
-
-@dataclass
-class Work:
-    op: Any
-    finalize: Finalize
-    # Who pays and what it consumed; None records nothing (internal and test ops).
-    billing: Billing | None = None
-    # When the op was accepted (perf_counter): its queue wait ends when the engine gets it.
-    accepted_at: float = field(default_factory=time.perf_counter)
 
 
 @dataclass
@@ -82,8 +75,12 @@ class Accepted:
 class Control:
     def __init__(self, store: Store, engine: EngineClient, recovery: Recovery | None = None,
                  quotas: Quotas | None = None, residency: Residency | None = None,
-                 retention: FutureRetention | None = None, reserve: DiskReserve | None = None):
+                 retention: FutureRetention | None = None, reserve: DiskReserve | None = None,
+                 runs=None, ephemeral_samplers_kept: int = 2):
         self.store = store
+        # What an accepted op's success does (registers checkpoints, creates samplers) in the runs
+        # (control/runs.py); without runs (unit tests) only ops without such effects can run.
+        self.bookkeeper = Bookkeeper(runs, ephemeral_samplers_kept, self.busy)
         self.engine = engine
         # Snapshots and replay; None runs without (unit tests of the queue, say).
         self.recovery = recovery
@@ -110,7 +107,7 @@ class Control:
         self._inflight: dict[str, tuple[QueuedOp, float]] = {}
         self._stopping = threading.Event()
         # Stores finished ops' outcomes, retrying storage faults until they land (results.py).
-        self.results = ResultStore(store, self.meter, self.hub, self._stopping.is_set)
+        self.results = ResultStore(store, self.meter, self.hub, self._stopping.is_set, finalize=self._finalize)
         # "running", "restarting" (rebuilding after a crash), or "down" (the last restart gave up).
         self.engine_state = "running"
         # GET /metrics (control/metrics.py): events counted at the calls below, state read when scraped.
@@ -141,16 +138,14 @@ class Control:
         report = self.recovery.rebuild_engine(self.engine, skip=released)
         requeued = 0
         for row in self.recovery.pending():
+            reason = self.recovery.failure(row.target)
             try:
+                if reason is not None:
+                    raise UnrecoverableRun(reason)
                 work = self.recovery.rebuild(row)
-            except TinkerdError as e:  # no longer valid (e.g. its checkpoint was deleted meanwhile)
+            except TinkerdError as e:  # unreadable record, or its run could not be rebuilt: say why
                 self.store.update(FutureRow, row.request_id, status="failed", error=e.message,
                                   error_category=e.category, completed_at=utcnow())
-                continue
-            except KeyError:
-                self.store.update(FutureRow, row.request_id, status="failed", error_category="server",
-                                  error=f"{row.request_type} requests cannot be resumed after a restart; send it again",
-                                  completed_at=utcnow())
                 continue
             self.queue.put(row.request_id, row.target, row.seq_id, row.request_type, work)
             requeued += 1
@@ -181,7 +176,11 @@ class Control:
         work: Work,
         account_id: str | None = None,
     ) -> Accepted:
-        """Store the op, then queue it. Idempotent on (target, seq_id) when seq_id is given."""
+        """Store the op, then queue it. Idempotent on (target, seq_id) when seq_id is given.
+
+        The log stores `work.record` (its domain form). `body` is stored only for work without a
+        record, in the pre-v1 form a start converts through the API (api/legacy.py): the path of an
+        op kind not yet given a record; every op of tinkerd's own carries one."""
         # The account is part of the key: an idempotent re-send is one client's, never another's.
         dedupe_key = f"{request_type}|{account_id}|{target}|{seq_id}" if seq_id is not None else None
         if dedupe_key is not None:
@@ -194,6 +193,14 @@ class Control:
                                 f"since expired; it is not run again. New work needs a new seq_id")
         if self.reserve is not None:  # after the re-send check: a re-sent op is not new work
             self.reserve.check()
+        if self.recovery is not None and seq_id is not None:
+            reason = self.recovery.failure(target)
+            if reason is not None:
+                raise UnrecoverableRun(reason)
+        if work.record is not None:
+            body, op_version = oplog.dumps(work.record), oplog.SCHEMA_VERSION
+        else:
+            op_version = None
         request_id = f"req-{uuid.uuid4().hex}"
         row = FutureRow(
             request_id=request_id,
@@ -203,6 +210,7 @@ class Control:
             dedupe_key=dedupe_key,
             account_id=account_id,
             body=body,
+            op_version=op_version,
             status="pending",
             created_at=utcnow(),
         )
@@ -239,6 +247,12 @@ class Control:
         return self.queue.depth(target) > 0 or any(q.target == target for q, _ in list(self._inflight.values()))
 
     # -- results ---------------------------------------------------------------------------------
+
+    def _finalize(self, work: Work, result: Any) -> tuple[bytes, str]:
+        """On the worker, after the engine succeeded: the op's bookkeeping, then its stored result."""
+        if work.record is None:
+            return work.finalize(result)
+        return oplog.dumps(self.bookkeeper.outcome(work.record, result)), oplog.DOMAIN_RESULT
 
     async def retrieve(self, request_id: str, timeout_s: float) -> FutureRow | None:
         """The future's row once it is done, or still pending after `timeout_s`; None if unknown."""

@@ -35,7 +35,7 @@ from typing import Callable
 from sqlalchemy import select
 
 from tinkerd.control.debris import CHECKPOINT_TEMP, SNAPSHOT_TEMP
-from tinkerd.control.recovery import STATE_CHANGING, Recovery
+from tinkerd.control.recovery import STATE_CHANGING, Recovery, rebuild_work
 from tinkerd.control.retention import dedupe_prefix
 from tinkerd.control.runs import SEGMENT_TYPES
 from tinkerd.control.store.db import Store, utcnow
@@ -100,10 +100,10 @@ class Fsck:
         self.checkpoints_dir = self.data_dir / "checkpoints"
         self.snapshots_dir = self.data_dir / "snapshots"
         self.models_dir = self.data_dir / "models"
-        # parse_body(row) raises when a stored wire request no longer decodes (the api layer's codecs,
-        # supplied by the caller: control does not parse wire bodies). None skips that check.
+        # parse_body(row) raises when a pre-op-log row's wire request no longer decodes (the api layer's
+        # codecs, supplied by the caller: control does not parse wire bodies). None skips that check.
         self.parse_body = parse_body
-        self.recovery = Recovery(store, self.snapshots_dir, rebuild=None)
+        self.recovery = Recovery(store, self.snapshots_dir)
 
     # -- checking --------------------------------------------------------------------------------
 
@@ -234,10 +234,11 @@ class Fsck:
                 report.problems.append(Problem("stranded-future", row.request_id, f"pending {row.request_type} "
                                                f"targets {missing}, which does not exist"))
                 continue
-            if self.parse_body is None:
-                continue
             try:
-                self.parse_body(row)
+                if row.op_version is not None:
+                    rebuild_work(row)  # an op record: decodes here, as recovery will
+                elif self.parse_body is not None:
+                    self.parse_body(row)  # pre-op-log: the start's conversion decodes it through the api
             except Exception as e:  # whatever the codec raises: the op cannot be rebuilt at start
                 why = getattr(e, "message", None) or f"{type(e).__name__}: {e}"
                 report.problems.append(Problem("stranded-future", row.request_id, f"pending {row.request_type} "

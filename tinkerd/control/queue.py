@@ -19,9 +19,38 @@ from __future__ import annotations
 import heapq
 import itertools
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+from tinkerd.control.bookkeeping import billing
+from tinkerd.control.metering import Billing
+from tinkerd.control.oplog import OpRecord
+
+# finalize(result) -> (payload bytes, media type): control's own ops (residency) and unit tests only.
+Finalize = Callable[[Any], tuple[bytes, str]]
+
+
+@dataclass
+class Work:
+    """One op as it waits and runs: the engine op, and what its success does.
+
+    Accepted ops carry their `record` (control/oplog.py): it is what the log stores, and what
+    bookkeeping.py acts on when the op succeeds. Only control's own ops have a `finalize` instead.
+    """
+
+    op: Any
+    finalize: Finalize | None = None
+    # Who pays and what it consumed; None records nothing (internal and test ops).
+    billing: Billing | None = None
+    record: OpRecord | None = None
+    # When the op was accepted (perf_counter): its queue wait ends when the engine gets it.
+    accepted_at: float = field(default_factory=time.perf_counter)
+
+    @classmethod
+    def of(cls, record: OpRecord) -> "Work":
+        return cls(record.op, billing=billing(record), record=record)
 
 
 @dataclass(order=True)

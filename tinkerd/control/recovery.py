@@ -13,6 +13,12 @@ ops of one interval plus the forward_backward calls of the step in flight. After
 load_weights a snapshot is written too, whatever the interval: replay never reads a loaded
 checkpoint again, so deleting it (or its TTL expiring) loses nothing. A run released from the
 engine (control/residency.py) is snapshotted as of its last create, load or optim_step.
+
+Ops are rebuilt from their stored records (control/oplog.py, docs/op-contract.md), as they were
+accepted: never through the API, never checked against today's config. A run that cannot be rebuilt
+(its base model is not served now, a stored op cannot be read, a logged op fails on replay) is
+recorded with the reason (UnrecoverableRunRow): its pending and later ops fail with it, and a later
+start that can rebuild it (the base model served again) clears the record.
 """
 
 from __future__ import annotations
@@ -25,10 +31,12 @@ from typing import Any, Callable, Collection, Iterable
 
 from sqlalchemy import select
 
+from tinkerd.control import oplog
 from tinkerd.control.debris import SNAPSHOT_TEMP, sweep_temp
-from tinkerd.control.store.db import Store
-from tinkerd.control.store.tables import FutureRow, TrainingRunRow
-from tinkerd.errors import TinkerdError
+from tinkerd.control.queue import Work
+from tinkerd.control.store.db import Store, utcnow
+from tinkerd.control.store.tables import FutureRow, TrainingRunRow, UnrecoverableRunRow
+from tinkerd.errors import TinkerdError, UserError
 from tinkerd.types import LoadWeightsOp, OptimStepOp
 
 log = logging.getLogger(__name__)
@@ -47,12 +55,21 @@ class RecoveryReport:
     seconds: float
 
 
+def rebuild_work(row: FutureRow) -> Work:
+    """The accepted op of a stored future, as it was accepted; TinkerdError when it cannot be read."""
+    return Work.of(oplog.load_record(row.body, row.op_version, row.request_id))
+
+
+class UnrecoverableRun(UserError):
+    """An op for a run recovery could not rebuild: the recorded reason, not a retryable fault."""
+
+
 class Recovery:
-    def __init__(self, store: Store, snapshots_dir: Path, rebuild: Callable[[FutureRow], Any],
+    def __init__(self, store: Store, snapshots_dir: Path, rebuild: Callable[[FutureRow], Any] = rebuild_work,
                  snapshot_interval_s: float = 0.0):
         self.store = store
         self.snapshots_dir = Path(snapshots_dir)
-        # rebuild(row) -> Work: the api layer decodes a stored wire request back into its op.
+        # rebuild(row) -> Work: the op log's record decoded (a seam for unit tests of the plan).
         self.rebuild = rebuild
         self.snapshot_interval_s = snapshot_interval_s
         self._last_snapshot: dict[str, float] = {}
@@ -107,9 +124,11 @@ class Recovery:
 
     # -- rebuilding ------------------------------------------------------------------------------
 
-    def replay_plan(self, model_ids: Iterable[str] | None = None, skip: Collection[str] = ()) -> list[Any]:
+    def replay_plan(self, model_ids: Iterable[str] | None = None, skip: Collection[str] = (),
+                    served: Collection[str] | None = None) -> list[Any]:
         """Engine ops that rebuild adapters (every run's, or those of `model_ids`; none of `skip`):
-        per run, its snapshot then the logged ops after it."""
+        per run, its snapshot then the logged ops after it. A run that cannot be rebuilt (its base
+        model not in `served`, when given; a stored op that cannot be read) is recorded instead."""
         stmt = select(FutureRow).where(FutureRow.status == "complete", FutureRow.request_type.in_(STATE_CHANGING))
         if model_ids is not None:
             stmt = stmt.where(FutureRow.target.in_(list(model_ids)))
@@ -120,19 +139,26 @@ class Recovery:
                 by_model.setdefault(row.target, []).append(row)
         plan: list[Any] = []
         for model_id, ops in by_model.items():
+            run = self.store.get(TrainingRunRow, model_id)
+            if served is not None and run is not None and run.base_model not in served:
+                self.record_failure(model_id, f"training run {model_id} was trained on {run.base_model}, which this "
+                                    f"server does not serve now (tinkerd serve --base-model); its state is kept and "
+                                    f"comes back when a restart serves {run.base_model} again")
+                continue
             snap = self.latest_snapshot(model_id)
+            steps: list[Any] = []
             if snap is not None:
-                run = self.store.get(TrainingRunRow, model_id)
                 if run is None:
                     continue
                 seq, path = snap
-                plan.append(LoadWeightsOp(model_id, run.base_model, str(path), with_optimizer=True))
+                steps.append(LoadWeightsOp(model_id, run.base_model, str(path), with_optimizer=True))
                 ops = [r for r in ops if r.seq_id is not None and r.seq_id > seq]
-            for row in ops:
-                try:
-                    plan.append(self.rebuild(row).op)
-                except TinkerdError as e:  # e.g. a loaded checkpoint deleted since: state is lost
-                    log.error("cannot replay %s %s of %s: %s", row.request_type, row.request_id, model_id, e.message)
+            try:
+                steps.extend(self.rebuild(row).op for row in ops)
+            except TinkerdError as e:  # replaying around a hole would build a different adapter
+                self.record_failure(model_id, f"training run {model_id} cannot be rebuilt: {e.message}")
+                continue
+            plan.extend(steps)
         return plan
 
     def sweep_temp(self) -> int:
@@ -154,15 +180,31 @@ class Recovery:
         `skip` (released ones) stay out until their next op. The dead engine's temp dirs go first."""
         self.sweep_temp()
         t0 = time.perf_counter()
-        plan = self.replay_plan(skip=skip)
-        models = len({op.model_id for op in plan})
+        plan = self.replay_plan(skip=skip, served={m.name for m in engine.models()})
+        models = {op.model_id for op in plan}
+        failed: set[str] = set()
         if plan:
             for op, result in zip(plan, engine.step(plan)):
-                if isinstance(result, TinkerdError):
+                if isinstance(result, TinkerdError) and op.model_id not in failed:
+                    failed.add(op.model_id)
                     log.error("replay of %s for %s failed: %s", type(op).__name__, op.model_id, result.message)
-        report = RecoveryReport(models, len(plan), time.perf_counter() - t0)
+                    self.record_failure(op.model_id, f"training run {op.model_id} could not be rebuilt after a "
+                                        f"restart: replaying its {type(op).__name__} failed: {result.message}")
+        for model_id in models - failed:
+            self.store.delete(UnrecoverableRunRow, model_id)
+        report = RecoveryReport(len(models - failed), len(plan), time.perf_counter() - t0)
         log.info("rebuilt %d adapters from %d ops in %.2f s", report.models, report.replayed_ops, report.seconds)
         return report
+
+    def record_failure(self, model_id: str, reason: str) -> None:
+        log.error("%s", reason)
+        self.store.delete(UnrecoverableRunRow, model_id)
+        self.store.add(UnrecoverableRunRow(model_id=model_id, reason=reason, at=utcnow()))
+
+    def failure(self, target: str) -> str | None:
+        """Why `target` (a training run) could not be rebuilt, if it could not."""
+        row = self.store.get(UnrecoverableRunRow, target)
+        return row.reason if row is not None else None
 
     def pending(self) -> list[FutureRow]:
         """Accepted ops that never finished, in the order they must run again."""

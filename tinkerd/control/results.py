@@ -55,8 +55,11 @@ class Abandoned(Exception):
 
 class ResultStore:
     def __init__(self, store: Store, meter: Meter, hub: FutureHub, stopping: Callable[[], bool],
-                 first_s: float = RETRY_FIRST_S, max_s: float = RETRY_MAX_S):
+                 first_s: float = RETRY_FIRST_S, max_s: float = RETRY_MAX_S,
+                 finalize: Callable[[Any, Any], tuple[bytes, str]] | None = None):
         self.store = store
+        # finalize(work, result) -> (stored result, media type): the op's bookkeeping (Control._finalize).
+        self._finalize = finalize or (lambda work, result: work.finalize(result))
         self.meter = meter
         self.hub = hub
         self._stopping = stopping
@@ -86,7 +89,7 @@ class ResultStore:
         values: dict[str, Any] = {"compute_s": compute_s}
         if not isinstance(result, TinkerdError):
             try:
-                payload, media_type = self._until_stored(q, "finalize", lambda: q.op.finalize(result))
+                payload, media_type = self._until_stored(q, "finalize", lambda: self._finalize(q.op, result))
                 for recorder in self.recorders:
                     self._until_stored(q, "record", lambda r=recorder: r(q.request_id, q.op.op, result))
                 values.update(status="complete", result=payload, result_media_type=media_type)

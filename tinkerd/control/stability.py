@@ -117,7 +117,7 @@ class StabilityRecords:
     def resolve(self, op: ForwardBackwardOp, session_id: str, completed: bool = False) -> None:
         """Fill every datum's sampler_logprobs from the records its provenance names, checking every
         claim, then restart the named records' day. `completed`: a replay of an op that already ran
-        (api/replay.py); a record it used is accepted while its payload is kept, even if due."""
+        (api/legacy.py); a record it used is accepted while its payload is kept, even if due."""
         now = self._clock()
         cache: dict[str, _Recorded] = {}
         for i, datum in enumerate(op.data):

@@ -1,4 +1,5 @@
-"""api/limits.py through the prepare functions, and what replay does with ops logged before the bounds."""
+"""api/limits.py through the prepare functions, and what the upgrade of a pre-op-log data directory
+(api/legacy.py) does with ops logged before the bounds."""
 
 from __future__ import annotations
 
@@ -6,13 +7,15 @@ import json
 import math
 
 import pytest
+from sqlalchemy import func, select
 
 from tinkerd.api.deps import AppState
-from tinkerd.api.replay import make_rebuild
+from tinkerd.api import legacy
 from tinkerd.api.routes import training
 from tinkerd.config import ServerConfig
 from tinkerd.control.runs import Runs
-from tinkerd.control.store.db import Store
+from tinkerd.control.recovery import rebuild_work
+from tinkerd.control.store.db import Store, utcnow
 from tinkerd.control.store.tables import FutureRow
 from tinkerd.errors import UserError
 from tinkerd.types import ServedModel
@@ -85,23 +88,29 @@ def test_save_weights_without_a_name_or_seq_id(st, run_id):
     assert training.prepare_save_weights(st, _body(model_id=run_id, seq_id=4)).work.op.dir_path.endswith("step-4")
 
 
-def _row(request_type: str, body: bytes, status: str) -> FutureRow:
-    return FutureRow(request_id="req-x", request_type=request_type, target="t", body=body, status=status)
+def _converted(st, request_type: str, body: bytes, status: str) -> FutureRow:
+    """A row as a pre-op-log tinkerd stored it (the raw body), after the start-up conversion."""
+    rid = f"req-{st.runs.store.query(select(func.count()).select_from(FutureRow))[0]}"
+    st.runs.store.add(FutureRow(request_id=rid, request_type=request_type, target="t", body=body, status=status,
+                                created_at=utcnow()))
+    legacy.convert(st)
+    return st.runs.store.get(FutureRow, rid)
 
 
-def test_replay_rebuilds_completed_ops_as_they_ran_and_checks_pending_ones(st, run_id):
-    rebuild = make_rebuild(st)
+def test_the_upgrade_converts_completed_ops_as_they_ran_and_checks_pending_ones(st, run_id):
     old = _optim(run_id, eps=0.0)  # accepted before eps > 0 was enforced
-    op = rebuild(_row("OptimStep", old, "complete")).op
+    row = _converted(st, "OptimStep", old, "complete")
+    op = rebuild_work(row).op
     assert op.adam_params.eps == 0.0 and op.allow_non_finite  # replayed as it ran, guard off
-    with pytest.raises(UserError, match="adam_params.eps"):
-        rebuild(_row("OptimStep", old, "pending"))  # never ran: refused like a new request
+    row = _converted(st, "OptimStep", old, "pending")  # never ran: refused like a new request
+    assert row.status == "failed" and "adam_params.eps" in row.error and row.op_version is None
     session = st.runs.run(run_id).session_id
     old_create = _body(session_id=session, model_seq_id=-1, base_model=TINY, lora_config={"rank": 4})
-    assert rebuild(_row("CreateModel", old_create, "complete")).op.model_id == f"{session}:train:-1"
+    assert rebuild_work(_converted(st, "CreateModel", old_create, "complete")).op.model_id == f"{session}:train:-1"
     # A good op, completed or not, is the same op either way.
     good = _optim(run_id)
-    assert rebuild(_row("OptimStep", good, "complete")).op.adam_params == rebuild(_row("OptimStep", good, "pending")).op.adam_params
+    done, pending = _converted(st, "OptimStep", good, "complete"), _converted(st, "OptimStep", good, "pending")
+    assert rebuild_work(done).op.adam_params == rebuild_work(pending).op.adam_params
 
 
 def test_allow_non_finite_reaches_the_ops(st, run_id):

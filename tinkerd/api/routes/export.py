@@ -26,9 +26,9 @@ from fastapi.responses import FileResponse, JSONResponse
 from tinker import types as t
 
 from tinkerd.api import limits
-from tinkerd.api.deps import AppState, Prepared, account, authenticate, json_bytes, parse, read_body, state, submit
+from tinkerd.api.deps import AppState, Prepared, account, authenticate, parse, read_body, state, submit
 from tinkerd.control.control import Work
-from tinkerd.control.metering import Billing, Usage
+from tinkerd.control.oplog import OpRecord, OpType, Payer, RegisterCheckpoint
 from tinkerd.control.runs import TinkerPath, check_name, check_ttl, iso
 from tinkerd.errors import NotFoundError, UserError
 from tinkerd.types import ExportWeightsOp
@@ -101,14 +101,11 @@ def prepare_save_weights_external(st: AppState, body: bytes, account_id: str | N
     if st.runs.checkpoint_exists(path):
         raise UserError(f"external weights {path} already exist; delete them or choose another name")
     op = ExportWeightsOp(req.model_id, str(st.runs.checkpoint_dir(path)), req.age_encryption_recipients)
-
-    def finalize(_):
-        row = st.runs.register_checkpoint(path, ttl, None)
-        return json_bytes({"path": str(path), "size_bytes": row.size_bytes, "type": "save_weights_external"})
-
     owner = account_id if account_id is not None else st.runs.account_of(run.session_id)
-    billing = Billing(owner, run.session_id, run.base_model, lambda _: Usage(checkpoints=1))
-    return Prepared("SaveWeightsExternal", req.model_id, req.seq_id, Work(op, finalize, billing))
+    # Control registers the export when it is written (control/bookkeeping.py; size_bytes joins the reply).
+    record = OpRecord(OpType.SAVE_WEIGHTS_EXTERNAL, op, Payer(owner, run.session_id, run.base_model),
+                      effect=RegisterCheckpoint(str(path), ttl, None), reply={"path": str(path)})
+    return Prepared("SaveWeightsExternal", req.model_id, req.seq_id, Work.of(record))
 
 
 PREPARERS = {"SaveWeightsExternal": prepare_save_weights_external}

@@ -10,6 +10,7 @@ from tinker import types as t
 
 from tinkerd.api import limits
 from tinkerd.api.deps import account, authenticate, empty, load_json, parse, read_body, state
+from tinkerd.api.results import wire_result
 from tinkerd.control.completions import CLONE_BLOCK, MAX_CURSOR, completions
 from tinkerd.control.quotas import PAUSED
 from tinkerd.control.store.tables import FutureRow
@@ -49,11 +50,8 @@ async def retrieve_future(request: Request) -> Response:
         return JSONResponse(body, status_code=408)
     if row.status == "failed":
         return JSONResponse({"error": row.error, "category": row.error_category or "unknown"})
-    if row.result_media_type == "application/json":
-        return Response(row.result, media_type="application/json")
-    return Response(row.result, media_type=row.result_media_type)
-
-
+    body, media_type = wire_result(row.request_type, row.result, row.result_media_type, row.body)
+    return Response(body, media_type=media_type)
 @router.post("/retrieve_futures")
 async def retrieve_futures(request: Request) -> dict:
     """The finished requests of one sampling-session client (the SDK's SessionFuturesPoller) after

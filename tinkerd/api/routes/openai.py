@@ -29,6 +29,7 @@ from tinkerd.api import codec
 from tinkerd.api import openai_schema as schema
 from tinkerd.api import openai_text as text
 from tinkerd.api.deps import AppState, AuthError, load_json, read_body, state
+from tinkerd.api.results import wire_result
 from tinkerd.api.routes.sampling import prepare_asample
 from tinkerd.control.runs import parse_tinker_path
 from tinkerd.control.store.tables import FutureRow
@@ -120,10 +121,11 @@ async def _sample(st: AppState, body: bytes, account_id: str) -> list[text.Seque
         if row.error_category == "user":
             raise UserError(row.error or "the request failed")
         raise ServerError(row.error or "the request failed")
-    # The stored result is retrieve_future's SampleResponse protobuf (api/codec.py).
-    if row.result_media_type != codec.PROTO_MEDIA_TYPE:
-        raise ServerError(f"cannot read a stored sample result of type {row.result_media_type!r}")
-    return text.decode_sample_response(row.result)
+    # As retrieve_future would answer it: the SampleResponse protobuf (api/results.py, api/codec.py).
+    payload, media_type = wire_result(row.request_type, row.result, row.result_media_type, row.body)
+    if media_type != codec.PROTO_MEDIA_TYPE:
+        raise ServerError(f"cannot read a stored sample result of type {media_type!r}")
+    return text.decode_sample_response(payload)
 
 
 async def _tokenizer(st: AppState, base_model: str) -> text.TextTokenizer:

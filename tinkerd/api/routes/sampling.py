@@ -7,10 +7,10 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from tinker import types as t
 
-from tinkerd.api import codec, limits, prompt_scores
+from tinkerd.api import limits, prompt_scores
 from tinkerd.api.deps import AppState, Prepared, account, authenticate, future_response, parse, read_body, state
 from tinkerd.control.control import Work
-from tinkerd.control.metering import Billing, Usage
+from tinkerd.control.oplog import OpRecord, OpType, Payer
 from tinkerd.control.runs import parse_tinker_path
 from tinkerd.errors import UserError
 from tinkerd.types import SampleOp, SamplingParams
@@ -137,15 +137,12 @@ def prepare_asample(st: AppState, body: bytes, account_id: str | None = None) ->
         topk_sample_logprobs=int(req.topk_sample_logprobs),
         record_for_session=session_id if req.record_stability_info else None,
         target_prompt_ids=target_ids,
+        target_prompt_csr=None if target_csr is None else (target_csr.crow, target_csr.col),
         prompt_alt_tokens_k=int(req.prompt_alt_tokens_k),
     )
-    # Prefill is billed once per request (the prompt is encoded once for all num_samples).
-    prefill = len(op.prompt)
-    billing = Billing(account_id if account_id is not None else (st.runs.account_of(session_id) if session_id else None),
-                      session_id, base_model,
-                      lambda res: Usage(prefill_tokens=prefill, sampled_tokens=sum(len(s.tokens) for s in res.sequences)))
-    work = Work(op, lambda res: (codec.encode_sample_response(res, target_csr), codec.PROTO_MEDIA_TYPE), billing)
-    return Prepared("Sample", target, req.seq_id, work)
+    payer = Payer(account_id if account_id is not None else (st.runs.account_of(session_id) if session_id else None),
+                  session_id, base_model)
+    return Prepared("Sample", target, req.seq_id, Work.of(OpRecord(OpType.SAMPLE, op, payer)))
 
 
 @router.post("/asample")

@@ -9,11 +9,11 @@ from fastapi.responses import JSONResponse
 from tinker import types as t
 
 from tinkerd.api import codec, limits
-from tinkerd.api.deps import AppState, Prepared, account, authenticate, json_bytes, parse, read_body, state, submit
+from tinkerd.api.deps import AppState, Prepared, account, authenticate, parse, read_body, state, submit
 from tinkerd.control.control import Work
 from tinkerd.control.copies import is_copy_run, trainable_config
 from tinkerd.control.custom_losses import CustomLosses
-from tinkerd.control.metering import Billing, Usage
+from tinkerd.control.oplog import CreateSampler, OpRecord, OpType, Payer, RegisterCheckpoint
 from tinkerd.control.store.tables import TrainingRunRow
 from tinkerd.control.runs import TinkerPath, check_name, check_ttl, parse_tinker_path
 from tinkerd.errors import UserError
@@ -41,10 +41,15 @@ def _lora_spec(st: AppState, cfg: dict) -> LoraSpec:
     )
 
 
-def _billing(st: AppState, run: TrainingRunRow, account_id: str | None, usage=lambda _: Usage()) -> Billing:
+def _payer(st: AppState, run: TrainingRunRow, account_id: str | None) -> Payer:
     """Training ops are billed to the run's owner (the caller, who must own it)."""
     owner = account_id if account_id is not None else st.runs.account_of(run.session_id)
-    return Billing(owner, run.session_id, run.base_model, usage)
+    return Payer(owner, run.session_id, run.base_model)
+
+
+def _accepted(op_type: OpType, op, st: AppState, run: TrainingRunRow, account_id: str | None, **record) -> Work:
+    """The op as the log keeps it (control/oplog.py); control does its bookkeeping when it succeeds."""
+    return Work.of(OpRecord(op_type, op, _payer(st, run, account_id), **record))
 
 
 def _trainable(st: AppState, model_id: str, account_id: str | None) -> TrainingRunRow:
@@ -56,19 +61,10 @@ def _trainable(st: AppState, model_id: str, account_id: str | None) -> TrainingR
     return run
 
 
-def _target_tokens(op) -> int:
-    """Target positions of a forward(_backward): what training is billed by."""
-    return sum(len(d.loss_fn_inputs["target_tokens"]) if "target_tokens" in d.loss_fn_inputs else len(d.tokens)
-               for d in op.data)
-
-
-def _saved(_) -> Usage:
-    return Usage(checkpoints=1)
-
-
-# `completed`: the op is in the write-ahead log as complete and is being replayed (api/replay.py).
-# It ran under the rules of its day, and the adapter's state is a function of it, so the bounds
-# added since (api/limits.py) are not applied to it, and neither is the engine's non-finite guard.
+# `completed`: a complete op of a data directory written before the op log (api/legacy.py) is being
+# converted to its record. It ran under the rules of its day, and the adapter's state is a function
+# of it, so the bounds added since (api/limits.py) are not applied to it, nor the non-finite guard.
+# (Ops in the op log are never prepared again: recovery replays their records as accepted.)
 
 
 def prepare_create_model(st: AppState, body: bytes, account_id: str | None = None, completed: bool = False) -> Prepared:
@@ -93,7 +89,7 @@ def prepare_create_model(st: AppState, body: bytes, account_id: str | None = Non
     run, _ = st.runs.create_run(req.session_id, req.model_seq_id, req.base_model, lora_config, req.user_metadata,
                                 account_id)
     op = CreateModelOp(model_id=run.model_id, base_model=run.base_model, lora=_lora_spec(st, run.lora_config))
-    work = Work(op, lambda _: json_bytes({"model_id": run.model_id, "type": "create_model"}), _billing(st, run, account_id))
+    work = _accepted(OpType.CREATE_MODEL, op, st, run, account_id, reply={"model_id": run.model_id})
     return Prepared("CreateModel", run.model_id, 0, work)
 
 
@@ -124,19 +120,16 @@ def prepare_forward_backward(st: AppState, body: bytes, account_id: str | None =
     op.allow_non_finite = st.config.allow_non_finite or completed
     if op.loss_fn == "stable_reinforce":
         # Refused here (a 400) rather than as a failed future: the config, then the provenance
-        # against what the sampler recorded, which becomes the datums' sampler_logprobs.
+        # against what the sampler recorded, which becomes the datums' sampler_logprobs (kept in
+        # the op's record, so a replay needs no recorded sequence).
         StableReinforceConfig.parse(op.loss_fn_config)
         if st.records is None:
             raise UserError("stable_reinforce needs recorded sequences, which this server does not keep")
         st.records.resolve(op, run.session_id, completed=completed)
     if op.loss_fn == "custom":  # a loss uploaded with create_custom_loss, carried on the op as data
         op.custom_loss = CustomLosses(st.control.store).resolve(op.loss_fn_config, run.session_id)
-    n = _target_tokens(op)
-    usage = (lambda _: Usage(forward_tokens=n)) if op.forward_only else (lambda _: Usage(trained_tokens=n))
-    work = Work(op, lambda res: (codec.encode_forward_backward_output(res), codec.PROTO_MEDIA_TYPE),
-                _billing(st, run, account_id, usage))
-    kind = "Forward" if op.forward_only else "ForwardBackward"
-    return Prepared(kind, op.model_id, seq_id, work)
+    kind = OpType.FORWARD if op.forward_only else OpType.FORWARD_BACKWARD
+    return Prepared(kind.value, op.model_id, seq_id, _accepted(kind, op, st, run, account_id))
 
 
 def prepare_optim_step(st: AppState, body: bytes, account_id: str | None = None, completed: bool = False) -> Prepared:
@@ -150,9 +143,7 @@ def prepare_optim_step(st: AppState, body: bytes, account_id: str | None = None,
         limits.adam_params(p)
     op = OptimStepOp(req.model_id, AdamParams(p.learning_rate, p.beta1, p.beta2, p.eps, p.weight_decay, p.grad_clip_norm),
                      allow_non_finite=st.config.allow_non_finite or completed)
-    work = Work(op, lambda metrics: json_bytes({"metrics": dict(metrics or {}), "type": "optim_step"}),
-                _billing(st, run, account_id))
-    return Prepared("OptimStep", req.model_id, req.seq_id, work)
+    return Prepared("OptimStep", req.model_id, req.seq_id, _accepted(OpType.OPTIM_STEP, op, st, run, account_id))
 
 
 def prepare_save_weights(st: AppState, body: bytes, account_id: str | None = None) -> Prepared:
@@ -168,12 +159,9 @@ def prepare_save_weights(st: AppState, body: bytes, account_id: str | None = Non
     if not req.overwrite and st.runs.checkpoint_exists(path):
         raise UserError(f"checkpoint {path} already exists; pass overwrite=True to replace it")
     op = SaveWeightsOp(req.model_id, str(st.runs.checkpoint_dir(path)), with_optimizer=True)
-
-    def finalize(_):
-        st.runs.register_checkpoint(path, ttl, req.user_metadata)
-        return json_bytes({"path": str(path), "type": "save_weights"})
-
-    return Prepared("SaveWeights", req.model_id, req.seq_id, Work(op, finalize, _billing(st, run, account_id, _saved)))
+    work = _accepted(OpType.SAVE_WEIGHTS, op, st, run, account_id, reply={"path": str(path)},
+                     effect=RegisterCheckpoint(str(path), ttl, req.user_metadata))
+    return Prepared("SaveWeights", req.model_id, req.seq_id, work)
 
 
 def prepare_save_weights_for_sampler(st: AppState, body: bytes, account_id: str | None = None) -> Prepared:
@@ -185,10 +173,7 @@ def prepare_save_weights_for_sampler(st: AppState, body: bytes, account_id: str 
         path = TinkerPath(req.model_id, "sampler_weights", check_name(req.path, "path"))
         ttl = check_ttl(req.ttl_seconds)  # before the op is queued: a bad TTL writes nothing
         op = SaveWeightsOp(req.model_id, str(st.runs.checkpoint_dir(path)), with_optimizer=False)
-
-        def finalize(_):
-            st.runs.register_checkpoint(path, ttl, req.user_metadata)
-            return json_bytes({"path": str(path), "type": "save_weights_for_sampler"})
+        reply, effect = {"path": str(path)}, RegisterCheckpoint(str(path), ttl, req.user_metadata)
 
     elif req.sampling_session_seq_id is not None:
         # Ephemeral: the sampler is created server-side from these weights; the SDK sends no
@@ -197,18 +182,15 @@ def prepare_save_weights_for_sampler(st: AppState, body: bytes, account_id: str 
         adapter_dir = str(st.runs.ephemeral_dir(sid))
         op = SaveWeightsOp(req.model_id, adapter_dir, with_optimizer=False)
 
-        def finalize(_):
-            st.runs.create_sampling_session(run.session_id, req.sampling_session_seq_id, run.base_model, None, adapter_dir,
-                                            accepted=True)
-            # An RL loop writes one of these per step: the session's older ones go (on the worker,
-            # where finalize runs, so whether a request still uses one is exact).
-            st.runs.prune_ephemeral_samplers(run.session_id, st.config.ephemeral_samplers_kept, st.control.busy)
-            return json_bytes({"sampling_session_id": sid, "type": "save_weights_for_sampler"})
+        # Control creates the session when the save succeeded (control/bookkeeping.py), and prunes
+        # the session's older ephemeral samplers.
+        reply = {"sampling_session_id": sid}
+        effect = CreateSampler(run.session_id, req.sampling_session_seq_id, run.base_model, adapter_dir)
 
     else:
         raise UserError("save_weights_for_sampler needs a path or a sampling_session_seq_id")
-    usage = _saved if req.path is not None else (lambda _: Usage())  # an ephemeral sampler is no checkpoint
-    return Prepared("SaveWeightsForSampler", req.model_id, req.seq_id, Work(op, finalize, _billing(st, run, account_id, usage)))
+    work = _accepted(OpType.SAVE_WEIGHTS_FOR_SAMPLER, op, st, run, account_id, reply=reply, effect=effect)
+    return Prepared("SaveWeightsForSampler", req.model_id, req.seq_id, work)
 
 
 def prepare_load_weights(st: AppState, body: bytes, account_id: str | None = None, completed: bool = False) -> Prepared:
@@ -237,14 +219,16 @@ def prepare_load_weights(st: AppState, body: bytes, account_id: str | None = Non
         target, seq_id = run.model_id, 0
     else:
         raise UserError("load_weights needs model_id and seq_id, or session_id and model_seq_id")
+    rank = int(source.lora_config.get("rank", 0))
+    if not completed and rank > st.config.max_lora_rank:  # the engine runs what was accepted, unchecked
+        raise UserError(f"checkpoint {path} has LoRA rank {rank}, over this server's limit {st.config.max_lora_rank}")
     op = LoadWeightsOp(target, source.base_model, ckpt.dir_path, with_optimizer=req.optimizer)
-    work = Work(op, lambda _: json_bytes({"path": str(path), "model_id": target, "type": "load_weights"}),
-                _billing(st, run, account_id))
+    work = _accepted(OpType.LOAD_WEIGHTS, op, st, run, account_id, reply={"path": str(path), "model_id": target})
     return Prepared("LoadWeights", target, seq_id, work)
 
 
 # Every future-returning training request, by the request type stored with it: the routes use these,
-# and recovery rebuilds accepted ops from their stored bodies with the same code.
+# and so does the one-time conversion of a pre-op-log data directory (api/legacy.py).
 PREPARERS = {
     "CreateModel": prepare_create_model,
     "ForwardBackward": prepare_forward_backward,

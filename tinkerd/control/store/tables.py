@@ -72,7 +72,7 @@ class CheckpointRow(Base):
 
 
 class FutureRow(Base):
-    """One accepted operation: its wire request (the write-ahead log entry) and, once done, its result."""
+    """One accepted operation: its op record (the write-ahead log entry) and, once done, its result."""
 
     __tablename__ = "futures"
     request_id: Mapped[str] = mapped_column(String, primary_key=True)
@@ -84,8 +84,12 @@ class FutureRow(Base):
     dedupe_key: Mapped[str | None] = mapped_column(String, unique=True, nullable=True)
     # Who submitted it: only that account may retrieve it, and recovery rebuilds it as that account.
     account_id: Mapped[str | None] = mapped_column(String, index=True, nullable=True)
+    # The op as accepted: with op_version set, its OpRecord in the op log's encoding (control/oplog.py);
+    # with op_version NULL, the raw HTTP body an older tinkerd stored (converted on start).
     body: Mapped[bytes] = mapped_column(LargeBinary)
+    op_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
     status: Mapped[str] = mapped_column(String, index=True)  # pending | complete | failed
+    # The domain result (result_media_type oplog.DOMAIN_RESULT), or wire bytes an older tinkerd stored.
     result: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
     result_media_type: Mapped[str | None] = mapped_column(String, nullable=True)
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
@@ -226,3 +230,14 @@ class CustomLossRow(Base):
     inputs: Mapped[list] = mapped_column(JSON)  # [[name, rank], ...], logprobs first
     graph_json: Mapped[str] = mapped_column(Text)  # lossgraph.check's canonical JSON
     created_at: Mapped[datetime] = mapped_column(DateTime)
+
+
+class UnrecoverableRunRow(Base):
+    """A training run recovery could not rebuild, and why (its base model is no longer served, a
+    logged op failed on replay). Its ops fail with this reason instead of running on a missing or
+    wrong adapter; its snapshots and log are kept, and the row goes when a later start rebuilds it."""
+
+    __tablename__ = "unrecoverable_runs"
+    model_id: Mapped[str] = mapped_column(String, primary_key=True)
+    reason: Mapped[str] = mapped_column(Text)
+    at: Mapped[datetime] = mapped_column(DateTime)

@@ -1,0 +1,136 @@
+"""The typed op log (docs/op-contract.md) through the unmodified SDK against real servers: a run
+accepted under one config recovers bit-exactly after a restart under another (a lower
+--max-lora-rank), fails with the recorded reason while its base model is not served and comes back
+when it is, and a data directory written by the code before the op log (raw request bodies in the
+log, /work/main's checkout or any pre-v1 tinkerd) recovers after the upgrade."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import sqlite3
+from pathlib import Path
+
+import pytest
+import tinker
+from tinker import types
+
+from tests.conformance.conftest import TINY
+from tests.serverproc import API_KEY, start_server
+
+LLAMA = "tinkerd/tiny-llama"
+# Snapshots only at the first optim_step: a restart replays every op after it from the log.
+ARGS = ["--threads", "1", "--snapshot-interval-s", "3600"]
+ADAM = types.AdamParams(learning_rate=1e-2)
+# How the SDK surfaces a 400 (at submit) or a failed future.
+REFUSED = (tinker.BadRequestError, tinker.RequestFailedError)
+# A checkout of the code before the op log, to write an old-form data directory with.
+OLD_CHECKOUT = Path(os.environ.get("TINKERD_PRE_OPLOG_CHECKOUT", "/work/main"))
+
+
+def _batch(step: int) -> list[types.Datum]:
+    rng = random.Random(step)
+    return [types.Datum(model_input=types.ModelInput.from_ints(toks[:-1]), loss_fn_inputs={"target_tokens": toks[1:]})
+            for toks in ([rng.randrange(1, 5000) for _ in range(rng.randrange(8, 24))] for _ in range(2))]
+
+
+def _train(tc, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        fb = tc.forward_backward(_batch(step), "cross_entropy")
+        tc.optim_step(ADAM).result()
+        losses.append(fb.result().metrics["loss:sum"])
+    return losses
+
+
+def _port() -> list[str]:
+    """A fixed port for a test's servers: the SDK clients keep talking to it across the restarts."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return ["--port", str(s.getsockname()[1])]
+
+
+def _client(srv) -> tinker.ServiceClient:
+    return tinker.ServiceClient(base_url=srv.url, api_key=API_KEY)
+
+
+def _kill(srv) -> None:
+    os.kill(srv.proc.pid, signal.SIGKILL)
+    srv.proc.wait()
+
+
+def _op_versions(data_dir: Path, model_id: str) -> set:
+    with sqlite3.connect(data_dir / "tinkerd.sqlite") as db:
+        return {v for (v,) in db.execute("SELECT op_version FROM futures WHERE target = ?", (model_id,))}
+
+
+def test_a_run_recovers_exactly_after_lowering_max_lora_rank(tmp_path):
+    args = ARGS + _port()
+    srv = start_server(tmp_path, [TINY], args)
+    try:
+        sc = _client(srv)
+        reference = _train(sc.create_lora_training_client(base_model=TINY, rank=8, seed=5).result(), range(6))
+        tc = sc.create_lora_training_client(base_model=TINY, rank=8, seed=5).result()
+        first = _train(tc, range(3))
+        _kill(srv)
+        srv = start_server(tmp_path, [TINY], args + ["--max-lora-rank", "4"])
+        rest = _train(tc, range(3, 6))  # the same client: its seq_ids go on
+        assert not [line for line in srv.lines if "replay of" in line or "cannot be rebuilt" in line]
+        # Today's limit still holds for new work: only what was accepted under the old one replays.
+        with pytest.raises(REFUSED, match="LoRA rank must be between 1 and 4"):
+            _client(srv).create_lora_training_client(base_model=TINY, rank=8).result()
+    finally:
+        srv.stop()
+    assert first + rest == reference
+
+
+def test_a_run_of_a_base_model_no_longer_served_fails_with_the_recorded_reason_until_it_is(tmp_path):
+    args = ARGS + _port()
+    srv = start_server(tmp_path, [TINY, LLAMA], args)
+    try:
+        sc = _client(srv)
+        reference = _train(sc.create_lora_training_client(base_model=LLAMA, rank=4, seed=3).result(), range(4))
+        tc = sc.create_lora_training_client(base_model=LLAMA, rank=4, seed=3).result()
+        first = _train(tc, range(2))
+        _kill(srv)
+        srv = start_server(tmp_path, [TINY], args)
+        with pytest.raises(REFUSED, match=f"trained on {LLAMA}, which this server does not serve now"):
+            tc.forward_backward(_batch(2), "cross_entropy").result()
+        srv.stop()
+        srv = start_server(tmp_path, [TINY, LLAMA], args)  # served again: the record goes, the run resumes
+        rest = _train(tc, range(2, 4))
+    finally:
+        srv.stop()
+    assert first + rest == reference
+
+
+@pytest.mark.skipif(not (OLD_CHECKOUT / "tinkerd" / "api" / "replay.py").is_file(),
+                    reason="needs a checkout of tinkerd from before the op log (TINKERD_PRE_OPLOG_CHECKOUT)")
+def test_a_data_dir_written_before_the_op_log_recovers_after_the_upgrade(tmp_path):
+    # The old code, run from its own checkout (python -m finds the cwd's tinkerd first).
+    args = ARGS + _port()
+    old = start_server(tmp_path, [TINY], args, launcher=["env", "-C", str(OLD_CHECKOUT)])
+    try:
+        sc = _client(old)
+        reference = _train(sc.create_lora_training_client(base_model=TINY, rank=8, seed=7).result(), range(6))
+        tc = sc.create_lora_training_client(base_model=TINY, rank=8, seed=7).result()
+        first = _train(tc, range(3))
+        # Accepted and killed at once: these may still be pending in the old log, and run after the upgrade.
+        fb = tc.forward_backward(_batch(3), "cross_entropy")
+        step = tc.optim_step(ADAM)
+        _kill(old)
+        with sqlite3.connect(tmp_path / "tinkerd.sqlite") as db:  # the old form: raw request bodies, no version
+            assert "op_version" not in {c[1] for c in db.execute("PRAGMA table_info(futures)")}
+        new = start_server(tmp_path, [TINY], args)
+        try:
+            step.result()
+            rest = [fb.result().metrics["loss:sum"]] + _train(tc, range(4, 6))
+            assert any("converted" in line and "op schema v1" in line for line in new.lines)
+            assert _op_versions(tmp_path, tc.model_id) == {1}  # converted on start, and new ops logged typed
+        finally:
+            new.stop()
+    finally:
+        old.stop()
+    assert first + rest == reference
