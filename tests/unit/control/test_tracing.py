@@ -4,6 +4,8 @@ order, the op's attributes, an error status for a failed op; none of it unless a
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
@@ -42,7 +44,7 @@ def test_each_op_is_a_root_span_tiled_by_its_four_stages(traced):
     sampled = control.submit("Sample", "session-1", 0, b"", Work(sample_op(max_tokens=4), _finalize))
     for a in (trained, sampled):
         assert _wait_done(control, a.request_id).status == "complete"
-    spans = exporter.get_finished_spans()
+    spans = _exported(exporter, 2)
     roots = {s.attributes["tinkerd.request_id"]: s for s in spans if s.parent is None}
     assert set(roots) == {trained.request_id, sampled.request_id}
     for request_id, op_type, lane, target in ((trained.request_id, "OptimStep", "train", "model-1"),
@@ -61,12 +63,23 @@ def test_each_op_is_a_root_span_tiled_by_its_four_stages(traced):
         assert all(c.end_time >= c.start_time for c in children)
 
 
+def _exported(exporter, roots: int) -> list:
+    """The finished spans once `roots` ops have theirs: the row is stored just before its spans end
+    (results.py: on_stored), so a test that saw the row waits for them (bounded, not a timing check)."""
+    for _ in range(1000):
+        spans = exporter.get_finished_spans()
+        if sum(s.parent is None for s in spans) >= roots:
+            return list(spans)
+        threading.Event().wait(0.01)
+    raise AssertionError("the ops' spans were never exported")
+
+
 def test_a_failed_op_has_an_error_status(traced):
     control, exporter = traced
     bad = control.submit("Sample", "session-2", 0, b"",
                          Work(SampleOp("m", None, np.array([]), SamplingParams(max_tokens=2)), _finalize))
     assert _wait_done(control, bad.request_id).status == "failed"
-    root = next(s for s in exporter.get_finished_spans() if s.parent is None)
+    root = next(s for s in _exported(exporter, 1) if s.parent is None)
     assert root.status.status_code == StatusCode.ERROR and "empty" in root.status.description
     assert root.attributes["tinkerd.status"] == "failed" and root.attributes["tinkerd.error_category"] == "user"
 
