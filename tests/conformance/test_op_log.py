@@ -2,7 +2,7 @@
 accepted under one config recovers bit-exactly after a restart under another (a lower
 --max-lora-rank), fails with the recorded reason while its base model is not served and comes back
 when it is, and a data directory written by the code before the op log (raw request bodies in the
-log, /work/main's checkout or any pre-v1 tinkerd) recovers after the upgrade."""
+log: the last commit before it, unpacked from this repository's history) recovers after the upgrade."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import random
 import signal
 import socket
 import sqlite3
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -26,8 +27,23 @@ ARGS = ["--threads", "1", "--snapshot-interval-s", "3600"]
 ADAM = types.AdamParams(learning_rate=1e-2)
 # How the SDK surfaces a 400 (at submit) or a failed future.
 REFUSED = (tinker.BadRequestError, tinker.RequestFailedError)
-# A checkout of the code before the op log, to write an old-form data directory with.
-OLD_CHECKOUT = Path(os.environ.get("TINKERD_PRE_OPLOG_CHECKOUT", "/work/main"))
+# The last commit before the op log, to write an old-form data directory with; unpacked from this
+# repository's history (TINKERD_PRE_OPLOG_CHECKOUT: a checkout of it elsewhere).
+PRE_OPLOG_COMMIT = "bc8f09fd255d6dba2f774a3ee6faa6bbd3b9d624"
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def old_checkout(tmp_path_factory) -> Path:
+    if os.environ.get("TINKERD_PRE_OPLOG_CHECKOUT"):
+        return Path(os.environ["TINKERD_PRE_OPLOG_CHECKOUT"])
+    out = tmp_path_factory.mktemp("pre-oplog")
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", PRE_OPLOG_COMMIT], capture_output=True)
+    if archive.returncode != 0:
+        pytest.skip(f"needs the pre-op-log commit {PRE_OPLOG_COMMIT[:7]} in this checkout's git history "
+                    f"(a shallow clone lacks it): {archive.stderr.decode().strip()}")
+    subprocess.run(["tar", "-x", "-C", str(out)], input=archive.stdout, check=True)
+    return out
 
 
 def _batch(step: int) -> list[types.Datum]:
@@ -106,12 +122,11 @@ def test_a_run_of_a_base_model_no_longer_served_fails_with_the_recorded_reason_u
     assert first + rest == reference
 
 
-@pytest.mark.skipif(not (OLD_CHECKOUT / "tinkerd" / "api" / "replay.py").is_file(),
-                    reason="needs a checkout of tinkerd from before the op log (TINKERD_PRE_OPLOG_CHECKOUT)")
-def test_a_data_dir_written_before_the_op_log_recovers_after_the_upgrade(tmp_path):
+def test_a_data_dir_written_before_the_op_log_recovers_after_the_upgrade(tmp_path, old_checkout):
+    assert (old_checkout / "tinkerd" / "api" / "replay.py").is_file()  # the raw-body log's code
     # The old code, run from its own checkout (python -m finds the cwd's tinkerd first).
     args = ARGS + _port()
-    old = start_server(tmp_path, [TINY], args, launcher=["env", "-C", str(OLD_CHECKOUT)])
+    old = start_server(tmp_path, [TINY], args, launcher=["env", "-C", str(old_checkout)])
     try:
         sc = _client(old)
         reference = _train(sc.create_lora_training_client(base_model=TINY, rank=8, seed=7).result(), range(6))
