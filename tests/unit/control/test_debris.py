@@ -16,6 +16,9 @@ from tinkerd.control.store.db import Store
 class NoEngine:
     """A fresh engine with nothing to replay: step() is never reached on an empty store."""
 
+    def models(self):  # recovery asks which base models the engine serves (control/recovery.py)
+        return []
+
     def step(self, ops):
         raise AssertionError("nothing to replay")
 
