@@ -6,7 +6,9 @@ its result, and `tinkerd fsck` clean.
 - the whole server (its process group, engine included) SIGKILLed inside save_state, and during a
   sample, then restarted on the same port while the SDK keeps polling;
 - the SQLite file locked by another process (BEGIN EXCLUSIVE) mid-loop: new work gets a 503 with
-  Retry-After, accepted work completes after the lock goes, no restart.
+  Retry-After, accepted work completes after the lock goes, no restart;
+- the SQLite file made read-only mid-way through a pipelined loop (strace fails its writes with
+  EROFS, see below): the same, and readyz says `storage not writable` the whole time.
 
 A kill "inside a write" is made exact by watching the filesystem, not by a hook in the server: as
 soon as the save's temp directory (engine/checkpoints.py: `.<name>.tmp-*`) appears, the engine is
@@ -19,9 +21,11 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import socket
 import sqlite3
+import subprocess
 import threading
 import time
 from dataclasses import dataclass
@@ -378,3 +382,149 @@ def _count(data: Path) -> int:
 def _loop_losses(reference: Outcome) -> list[float]:
     # The lock test trains the same steps without the save and the sample, which change no adapter.
     return reference.losses
+
+
+# -- the SQLite file made read-only mid-loop -----------------------------------------------------
+#
+# A read-only remount is refused (EBUSY) while SQLite holds the file open for writing, so the fault
+# is injected with ptrace instead: strace attached to the running server fails, with EROFS (what a
+# write on a read-only remount gets), every write, sync and open of the SQLite file and its WAL and
+# shm files, and nothing else (`-P` picks the syscalls by the path they touch, fds included).
+# Stricter than a remount in one way: an open for reading fails too, so a connection the pool opens
+# during the fault cannot even read; the pooled ones read on (pread64 is not touched).
+
+STORE_FILES = ("tinkerd.sqlite", "tinkerd.sqlite-wal", "tinkerd.sqlite-shm")
+FAULTED = "openat,open,creat,write,pwrite64,writev,pwritev,pwritev2,fsync,fdatasync,ftruncate,fallocate"
+EROFS_S = 10.0  # how long the store stays read-only
+
+
+def _attach_strace(pid: int, argv: list[str], timeout_s: float = 20) -> subprocess.Popen:
+    """strace -f -p pid + argv, returned once every thread of pid is attached; pytest.skip if ptrace
+    is not permitted here (no CAP_SYS_PTRACE, Yama ptrace_scope)."""
+    tracer = subprocess.Popen(["strace", "-f", "-p", str(pid), *argv], stderr=subprocess.PIPE, text=True)
+    seen: list[str] = []
+    attached = threading.Event()
+
+    def read() -> None:
+        for line in tracer.stderr:
+            seen.append(line)
+            if "attached" in line:  # "Process N attached with K threads", once all are
+                attached.set()
+    threading.Thread(target=read, daemon=True).start()
+    deadline = time.monotonic() + timeout_s
+    while not attached.wait(0.05):
+        if tracer.poll() is not None or time.monotonic() > deadline:
+            _detach(tracer)
+            text = "".join(seen)
+            if "Operation not permitted" in text:
+                pytest.skip(f"ptrace not permitted here: {text.strip()}")
+            raise AssertionError(f"strace did not attach: {text}")
+    tracer.lines = seen  # type: ignore[attr-defined]
+    return tracer
+
+
+def _detach(tracer: subprocess.Popen) -> None:
+    if tracer.poll() is None:
+        tracer.send_signal(signal.SIGINT)  # strace detaches from every thread and exits; the tracee runs on
+        tracer.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def ptrace_allowed():
+    if shutil.which("strace") is None:
+        pytest.skip("strace is not installed (.ci/run installs it)")
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        _detach(_attach_strace(sleeper.pid, ["-e", "trace=none", "-o", "/dev/null"]))
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def _refusal(http: httpx.Client) -> httpx.Response:
+    return http.post("/api/v1/create_session", json={"tags": [], "user_metadata": {}, "sdk_version": "0.38.0"})
+
+
+@pytest.mark.slow
+def test_store_read_only_mid_loop(ptrace_allowed, reference, tmp_path, models_dir, capsys):
+    """Exercises the storage-fault path for a store that cannot be written at all (EROFS, not a lock
+    that a busy timeout waits out): while it lasts, readyz says `storage not writable`, every new
+    request is refused with 503 + Retry-After, the pipelined loop's submissions are retried by the
+    SDK, and the accepted op's result write is retried (control/results.py) until the store takes
+    writes again; then everything lands in order, no restart."""
+    data = _data_dir(tmp_path, models_dir)
+    srv = start_server(data, [TINY], ARGS)
+    stats: dict = {"refused": 0}
+    tracer = None
+    try:
+        tc = tinker.ServiceClient(base_url=srv.url, api_key=API_KEY).create_lora_training_client(
+            base_model=TINY, rank=8, seed=11).result()
+        losses = [_step(tc, i) for i in range(SAVE_AFTER)]
+        engine = engine_pid(srv.proc.pid)
+        os.kill(engine, signal.SIGSTOP)  # so the next ops are certainly accepted and unfinished when the fault comes
+        before = _count(data)
+        pending = [tc.forward_backward(DATA[SAVE_AFTER], "cross_entropy")]
+        steps = [tc.optim_step(types.AdamParams(learning_rate=1e-2))]
+        deadline = time.monotonic() + 30
+        while _count(data) < before + 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        paths = [a for f in STORE_FILES for a in ("-P", str(data / f))]
+        tracer = _attach_strace(srv.proc.pid, [*paths, "-e", f"trace={FAULTED}", "-e", f"inject={FAULTED}:error=EROFS",
+                                               "-o", str(tmp_path / "strace.log")])
+        t_fault = time.monotonic()
+        os.kill(engine, signal.SIGCONT)
+
+        def rest_of_loop() -> None:  # the SDK loop goes on, pipelined, through the fault
+            for i in range(SAVE_AFTER + 1, STEPS):
+                pending.append(tc.forward_backward(DATA[i], "cross_entropy"))
+                steps.append(tc.optim_step(types.AdamParams(learning_rate=1e-2)))
+        loop, box = _in_thread(rest_of_loop)
+        with httpx.Client(base_url=srv.url, headers={"X-API-Key": API_KEY}, timeout=60) as http:
+            ready = http.get("/api/v1/readyz")
+            assert ready.status_code == 503 and "storage not writable" in " ".join(ready.json()["reasons"]), ready.text
+            assert ready.json()["storage"]["writable"] is False
+            while time.monotonic() - t_fault < EROFS_S:
+                got = _refusal(http)
+                assert got.status_code == 503, got.text
+                assert got.headers["retry-after"] == "10"
+                assert got.json()["category"] == "server" and "storage is failing" in got.json()["error"], got.text
+                stats["refused"] += 1
+                stats.setdefault("message", got.json()["error"])
+                time.sleep(0.5)
+            deadline = time.monotonic() + 30
+            while not any("cannot store the" in line for line in srv.lines):
+                assert time.monotonic() < deadline, "the accepted op's result write never failed"
+                time.sleep(0.05)
+            assert _pending(data, "ForwardBackward") >= 1  # applied by the engine, not stored: still pending
+            stats["readyz"] = http.get("/api/v1/readyz").json()["reasons"]
+            _detach(tracer)
+            t_clear = time.monotonic()
+            stats["held_s"] = t_clear - t_fault
+            stats["injected"] = sum("(INJECTED)" in line for line in open(tmp_path / "strace.log"))
+            while (got := _refusal(http)).status_code != 200:
+                assert got.status_code == 503 and time.monotonic() - t_clear < 30, got.text
+                time.sleep(0.05)
+            stats["first_ok_s"] = time.monotonic() - t_clear
+        losses += [f.result().metrics["loss:sum"] for f in pending[:1]]
+        stats["accepted_done_s"] = time.monotonic() - t_clear
+        loop.join(120)
+        assert not loop.is_alive() and "error" not in box, box
+        losses += [f.result().metrics["loss:sum"] for f in pending[1:]]
+        assert len(losses) == STEPS and all(s.result() is not None for s in steps)
+        stats["loop_done_s"] = time.monotonic() - t_clear
+        ids = assert_nothing_stranded(srv.url, data)
+        assert not recoveries(srv.lines)  # no engine restart, and the server never stopped
+    finally:
+        if tracer is not None:
+            _detach(tracer)
+        srv.stop()
+    assert losses == _loop_losses(reference)  # every step once, in order: nothing lost or run twice
+    assert "failed attempts; work goes on" in "".join(srv.lines)
+    rc, out = _fsck(data, capsys)
+    assert rc == 0 and "clean" in out, out
+    print(f"store read-only {stats['held_s']:.1f} s ({stats['injected']} syscalls failed with EROFS): "
+          f"{stats['refused']} new requests refused (503: {stats['message']!r}), readyz {stats['readyz']}; "
+          f"first success {stats['first_ok_s']:.2f} s after it cleared, accepted op done "
+          f"{stats['accepted_done_s']:.1f} s after, loop done {stats['loop_done_s']:.1f} s after, "
+          f"{ids} futures all retrieved, 0 lost")

@@ -22,6 +22,9 @@ class NoEngine:
     def step(self, ops):
         raise AssertionError("nothing to replay")
 
+    def models(self):  # recovery.rebuild_engine asks which base models it serves
+        return []
+
 
 def _dir(path: Path, content: bytes) -> Path:
     path.mkdir(parents=True)

@@ -50,7 +50,11 @@ class Store:
         try:
             yield
         except OperationalError as e:
-            raise StorageUnavailable(f"server storage is failing: {e.orig} ({self._where})") from e
+            # SQLite's extended code says which call failed ("disk I/O error" alone does not):
+            # SQLITE_IOERR_WRITE / _FSYNC for a read-only or failing disk, SQLITE_FULL, SQLITE_BUSY.
+            code = getattr(e.orig, "sqlite_errorname", None)
+            raise StorageUnavailable(f"server storage is failing: {e.orig}{f' [{code}]' if code else ''} "
+                                     f"({self._where})") from e
 
     @classmethod
     def sqlite(cls, path: Path) -> "Store":
