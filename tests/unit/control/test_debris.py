@@ -19,6 +19,9 @@ class NoEngine:
     def step(self, ops):
         raise AssertionError("nothing to replay")
 
+    def models(self):
+        return []
+
 
 def _dir(path: Path, content: bytes) -> Path:
     path.mkdir(parents=True)
