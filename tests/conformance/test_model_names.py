@@ -8,7 +8,8 @@ import tinker
 from tinker import types
 
 from tests.conformance.conftest import TINY
-from tests.serverproc import API_KEY
+from tests.conformance.test_op_log import ARGS, _client, _kill, _port, _train
+from tests.serverproc import API_KEY, start_server
 
 # The tiny models' config (engine/model/tiny.py: max_position_embeddings=4096), and a variant well under it.
 OWN_CONTEXT = 4096
@@ -103,3 +104,21 @@ def test_a_variant_at_the_base_limit_is_the_base(server):
     sc = tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
     full = sc.create_sampling_client(base_model=f"{TINY}:peft:{OWN_CONTEXT}").result()
     assert len(full.sample(_prompt(3), 1, GREEDY_1).result().sequences[0].tokens) == 1
+
+
+def test_a_long_context_run_recovers_exactly_after_a_restart_with_its_limit(tmp_path):
+    # The run's name is the long-context id; recovery rebuilds it on the base (control/recovery.py).
+    args = ARGS + _port()
+    srv = start_server(tmp_path, [TINY], args)
+    try:
+        sc = _client(srv)
+        reference = _train(sc.create_lora_training_client(base_model=TINY, rank=4, seed=9).result(), range(6))
+        tc = sc.create_lora_training_client(base_model=VARIANT, rank=4, seed=9).result()
+        first = _train(tc, range(3))
+        _kill(srv)
+        srv = start_server(tmp_path, [TINY], args)
+        rest = _train(tc, range(3, 6))  # the same client: its seq_ids go on
+        _refused(lambda: tc.forward([_datum(SHORT + 1)], "cross_entropy").result(), f"context length of {SHORT}")
+    finally:
+        srv.stop()
+    assert first + rest == reference
