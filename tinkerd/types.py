@@ -6,6 +6,7 @@ them. Shapes use one alphabet: N targets in a datum, K soft targets per position
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -306,6 +307,26 @@ class ServedModel:
     # Where the server's own tokenizer files are (a directory or a hub name): the OpenAI endpoints
     # tokenize and detokenize on the server.
     tokenizer_dir: str = ""
+
+
+# The hosted service's long-context model ids, `<hf id>:peft:<tokens>` (e.g.
+# "openai/gpt-oss-120b:peft:131072" in the cookbook's eval tables): the same base model, served
+# with a context limit of <tokens>. The SDK and the cookbook strip everything from the first ':'
+# to find the tokenizer and hyperparameters, so the base id itself never holds a ':'.
+_LONG_CONTEXT_ID = re.compile(r"(?P<base>[^:]+):peft:(?P<tokens>[0-9]+)")
+
+
+def long_context_id(name: str) -> tuple[str, int] | None:
+    """(base id, context limit) of a `<hf id>:peft:<tokens>` name; None for any other name."""
+    m = _LONG_CONTEXT_ID.fullmatch(name)
+    return (m["base"], int(m["tokens"])) if m else None
+
+
+def base_model_of(name: str) -> str:
+    """The base model a run or sampler names: `name` less a long-context suffix (the engine serves
+    bases only; ops carry this)."""
+    parsed = long_context_id(name)
+    return parsed[0] if parsed else name
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, TypeVar
 
 import numpy as np
@@ -20,7 +20,7 @@ from tinkerd.control.runs import Runs
 from tinkerd.control.stability import StabilityRecords
 from tinkerd.control.tokens import InvalidToken, Tokens, looks_like_jwt
 from tinkerd.errors import TinkerdError, UserError
-from tinkerd.types import ServedModel
+from tinkerd.types import ServedModel, long_context_id
 
 M = TypeVar("M", bound=pydantic.BaseModel)
 
@@ -41,11 +41,26 @@ class AppState:
     tokens: Tokens | None = None
 
     def served_model(self, name: str) -> ServedModel:
-        model = self.served.get(name)
+        """The served model `name` resolves to. A long-context id `<base>:peft:<tokens>` is its base
+        with max_context_length = <tokens> (which must not exceed the base's own); its `name` is the
+        base's, which is what engine ops carry."""
+        model, limit = self.served.get(name), None
+        served = sorted(n for n, m in self.served.items() if not m.unavailable)
+        if model is None and ":" in name:
+            parsed = long_context_id(name)
+            if parsed is None:
+                raise UserError(f"model name {name!r} is malformed: a long-context variant is written "
+                                f"<base model>:peft:<context tokens>, e.g. {(served or ['Qwen/Qwen3-8B'])[0]}:peft:4096")
+            base, limit = parsed
+            model = self.served.get(base)
         if model is None or model.unavailable:
-            served = sorted(n for n, m in self.served.items() if not m.unavailable)
             why = f" ({model.unavailable})" if model is not None else ""
             raise UserError(f"base model {name!r} is not served here{why}; served: {served}")
+        if limit is not None:
+            if not 1 <= limit <= model.max_context_length:
+                raise UserError(f"model {name!r} asks for a context length of {limit} tokens; {model.name} "
+                                f"supports 1 to {model.max_context_length}")
+            model = replace(model, max_context_length=limit)
         return model
 
 

@@ -103,3 +103,20 @@ def sample_request(req: t.SampleRequest, max_context_length: int) -> None:
     integer(req.topk_prompt_logprobs, "topk_prompt_logprobs")
     integer(req.topk_sample_logprobs, "topk_sample_logprobs")
     integer(req.prompt_logprobs_last_n, "prompt_logprobs_last_n", 1)
+
+
+# The engine checks lengths against the base model's own context (engine/training.py,
+# engine/sampler/rules.py). A long-context id (`<base>:peft:<tokens>`, api/deps.py served_model)
+# names a lower limit for the same base, which only this layer knows: checked here, in the same words.
+
+def sample_context(prompt_tokens: int, max_tokens: int, max_context_length: int) -> None:
+    if prompt_tokens + max_tokens > max_context_length:
+        raise UserError(f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the model's context "
+                        f"length of {max_context_length}")
+
+
+def datum_lengths(data, max_context_length: int) -> None:
+    for i, datum in enumerate(data):
+        if len(datum.tokens) > max_context_length:
+            raise UserError(f"datum {i}: {len(datum.tokens)} tokens exceed the model's context length of "
+                            f"{max_context_length}")

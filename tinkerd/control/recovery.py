@@ -37,7 +37,7 @@ from tinkerd.control.queue import Work
 from tinkerd.control.store.db import Store, utcnow
 from tinkerd.control.store.tables import FutureRow, TrainingRunRow, UnrecoverableRunRow
 from tinkerd.errors import TinkerdError, UserError
-from tinkerd.types import LoadWeightsOp, OptimStepOp
+from tinkerd.types import LoadWeightsOp, OptimStepOp, base_model_of
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ class Recovery:
         plan: list[Any] = []
         for model_id, ops in by_model.items():
             run = self.store.get(TrainingRunRow, model_id)
-            if served is not None and run is not None and run.base_model not in served:
+            if served is not None and run is not None and base_model_of(run.base_model) not in served:
                 self.record_failure(model_id, f"training run {model_id} was trained on {run.base_model}, which this "
                                     f"server does not serve now (tinkerd serve --base-model); its state is kept and "
                                     f"comes back when a restart serves {run.base_model} again")
@@ -151,7 +151,7 @@ class Recovery:
                 if run is None:
                     continue
                 seq, path = snap
-                steps.append(LoadWeightsOp(model_id, run.base_model, str(path), with_optimizer=True))
+                steps.append(LoadWeightsOp(model_id, base_model_of(run.base_model), str(path), with_optimizer=True))
                 ops = [r for r in ops if r.seq_id is not None and r.seq_id > seq]
             try:
                 steps.extend(self.rebuild(row).op for row in ops)

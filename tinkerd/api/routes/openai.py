@@ -131,6 +131,7 @@ async def _sample(st: AppState, body: bytes, account_id: str) -> list[text.Seque
 async def _tokenizer(st: AppState, base_model: str) -> text.TextTokenizer:
     if st.tokenizers is None:
         raise ServerError("this server has no tokenizers wired for the OpenAI endpoints")
+    base_model = st.served_model(base_model).name  # a run's long-context id shares its base's tokenizer
     return await asyncio.to_thread(st.tokenizers, base_model)  # the first load reads files for ~1-2 s
 
 

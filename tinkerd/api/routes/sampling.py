@@ -13,7 +13,7 @@ from tinkerd.control.control import Work
 from tinkerd.control.oplog import OpRecord, OpType, Payer
 from tinkerd.control.runs import parse_tinker_path
 from tinkerd.errors import UserError
-from tinkerd.types import SampleOp, SamplingParams
+from tinkerd.types import SampleOp, SamplingParams, base_model_of, long_context_id
 
 router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
 
@@ -29,8 +29,9 @@ async def create_sampling_session(request: Request) -> dict:
             raise UserError(f"cannot sample from {req.model_path}: use a sampler_weights or weights path")
         ckpt = st.runs.owned_checkpoint(path, account(request), public_ok=True)
         base_model = st.runs.run(ckpt.model_id).base_model
-        if req.base_model is not None and req.base_model != base_model:
+        if req.base_model is not None and base_model_of(req.base_model) != base_model_of(base_model):
             raise UserError(f"{req.model_path} was trained on {base_model}, not {req.base_model}")
+        base_model = req.base_model or base_model  # a long-context id of the same base sets the limit
         adapter_dir = ckpt.dir_path
     elif req.base_model is not None:
         base_model, adapter_dir = req.base_model, None
@@ -116,6 +117,9 @@ def prepare_asample(st: AppState, body: bytes, account_id: str | None = None) ->
     if not 1 <= req.num_samples <= st.config.max_num_samples:
         raise UserError(f"num_samples must be between 1 and {st.config.max_num_samples}, got {req.num_samples}")
     prompt = _prompt_tokens(req.prompt)
+    params = _sampling_params(st, req.sampling_params)
+    if long_context_id(base_model) is not None:  # the engine checks the base's own limit
+        limits.sample_context(len(prompt), params.max_tokens, served.max_context_length)
     target_ids, target_csr = (None, None)
     if req.target_prompt_logprobs is not None:
         target_ids, target_csr = prompt_scores.target_ids(req.target_prompt_logprobs, len(prompt))
@@ -126,10 +130,10 @@ def prepare_asample(st: AppState, body: bytes, account_id: str | None = None) ->
         raise UserError("record_stability_info needs a sampling_session_id: recorded sequences belong to the session "
                         "that sampled them")
     op = SampleOp(
-        base_model=base_model,
+        base_model=served.name,
         adapter_path=adapter_dir,
         prompt=prompt,
-        params=_sampling_params(st, req.sampling_params),
+        params=params,
         num_samples=req.num_samples,
         prompt_logprobs=bool(req.prompt_logprobs),
         topk_prompt_logprobs=int(req.topk_prompt_logprobs),

@@ -25,6 +25,8 @@ from tinkerd.types import (
     OptimStepOp,
     SaveWeightsOp,
     StableReinforceConfig,
+    base_model_of,
+    long_context_id,
 )
 
 router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
@@ -73,7 +75,7 @@ def prepare_create_model(st: AppState, body: bytes, account_id: str | None = Non
         limits.integer(req.model_seq_id, "model_seq_id")
         if req.lora_config is not None:
             limits.integer(req.lora_config.seed, "lora_config.seed", limits.INT64_MIN, limits.INT64_MAX)
-    st.served_model(req.base_model)
+    served = st.served_model(req.base_model)
     if req.lora_config is None:
         raise UserError("only LoRA training is supported: send a lora_config")
     if req.optimizer_config.type != "adamw":
@@ -88,7 +90,9 @@ def prepare_create_model(st: AppState, body: bytes, account_id: str | None = Non
         lora_config["seed"] = int.from_bytes(hashlib.sha256(model_id.encode()).digest()[:8], "big") >> 1
     run, _ = st.runs.create_run(req.session_id, req.model_seq_id, req.base_model, lora_config, req.user_metadata,
                                 account_id)
-    op = CreateModelOp(model_id=run.model_id, base_model=run.base_model, lora=_lora_spec(st, run.lora_config))
+    # The run keeps the name as asked (a long-context id included: get_info and its samplers report
+    # it, and its limit applies to them); the engine gets the base.
+    op = CreateModelOp(model_id=run.model_id, base_model=served.name, lora=_lora_spec(st, run.lora_config))
     work = _accepted(OpType.CREATE_MODEL, op, st, run, account_id, reply={"model_id": run.model_id})
     return Prepared("CreateModel", run.model_id, 0, work)
 
@@ -118,6 +122,8 @@ def prepare_forward_backward(st: AppState, body: bytes, account_id: str | None =
     if not completed:
         limits.seq_id(seq_id)
     op.allow_non_finite = st.config.allow_non_finite or completed
+    if not completed and long_context_id(run.base_model) is not None:  # the engine checks the base's own limit
+        limits.datum_lengths(op.data, st.served_model(run.base_model).max_context_length)
     if op.loss_fn == "stable_reinforce":
         # Refused here (a 400) rather than as a failed future: the config, then the provenance
         # against what the sampler recorded, which becomes the datums' sampler_logprobs (kept in
@@ -206,14 +212,18 @@ def prepare_load_weights(st: AppState, body: bytes, account_id: str | None = Non
     if req.model_id is not None:
         # Legacy in-place load into an existing model, ordered with its other ops.
         run = _trainable(st, req.model_id, account_id)
-        if run.base_model != source.base_model:
+        if base_model_of(run.base_model) != base_model_of(source.base_model):
             raise UserError(f"checkpoint {path} was trained on {source.base_model}, not {run.base_model}")
         target, seq_id = run.model_id, req.seq_id
     elif req.session_id is not None and req.model_seq_id is not None:
         # Create-via-load: a new model `{session}:train:{n}` whose seq 0 is this load.
-        if req.base_model is not None and req.base_model != source.base_model:
+        if req.base_model is not None and base_model_of(req.base_model) != base_model_of(source.base_model):
             raise UserError(f"checkpoint {path} was trained on {source.base_model}, not {req.base_model}")
-        run, _ = st.runs.create_run(req.session_id, req.model_seq_id, source.base_model, trainable_config(source.lora_config),
+        # Asked with a base_model (a long-context id of the same base, say), the new run has that name.
+        name = req.base_model if req.base_model is not None else source.base_model
+        if req.base_model is not None:
+            st.served_model(name)
+        run, _ = st.runs.create_run(req.session_id, req.model_seq_id, name, trainable_config(source.lora_config),
                                     req.user_metadata if req.user_metadata is not None else source.user_metadata,
                                     account_id)
         target, seq_id = run.model_id, 0
@@ -222,7 +232,7 @@ def prepare_load_weights(st: AppState, body: bytes, account_id: str | None = Non
     rank = int(source.lora_config.get("rank", 0))
     if not completed and rank > st.config.max_lora_rank:  # the engine runs what was accepted, unchecked
         raise UserError(f"checkpoint {path} has LoRA rank {rank}, over this server's limit {st.config.max_lora_rank}")
-    op = LoadWeightsOp(target, source.base_model, ckpt.dir_path, with_optimizer=req.optimizer)
+    op = LoadWeightsOp(target, base_model_of(source.base_model), ckpt.dir_path, with_optimizer=req.optimizer)
     work = _accepted(OpType.LOAD_WEIGHTS, op, st, run, account_id, reply={"path": str(path), "model_id": target})
     return Prepared("LoadWeights", target, seq_id, work)
 

@@ -81,9 +81,16 @@ def _finish(name: str, model: PreTrainedModel, tokenizer_dir: str, tokenizer_id:
     if eos is None:
         eos = cfg.eos_token_id
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-    max_ctx = int(getattr(cfg, "max_position_embeddings", 2048) or 2048)
+    # A vision-language config (Qwen3-VL, Qwen3.5) holds it in its text_config, not at the top.
+    max_ctx = context_length(cfg)
     return LoadedModel(name=name, model=model, tokenizer_dir=tokenizer_dir, max_context_length=max_ctx,
                        eos_token_ids=eos_ids, tokenizer_id=tokenizer_id or tokenizer_dir, family=family)
+
+
+def context_length(cfg: PretrainedConfig) -> int:
+    """The context the model was built for: max_position_embeddings of its text model (2048 when a
+    config names none)."""
+    return int(getattr(cfg.get_text_config(), "max_position_embeddings", None) or 2048)
 
 
 def load_model(name: str, models_dir: Path) -> LoadedModel:
