@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from tinkerd.control import inflight
 from tinkerd.control.metering import Billing, Usage
 from tinkerd.control.oplog import CreateSampler, OpRecord, OpType, RegisterCheckpoint
 from tinkerd.control.runs import Runs, parse_tinker_path
@@ -40,6 +41,8 @@ class Bookkeeper:
             row = self.runs.register_checkpoint(parse_tinker_path(effect.path), effect.ttl_seconds, effect.user_metadata)
             if record.op_type == OpType.SAVE_WEIGHTS_EXTERNAL:
                 out["size_bytes"] = row.size_bytes
+        elif isinstance(effect, CreateSampler) and effect.inflight_of is not None:
+            inflight.publish(self.runs, effect, self.ephemeral_samplers_kept, self.busy)
         elif isinstance(effect, CreateSampler):
             self.runs.create_sampling_session(effect.session_id, effect.sampling_session_seq_id, effect.base_model,
                                               None, effect.adapter_dir, accepted=True)

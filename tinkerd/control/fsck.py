@@ -34,6 +34,7 @@ from typing import Callable
 
 from sqlalchemy import select
 
+from tinkerd.control import inflight
 from tinkerd.control.debris import CHECKPOINT_TEMP, SNAPSHOT_TEMP
 from tinkerd.control.recovery import STATE_CHANGING, Recovery, rebuild_work
 from tinkerd.control.retention import dedupe_prefix
@@ -157,9 +158,9 @@ class Fsck:
         ephemeral = self.checkpoints_dir / "_ephemeral"
         if ephemeral.is_dir():
             # By name: the rows hold absolute paths, and the data directory may be reached another way now.
-            used = {Path(p).name for p in self.store.query(
-                select(SamplingSessionRow.adapter_dir).where(SamplingSessionRow.adapter_dir.is_not(None)))
-                if Path(p).parent.name == "_ephemeral"}
+            rows = self.store.query(select(SamplingSessionRow).where(SamplingSessionRow.adapter_dir.is_not(None)))
+            used = {Path(r.adapter_dir).name for r in rows if Path(r.adapter_dir).parent.name == "_ephemeral"}
+            used |= inflight.kept_dirs(rows)  # an older inflight save's, kept for requests accepted on it
             for d in _dirs(ephemeral):
                 if d.name not in used:
                     report.problems.append(Problem("orphan-sampler", str(d), "an ephemeral sampler directory with no "

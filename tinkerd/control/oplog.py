@@ -74,12 +74,15 @@ class RegisterCheckpoint:
 @dataclasses.dataclass
 class CreateSampler:
     """After an ephemeral save_weights_for_sampler: create the sampling session on its adapter, and
-    prune the session's older ephemeral samplers."""
+    prune the session's older ephemeral samplers. With `inflight_of` (kind="inflight"): the session
+    follows that run's inflight target, and this save repoints every inflight session of the run to
+    its adapter (None, as every record before it: a snapshot)."""
 
     session_id: str
     sampling_session_seq_id: int
     base_model: str
     adapter_dir: str
+    inflight_of: str | None = None
 
 
 Effect = RegisterCheckpoint | CreateSampler

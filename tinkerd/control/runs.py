@@ -374,7 +374,7 @@ class Runs:
 
     def create_sampling_session(self, session_id: str, seq_id: int, base_model: str, model_path: str | None,
                                 adapter_dir: str | None, account_id: str | None = None,
-                                accepted: bool = False) -> SamplingSessionRow:
+                                accepted: bool = False, inflight_of: str | None = None) -> SamplingSessionRow:
         """accepted=True: the sampler an accepted op made (save_weights_for_sampler's ephemeral one),
         which spends the free-space reserve; otherwise a new sampler is new work, refused under it
         (a re-send of one already made is not)."""
@@ -383,7 +383,8 @@ class Runs:
         if not accepted and self.reserve is not None and self.store.get(SamplingSessionRow, sid) is None:
             self.reserve.check()
         row = SamplingSessionRow(sampling_session_id=sid, session_id=session_id, base_model=base_model,
-                                 model_path=model_path, adapter_dir=adapter_dir, created_at=utcnow())
+                                 model_path=model_path, adapter_dir=adapter_dir, created_at=utcnow(),
+                                 inflight_of=inflight_of)
         if not self.store.add(row):
             return self.sampling_session(sid)
         return row
@@ -419,7 +420,7 @@ class Runs:
         root = self.checkpoints_dir / "_ephemeral"
         rows = self.store.query(select(SamplingSessionRow).where(
             SamplingSessionRow.session_id == session_id, SamplingSessionRow.model_path.is_(None),
-            SamplingSessionRow.adapter_dir.is_not(None)))
+            SamplingSessionRow.adapter_dir.is_not(None), SamplingSessionRow.inflight_of.is_(None)))
         ephemeral = [r for r in rows if Path(r.adapter_dir).parent == root]
         # `<session>:sample:<n>`, n counting up in creation order (shared with named samplers).
         ephemeral.sort(key=lambda r: int(r.sampling_session_id.rsplit(":", 1)[-1]))

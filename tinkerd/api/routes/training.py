@@ -175,6 +175,13 @@ def prepare_save_weights_for_sampler(st: AppState, body: bytes, account_id: str 
     run = _trainable(st, req.model_id, account_id)
     limits.seq_id(req.seq_id)
     limits.integer(req.sampling_session_seq_id, "sampling_session_seq_id")
+    inflight = req.kind == "inflight"  # docs/compatibility.md: inflight samplers (control/inflight.py)
+    if inflight and (req.path is not None or req.sampling_session_seq_id is None):
+        raise UserError("an inflight save_weights_for_sampler publishes the run's shared sampler weights: it takes a "
+                        "sampling_session_seq_id and no path (save_weights_and_get_sampling_client(kind='inflight'))")
+    if inflight and req.ttl_seconds is not None:
+        raise UserError("inflight saves take no ttl_seconds: their weights live as long as the training run's "
+                        "inflight samplers")
     if req.path is not None:
         path = TinkerPath(req.model_id, "sampler_weights", check_name(req.path, "path"))
         ttl = check_ttl(req.ttl_seconds)  # before the op is queued: a bad TTL writes nothing
@@ -191,7 +198,8 @@ def prepare_save_weights_for_sampler(st: AppState, body: bytes, account_id: str 
         # Control creates the session when the save succeeded (control/bookkeeping.py), and prunes
         # the session's older ephemeral samplers.
         reply = {"sampling_session_id": sid}
-        effect = CreateSampler(run.session_id, req.sampling_session_seq_id, run.base_model, adapter_dir)
+        effect = CreateSampler(run.session_id, req.sampling_session_seq_id, run.base_model, adapter_dir,
+                               inflight_of=run.model_id if inflight else None)
 
     else:
         raise UserError("save_weights_for_sampler needs a path or a sampling_session_seq_id")

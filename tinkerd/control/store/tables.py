@@ -55,6 +55,9 @@ class SamplingSessionRow(Base):
     # Clients that joined it (join_sampling_session: unpickled SamplingClients); the n-th joiner is
     # clone n and numbers its requests from n * 1e9. NULL: none yet (the original client is clone 0).
     clients_joined: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # An inflight sampler (save_weights_and_get_sampling_client(kind="inflight")): the training run
+    # whose shared inflight target it follows; every inflight save of that run repoints adapter_dir.
+    inflight_of: Mapped[str | None] = mapped_column(String, nullable=True)
 
 
 class CheckpointRow(Base):
