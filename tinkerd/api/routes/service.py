@@ -52,6 +52,12 @@ async def client_config(request: Request) -> dict:
         # in-flight sample (routes/futures.py), and server-allocated clone ids for unpickled clients.
         "sample_use_retrieve_futures": True,
         "sample_join_sampling_session": True,
+        # httpx's own transport, not the SDK's default pyqwest (tokio) one: a tokio worker that is
+        # inside a call into Python when the client's interpreter exits is killed by pthread_exit
+        # unwinding through Rust frames, and the client aborts (-6) after finishing its work. With
+        # retrieve_futures a long poll is in flight at every exit: 1-2 in 15-30 runs of a short
+        # SDK script aborted in a fresh venv; 0 in 40 with this (gdb stack: docs/compatibility.md).
+        "use_pyqwest_transport": False,
     }
 
 
