@@ -56,7 +56,7 @@ async def client_config(request: Request) -> dict:
         # inside a call into Python when the client's interpreter exits is killed by pthread_exit
         # unwinding through Rust frames, and the client aborts (-6) after finishing its work. With
         # retrieve_futures a long poll is in flight at every exit: 1-2 in 15-30 runs of a short
-        # SDK script aborted in a fresh venv; 0 in 40 with this (gdb stack: docs/compatibility.md).
+        # SDK script aborted in a fresh venv; 0 in 40 with this (docs/compatibility.md: the gdb stack).
         "use_pyqwest_transport": False,
     }
 
