@@ -7,7 +7,6 @@ log: the last commit before it, unpacked from this repository's history) recover
 from __future__ import annotations
 
 import os
-import random
 import signal
 import socket
 import sqlite3
@@ -16,15 +15,18 @@ from pathlib import Path
 
 import pytest
 import tinker
-from tinker import types
 
 from tests.conformance.conftest import TINY
+from tests.conformance.test_retention import (  # the same SDK loop and data
+    ADAM,
+    _batch,
+    _train,
+)
 from tests.serverproc import API_KEY, start_server
 
 LLAMA = "tinkerd/tiny-llama"
 # Snapshots only at the first optim_step: a restart replays every op after it from the log.
 ARGS = ["--threads", "1", "--snapshot-interval-s", "3600"]
-ADAM = types.AdamParams(learning_rate=1e-2)
 # How the SDK surfaces a 400 (at submit) or a failed future.
 REFUSED = (tinker.BadRequestError, tinker.RequestFailedError)
 # The last commit before the op log, to write an old-form data directory with; unpacked from this
@@ -44,21 +46,6 @@ def old_checkout(tmp_path_factory) -> Path:
                     f"(a shallow clone lacks it): {archive.stderr.decode().strip()}")
     subprocess.run(["tar", "-x", "-C", str(out)], input=archive.stdout, check=True)
     return out
-
-
-def _batch(step: int) -> list[types.Datum]:
-    rng = random.Random(step)
-    return [types.Datum(model_input=types.ModelInput.from_ints(toks[:-1]), loss_fn_inputs={"target_tokens": toks[1:]})
-            for toks in ([rng.randrange(1, 5000) for _ in range(rng.randrange(8, 24))] for _ in range(2))]
-
-
-def _train(tc, steps: range) -> list[float]:
-    losses = []
-    for step in steps:
-        fb = tc.forward_backward(_batch(step), "cross_entropy")
-        tc.optim_step(ADAM).result()
-        losses.append(fb.result().metrics["loss:sum"])
-    return losses
 
 
 def _port() -> list[str]:
