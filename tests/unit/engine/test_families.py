@@ -31,7 +31,7 @@ def test_dense_families_are_served():
 
 @pytest.mark.parametrize("cfg, reason", [
     ({"model_type": "qwen3_vl", "architectures": ["Qwen3VLForConditionalGeneration"]}, "vision-language"),
-    ({"model_type": "qwen3_5", "vision_config": {}}, "vision-language"),
+    ({"model_type": "qwen3_5_moe", "vision_config": {}}, "vision-language"),
     ({"model_type": "qwen3_next"}, "linear attention"),
     ({"model_type": "gpt_oss"}, "gpt-oss"),
     ({"model_type": "qwen3", "layer_types": ["full_attention", "sliding_attention"]}, "full attention"),
@@ -51,3 +51,13 @@ def test_an_engine_serves_the_others_and_keeps_the_reason(models_dir):
     assert "vision-language" in engine.refused["tinkerd/tiny-qwen3-vl"]
     with pytest.raises(UserError, match="vision-language"):
         Engine(models_dir).load_base_models(["tinkerd/tiny-qwen3-vl"])  # nothing to serve: the start fails
+
+
+def test_qwen3_5_is_served_as_hybrid_and_its_vlm_text_only(tmp_path):
+    cfg = _saved(tmp_path, "tinkerd/tiny-qwen3.5")
+    assert cfg["model_type"] == "qwen3_5_text" and "linear_attention" in cfg["layer_types"]
+    assert families.detect(cfg, "m") is families.QWEN3_5
+    # The vision-language checkpoint (model_type qwen3_5, a vision_config) is served through its
+    # language model alone; the registry logs that its tower is not loaded.
+    family = families.detect({"model_type": "qwen3_5", "vision_config": {"depth": 1}, "text_config": cfg}, "m")
+    assert family.text_only and "linear_attention" in family.layer_types

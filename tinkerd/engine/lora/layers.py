@@ -40,7 +40,12 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 # HF module names of the layers tinkerd can adapt, grouped as the SDK's LoraConfig flags name them.
-ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+# Qwen3.5's Gated DeltaNet (linear attention) layers count as attention: their fused q|k|v input
+# projection, the output gate's input projection and the output projection (in_proj_a/in_proj_b,
+# one scalar per head for the decay and the write strength, stay frozen, as hosted Tinker's
+# exports of Qwen3.5 have none).
+LINEAR_ATTN_TARGETS = ("in_proj_qkv", "in_proj_z", "out_proj")
+ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj") + LINEAR_ATTN_TARGETS
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 # A fused experts module's 3-D parameters (lora/experts.py), also in the SDK's train_mlp group
 # ("including MoE layers"). wrap_model wraps only nn.Linear, so these names wrap nothing there.

@@ -13,6 +13,13 @@ Saved keys differ from constructor keywords: `Qwen3MoeConfig(num_experts=4)` is 
 |------------|----------------------------------|------------------------------------------------|
 | dense      | llama, mistral, qwen2, qwen3     | attention, MLP, lm_head                        |
 | qwen3_moe  | qwen3_moe                        | attention, every routed expert (lora/experts.py), dense MLP layers, lm_head |
+| qwen3_5    | qwen3_5_text; qwen3_5 text only  | Gated DeltaNet in_proj_qkv/in_proj_z/out_proj, gated attention q/k/v/o, MLP, lm_head |
+
+Qwen3.5 is hybrid linear attention: 3 of every 4 layers are Gated DeltaNet (conv + recurrent
+state, no KV cache; the sampler keeps both, sampler/hybrid.py). A `qwen3_5` checkpoint (the
+vision-language one, with `vision_config`) is served text only for now: `AutoModelForCausalLM`
+loads its `Qwen3_5ForCausalLM` language model and the vision tower is left out, which the
+registry logs as a warning naming the model (images are issue 22 item 3).
 """
 
 from __future__ import annotations
@@ -28,15 +35,25 @@ class Family:
     # The fused-experts module class (transformers 5.x, 3-D gate_up_proj/down_proj) whose instances
     # get tinkerd's multi-adapter experts layer; None for dense families.
     experts_class: str | None = None
+    # Layer types besides full attention that the family's modules and the sampler handle.
+    layer_types: frozenset[str] = frozenset({"full_attention"})
+    # A vision-language checkpoint served through its language model only (its tower is not loaded).
+    text_only: bool = False
 
 
 DENSE = Family("dense")
 QWEN3_MOE = Family("qwen3_moe", experts_class="Qwen3MoeExperts")
+_HYBRID = frozenset({"full_attention", "linear_attention"})
+QWEN3_5 = Family("qwen3_5", layer_types=_HYBRID)
+QWEN3_5_TEXT_ONLY = Family("qwen3_5", layer_types=_HYBRID, text_only=True)
 
-_SERVED = {"llama": DENSE, "mistral": DENSE, "qwen2": DENSE, "qwen3": DENSE, "qwen3_moe": QWEN3_MOE}
+_SERVED = {"llama": DENSE, "mistral": DENSE, "qwen2": DENSE, "qwen3": DENSE, "qwen3_moe": QWEN3_MOE,
+           "qwen3_5_text": QWEN3_5}
+# Vision-language checkpoints served as their language model alone (see the module docstring).
+_TEXT_ONLY = {"qwen3_5": QWEN3_5_TEXT_ONLY}
 
 # Known but not (yet) served, with the reason a user reads.
-_VISION = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "kimi_k25",
+_VISION = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5_moe", "kimi_k25",
            "llava", "mllama", "gemma3", "idefics3", "inkling")
 _NOT_YET = {
     "gpt_oss": "gpt-oss MoE (interleaved experts, attention sinks) is not served yet",
@@ -67,16 +84,19 @@ def detect(config: dict, name: str) -> Family:
         return UnservableModel(f"base model {name!r} ({arch}, model_type {model_type!r}) cannot be served: {reason} "
                                f"(served model types: {served})")
 
-    if model_type in _VISION or "vision_config" in config:
+    if model_type in _TEXT_ONLY:
+        family = _TEXT_ONLY[model_type]
+    elif model_type in _VISION or "vision_config" in config:
         raise refuse("it is a vision-language model; tinkerd serves text-only models")
-    if model_type in _NOT_YET:
+    elif model_type in _NOT_YET:
         raise refuse(_NOT_YET[model_type])
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    if any(t != "full_attention" for t in (text.get("layer_types") or [])):
-        raise refuse(f"its layer types {sorted(set(text['layer_types']))} are not all full attention")
-    family = _SERVED.get(model_type)
+    else:
+        family = _SERVED.get(model_type)
     if family is None:
         raise refuse("this model type is not a family tinkerd serves")
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    if any(t not in family.layer_types for t in (text.get("layer_types") or [])):
+        raise refuse(f"its layer types {sorted(set(text['layer_types']))} are not all {' or '.join(sorted(t.replace('_', ' ') for t in family.layer_types))}")
     if family.experts_class is None and _experts(config):
         raise refuse("it has routed experts, which tinkerd serves only for the MoE families")
     return family

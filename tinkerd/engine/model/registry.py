@@ -67,8 +67,20 @@ def _saved_config(name: str, where: str | Path) -> dict:
         raise UserError(f"cannot load base model {name!r}: {e}") from e
 
 
+def _detect(name: str, config: dict) -> families.Family:
+    family = families.detect(config, name)
+    if family.text_only:
+        vision = config.get("vision_config") or {}
+        # Loud on purpose: AutoModelForCausalLM drops the tower without a word.
+        log.warning("base model %s (%s) is a vision-language model: serving its language model only; the vision "
+                    "tower (%s, depth %s) is NOT loaded and image inputs are refused", name,
+                    ",".join(config.get("architectures") or []) or config.get("model_type"),
+                    vision.get("model_type", "vision_config"), vision.get("depth", "?"))
+    return family
+
+
 def _load_dir(name: str, path: Path, tokenizer_id: str | None = None) -> LoadedModel:
-    family = families.detect(_saved_config(name, path), name)
+    family = _detect(name, _saved_config(name, path))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     return _finish(name, model, str(path), tokenizer_id, family)
 
@@ -112,7 +124,7 @@ def load_model(name: str, models_dir: Path) -> LoadedModel:
             published = hub_alias.publish(name, path, offline.OFFLINE_SOURCES[name].sha256[:40])
             return _load_dir(name, path, tokenizer_id=name if published else None)
     try:
-        family = families.detect(PretrainedConfig.get_config_dict(name)[0], name)
+        family = _detect(name, PretrainedConfig.get_config_dict(name)[0])
         model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)
     except (OSError, ValueError) as e:
         hint = f" (offline source: {offline_error.message})" if offline_error else ""

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 from transformers import (AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
-                          Qwen3MoeForCausalLM, Qwen3VLConfig, Qwen3VLForConditionalGeneration)
+                          Qwen3MoeForCausalLM, Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3_5ForCausalLM,
+                          Qwen3_5TextConfig)
 
 TINY_SEED = 1234
 
@@ -61,11 +62,26 @@ def _vl(common: dict) -> Qwen3VLConfig:
     return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
 
 
+def _qwen3_5(common: dict) -> Qwen3_5TextConfig:
+    # Hybrid linear attention: 4 layers, the default interval of 4 makes layers 0-2 Gated DeltaNet
+    # and layer 3 gated full attention. DeltaNet heads: 2 key heads of 8 and 4 value heads of 16
+    # (value heads a multiple of key heads, as in the released configs), conv kernel 4. Rotary on a
+    # quarter of each 16-wide head (partial_rotary_factor 0.25): the M-RoPE sections sum to 2.
+    # Text only (Qwen3_5ForCausalLM, model_type qwen3_5_text): the vision tower is issue 22 item 3.
+    text = {k: v for k, v in common.items() if k != "torch_dtype"}
+    text.update(num_hidden_layers=4, linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=16,
+                linear_num_key_heads=2, linear_num_value_heads=4,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                 "mrope_section": [1, 1, 0], "mrope_interleaved": True})
+    return Qwen3_5TextConfig(**text)
+
+
 TINY_MODELS = {
     "tinkerd/tiny-qwen3": (lambda c: Qwen3Config(**c), Qwen3ForCausalLM),
     "tinkerd/tiny-llama": (lambda c: LlamaConfig(**c), LlamaForCausalLM),
     "tinkerd/tiny-qwen3-moe": (_moe, Qwen3MoeForCausalLM),
     "tinkerd/tiny-qwen3-vl": (_vl, Qwen3VLForConditionalGeneration),
+    "tinkerd/tiny-qwen3.5": (_qwen3_5, Qwen3_5ForCausalLM),
 }
 
 

@@ -18,7 +18,7 @@ import os
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin
 
 # Spare columns allocated on each rebuild: max(64, W / 2), so growth copies are amortised O(1)
 # per step while an idle batch does not hold much more than it uses.
@@ -34,7 +34,11 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return config.num_hidden_layers * 2 * kv_heads * head_dim * dtype.itemsize
+    # A hybrid model's linear-attention layers cache no keys/values (sampler/hybrid.py counts their
+    # per-row state): only its full-attention layers grow with the sequence.
+    layer_types = getattr(config, "layer_types", None)
+    layers = sum(t == "full_attention" for t in layer_types) if layer_types else config.num_hidden_layers
+    return layers * 2 * kv_heads * head_dim * dtype.itemsize
 
 
 def default_kv_budget(device: torch.device) -> int:
@@ -79,11 +83,20 @@ class _Layer(CacheLayerMixin):
         return -1
 
 
+def kv_layers(cache: Cache) -> list:
+    """The layers of `cache` that hold keys and values, in order: all of them but a hybrid model's
+    linear-attention layers, which hold a conv and a recurrent state instead (sampler/hybrid.py)."""
+    return [layer for layer in cache.layers if not isinstance(layer, LinearAttentionCacheLayerMixin)]
+
+
 class BatchCache(Cache):
     def __init__(self, num_layers: int):
         super().__init__(layers=[_Layer(self) for _ in range(num_layers)])
         self.width = 0  # W: columns in use
         self.lengths = torch.zeros(0, dtype=torch.long)  # [B] cached positions per row
+
+    def kv_layers(self) -> list[_Layer]:
+        return kv_layers(self)
 
     @property
     def rows(self) -> int:
@@ -91,7 +104,7 @@ class BatchCache(Cache):
 
     @property
     def capacity(self) -> int:
-        first = self.layers[0]
+        first = self.kv_layers()[0]
         return 0 if first.keys is None else int(first.keys.shape[2])
 
     def join(self, prefilled: list[tuple[DynamicCache, int]]) -> None:
@@ -100,7 +113,7 @@ class BatchCache(Cache):
         All requests whose prefill finished in a step join in one rebuild: the copy is per join,
         and 8 requests joining one by one made 8 copies of the growing cache.
         """
-        parts = [([layer.keys for layer in c.layers], [layer.values for layer in c.layers], n) for c, n in prefilled]
+        parts = [([layer.keys for layer in kv_layers(c)], [layer.values for layer in kv_layers(c)], n) for c, n in prefilled]
         lengths = [int(keys[0].shape[2]) for keys, _, _ in parts]  # P of each part
         old_rows, old_width = self.rows, self.width
         width = max([old_width, *lengths])
@@ -152,7 +165,7 @@ class BatchCache(Cache):
                 out[:, :, :width] = old[:, :, :width]
 
             self._rebuild(self.rows, width, fill)
-        device = self.layers[0].keys.device
+        device = self.kv_layers()[0].keys.device
         columns = torch.arange(self.width + 1, device=device)  # [W + 1]
         first = (self.width - self.lengths).to(device)  # [B] first real column of each row
         mask = columns[None, :] >= first[:, None]  # [B, W + 1] bool, True = attend
@@ -171,7 +184,7 @@ class BatchCache(Cache):
         (padding as zeros), and columns past `width` are written by a step before any read.
         """
         capacity = width + max(_MIN_SPARE_COLUMNS, width // 2)
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.kv_layers()):
             for j, name in enumerate(("keys", "values")):
                 old = getattr(layer, name)
                 ref = old if old is not None else like[j][i]

@@ -18,29 +18,28 @@ import contextlib
 import logging
 import os
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 from torch import nn
 
 from tinkerd.engine.lora.layers import pack_for_decode
 from tinkerd.engine.sampler.decode import FusedDecode
-from tinkerd.engine.sampler.kv import BatchCache, default_kv_budget, kv_bytes_per_token
+from tinkerd.engine.sampler.hybrid import LINEAR, is_hybrid, new_batch_cache, state_bytes_per_row
+from tinkerd.engine.sampler.kv import default_kv_budget, kv_bytes_per_token
 from tinkerd.engine.sampler import prompt_scores
 from tinkerd.engine.sampler.prefill import Prefill, advance_packed
+from tinkerd.engine.sampler.rows import BASE_SLOT, Request, Row
 from tinkerd.engine.sampler.rules import RowRules, StopRule, choose_tokens, row_generators, validate
 from tinkerd.errors import NotFoundError, ServerError, TinkerdError, UserError
-from tinkerd.types import SampledSequence, SampleOp, SampleResult
+from tinkerd.types import SampleOp, SampleResult
 
 if TYPE_CHECKING:
     from tinkerd.engine.engine import Engine, ModelRuntime
     from tinkerd.engine.lora.pool import Adapter
 
 log = logging.getLogger(__name__)
-
-BASE_SLOT = -1
 
 
 @dataclass(frozen=True)
@@ -67,65 +66,6 @@ class SamplerConfig:
     kv_cache_bytes: int | None = None
 
 
-@dataclass
-class Row:
-    """One completion being generated; rows of any request can share a decode batch."""
-
-    request: Request
-    slot: int  # adapter slot, BASE_SLOT for the base model
-    max_tokens: int
-    stop: StopRule
-    topk: int = 0  # top-k alternatives recorded per generated token
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    topk_ids: list[np.ndarray] = field(default_factory=list)  # each [K]
-    topk_logprobs: list[np.ndarray] = field(default_factory=list)  # each [K]
-    stop_reason: Literal["stop", "length"] | None = None
-
-    def append(self, token: int, logprob: float) -> bool:
-        """Record a generated token; True when the row is finished (the token stays included)."""
-        self.tokens.append(token)
-        self.logprobs.append(logprob)
-        if self.stop.hit(self.tokens):
-            self.stop_reason = "stop"
-        elif len(self.tokens) >= self.max_tokens:
-            self.stop_reason = "length"
-        return self.stop_reason is not None
-
-    def result(self) -> SampledSequence:
-        assert self.stop_reason is not None
-        topk = (np.stack(self.topk_ids), np.stack(self.topk_logprobs)) if self.topk else None
-        return SampledSequence(tokens=self.tokens, logprobs=self.logprobs, stop_reason=self.stop_reason, topk_logprobs=topk)
-
-
-@dataclass
-class Request:
-    ticket: str
-    op: SampleOp
-    adapter: Adapter | None  # the pool entry held while in flight; None for the base model
-    prefill: Prefill
-    rows: list[Row] = field(default_factory=list)
-    rules: RowRules | None = None
-    unfinished: int = 0
-    admitted_at: float = field(default_factory=time.perf_counter)
-
-    @property
-    def slot(self) -> int:
-        return self.adapter.slot if self.adapter is not None else BASE_SLOT
-
-    @property
-    def final_len(self) -> int:
-        """The most positions any of its rows can cache: the KV cache width it may need."""
-        return int(self.op.prompt.shape[0]) + self.op.params.max_tokens
-
-    def result(self) -> SampleResult:
-        pf = self.prefill
-        return SampleResult(
-            sequences=[row.result() for row in self.rows], prompt_logprobs=pf.logprobs, topk_prompt_logprobs=pf.topk,
-            target_prompt_logprobs=pf.targets, prompt_alt_tokens=pf.alt,
-        )
-
-
 class Sampler:
     """The in-flight sampling state of one base model: joining requests and the decode batch."""
 
@@ -138,10 +78,14 @@ class Sampler:
         self.rows: list[Row] = []  # the decode batch, in KV cache row order
         self.rules: RowRules | None = None  # aligned with self.rows
         self.hidden: torch.Tensor | None = None  # [B, H] each row's last hidden state, awaiting the head
-        self.cache = BatchCache(len(self.body.layers))
+        self.cache = new_batch_cache(runtime.model.config, len(self.body.layers))
         self._routing: tuple[tuple[int, ...], list] | None = None  # (slots, ctx.groups) memo
         dtype = next(runtime.model.parameters()).dtype
         self.kv_token_bytes = kv_bytes_per_token(runtime.model.config, dtype)
+        # A hybrid model's linear-attention states, per row whatever its length (sampler/hybrid.py).
+        self.row_state_bytes = state_bytes_per_row(runtime.model.config, dtype)
+        # Packing prompts end to end into one row would run them through one recurrent state.
+        self.pack_prompts = not is_hybrid(runtime.model.config)
         self.kv_budget = config.kv_cache_bytes or default_kv_budget(self.device)
         if config.pack_weights:
             pack_for_decode(runtime.layers)
@@ -149,8 +93,9 @@ class Sampler:
         self.fused = FusedDecode.build(self.body) if config.fused_decode else None
 
     def kv_cache_bytes(self) -> int:
-        """The decode batch's KV cache as allocated now (rows x columns x bytes per position)."""
-        return self.cache.rows * self.cache.capacity * self.kv_token_bytes
+        """The decode batch's KV cache as allocated now (rows x columns x bytes per position, plus
+        each row's linear-attention states)."""
+        return self.cache.rows * (self.cache.capacity * self.kv_token_bytes + self.row_state_bytes)
 
     @property
     def active_rows(self) -> int:
@@ -163,11 +108,12 @@ class Sampler:
         validate(op, self.rt.vocab_size, self.rt.loaded.max_context_length)
         prompt_scores.validate(op, self.rt.vocab_size)
         tokens = int(op.prompt.shape[0]) + op.params.max_tokens
-        need = op.num_samples * tokens * self.kv_token_bytes
+        need = op.num_samples * (tokens * self.kv_token_bytes + self.row_state_bytes)
         if need > self.kv_budget:
+            state = f", + {_size(self.row_state_bytes)} of linear-attention state each" if self.row_state_bytes else ""
             raise UserError(
                 f"this request's KV cache would take {_size(need)} ({op.num_samples} samples x {tokens} prompt + "
-                f"max_tokens positions x {_size(self.kv_token_bytes)}), more than the sampler's {_size(self.kv_budget)}: "
+                f"max_tokens positions x {_size(self.kv_token_bytes)}{state}), more than the sampler's {_size(self.kv_budget)}: "
                 f"lower num_samples or max_tokens, or split the request"
             )
         adapter = acquire_adapter(self.rt, op.adapter_path, self.config.max_sampler_adapters)
@@ -240,8 +186,9 @@ class Sampler:
         for slot, reqs in packed.items():
             try:
                 self._set_routing([slot])
-                if len(reqs) == 1:
-                    reqs[0].prefill.advance(self.body, self.head, reqs[0].prefill.remaining)
+                if len(reqs) == 1 or not self.pack_prompts:
+                    for req in reqs:
+                        req.prefill.advance(self.body, self.head, req.prefill.remaining)
                 else:
                     advance_packed([r.prefill for r in reqs], self.body, self.head)
             except Exception as e:
@@ -280,7 +227,7 @@ class Sampler:
         def room(req: Request) -> bool:
             nonlocal rows, width
             new_rows, new_width = rows + len(req.rows), max(width, req.final_len)
-            if rows and new_rows * new_width * self.kv_token_bytes > self.kv_budget:
+            if rows and new_rows * (new_width * self.kv_token_bytes + self.row_state_bytes) > self.kv_budget:
                 return False
             rows, width = new_rows, new_width
             return True
@@ -390,7 +337,7 @@ class Sampler:
             self.hidden = self.hidden[torch.tensor(keep, dtype=torch.long)]
         else:
             self.rows, self.rules, self.hidden = [], None, None
-            self.cache = BatchCache(len(self.body.layers))
+            self.cache = new_batch_cache(self.rt.model.config, len(self.body.layers))
         return done
 
     # -- completion ------------------------------------------------------------------------------
@@ -412,7 +359,7 @@ class Sampler:
             req.unfinished = 0
             self._finish(req, done, error)
         self.rows, self.rules, self.hidden = [], None, None
-        self.cache = BatchCache(len(self.body.layers))
+        self.cache = new_batch_cache(self.rt.model.config, len(self.body.layers))
 
     def _release(self, adapter: Adapter | None) -> None:
         if adapter is not None:
@@ -460,13 +407,14 @@ def split_model(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     Logits are computed as head(body(x)), which is what the HF forward does for Qwen3 / Llama.
     Models that post-process logits (Gemma 2's soft-capping) would silently sample from the wrong
     distribution, and sliding-window layers would get the full-attention mask the decode batch
-    builds, so both are refused instead.
+    builds, so both are refused instead. Linear-attention layers (Qwen3.5's Gated DeltaNet) keep
+    their states in the hybrid batch cache (hybrid.py).
     """
     if getattr(model.config, "final_logit_softcapping", None):
         raise ServerError(f"{type(model).__name__} soft-caps its logits; the sampler does not support that")
     layer_types = getattr(model.config, "layer_types", None) or ()
-    if any(t != "full_attention" for t in layer_types):
-        raise ServerError(f"{type(model).__name__} has {set(layer_types)} layers; the sampler supports full attention only")
+    if any(t not in ("full_attention", LINEAR) for t in layer_types):
+        raise ServerError(f"{type(model).__name__} has {set(layer_types)} layers; the sampler supports full and linear attention only")
     return model.get_decoder(), model.get_output_embeddings()
 
 
