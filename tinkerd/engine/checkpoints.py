@@ -6,6 +6,8 @@ Layout of one checkpoint directory:
                                base_model.model.<hf module>.lora_B.weight [out, R]
                                MoE experts in hosted Tinker's layout (lora/experts.py:
                                to_file_layout): <experts>.w1|w3|w2, A [E, R, in], B [E, out, R]
+                               Qwen3.5's fused DeltaNet in_proj_qkv as in_proj_q/k/v sharing A
+                               (lora/deltanet.py), as hosted Tinker stores it
     adapter_config.json        what `peft.PeftModel.from_pretrained` reads (exports need nothing else)
     tinkerd.json               LoRA spec, step, base model (exact spec, incl. seed and train_* flags)
     optimizer.pt               only when with_optimizer: torch.save of an AdamW state_dict whose
@@ -38,7 +40,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 
-from tinkerd.engine.lora import experts
+from tinkerd.engine.lora import deltanet, experts
 from tinkerd.engine.lora.layers import ATTN_TARGETS, MLP_TARGETS, UNEMBED_TARGET
 from tinkerd.engine.lora.pool import Adapter
 from tinkerd.errors import NotFoundError, ServerError, UserError
@@ -104,11 +106,20 @@ def _canonical_optimizer_state(adapter: Adapter) -> dict:
     }
 
 
+def _file_layout(name: str, adapter: Adapter) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """One adapter layer as stored: experts in hosted Tinker's w1/w3/w2, a DeltaNet in_proj_qkv as
+    in_proj_q/k/v (lora/deltanet.py), anything else as is."""
+    a, b = adapter.weights[name]
+    if name in adapter.splits:
+        return deltanet.to_file_layout(name, a, b, adapter.splits[name])
+    return experts.to_file_layout(name, a, b)
+
+
 def lora_tensors(adapter: Adapter) -> dict[str, torch.Tensor]:
     """The adapter's A and B under PEFT key names, fp32 copies (the live tensors keep training)."""
     tensors = {}
     for name in sorted(adapter.weights):
-        for file_name, a, b in experts.to_file_layout(name, *adapter.weights[name]):
+        for file_name, a, b in _file_layout(name, adapter):
             tensors[f"{_KEY_PREFIX}{file_name}{_A_SUFFIX}"] = a.detach().float().contiguous().clone()
             tensors[f"{_KEY_PREFIX}{file_name}{_B_SUFFIX}"] = b.detach().float().contiguous().clone()
     return tensors
@@ -122,7 +133,8 @@ def peft_config(spec: LoraSpec, layer_names: list[str], base_model: str) -> dict
         "r": spec.rank,
         "lora_alpha": spec.alpha,
         # Short names: PEFT matches them as suffixes, and an adapter covers every layer of a kind.
-        "target_modules": sorted({f.rsplit(".", 1)[-1] for n in layer_names for f in experts.file_names(n)}),
+        "target_modules": sorted({f.rsplit(".", 1)[-1] for n in layer_names for e in experts.file_names(n)
+                                  for f in deltanet.file_names(e)}),
         "lora_dropout": 0.0,
         "bias": "none",
         "fan_in_fan_out": False,
@@ -245,7 +257,7 @@ def _spec_from_peft_config(cfg: dict) -> LoraSpec:
     return LoraSpec(
         rank=int(cfg["r"]),
         alpha=float(cfg.get("lora_alpha", cfg["r"])),
-        train_attn=bool(targets & set(ATTN_TARGETS)),
+        train_attn=bool(targets & {*ATTN_TARGETS, *deltanet.PARTS}),
         train_mlp=bool(targets & {*MLP_TARGETS, "gate_up_proj", "w1", "w2", "w3"}),
         train_unembed=UNEMBED_TARGET in targets,
     )
@@ -276,9 +288,9 @@ def _split_weights(tensors: dict[str, torch.Tensor], rank: int) -> dict[str, tup
     if not weights:
         raise UserError(f"{WEIGHTS_FILE} holds no LoRA weights")
     try:
-        return dict(sorted(experts.from_file_layout(weights).items()))
+        return dict(sorted(deltanet.from_file_layout(experts.from_file_layout(weights)).items()))
     except ValueError as e:
-        raise UserError(f"checkpoint expert LoRA cannot be loaded: {e}") from e
+        raise UserError(f"checkpoint LoRA cannot be loaded: {e}") from e
 
 
 def read_adapter(dir_path: str | os.PathLike) -> AdapterFiles:

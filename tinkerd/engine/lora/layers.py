@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from tinkerd.engine.lora import deltanet
+
 log = logging.getLogger(__name__)
 
 # HF module names of the layers tinkerd can adapt, grouped as the SDK's LoraConfig flags name them.
@@ -106,6 +108,9 @@ class MultiLoraLinear(nn.Module):
         self.packed_weight: torch.Tensor | None = None
         # Or, for q/k/v and gate/up: (the siblings' stacked packed weight, this one's place in it).
         self.stack: tuple[PackedStack, int] | None = None
+        # Output row blocks that checkpoints store as separate LoRAs (Qwen3.5's fused in_proj_qkv:
+        # q | k | v, lora/deltanet.py); None = one.
+        self.out_split: tuple[int, ...] | None = None
 
     @property
     def in_features(self) -> int:
@@ -343,6 +348,7 @@ def wrap_model(model: nn.Module, ctx: LoraContext, targets: tuple[str, ...]) -> 
         for child_name, child in list(module.named_children()):
             if child_name in targets and isinstance(child, nn.Linear):
                 layer = MultiLoraLinear(child, ctx)
+                layer.out_split = deltanet.qkv_split(module, child_name)
                 setattr(module, child_name, layer)
                 full = f"{name}.{child_name}" if name else child_name
                 wrapped[full] = layer

@@ -43,6 +43,8 @@ class Adapter:
     users: int = 0
     # Pool tick of the last acquire: the least recently used idle sampler adapter is evicted first.
     last_used: int = 0
+    # Layer name -> output row blocks its checkpoint layout splits it into (MultiLoraLinear.out_split).
+    splits: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def parameters(self) -> list[torch.Tensor]:
         return [t for ab in self.weights.values() for t in ab]
@@ -114,6 +116,7 @@ class AdapterPool:
         slot = self._next_slot
         self._next_slot += 1
         adapter = Adapter(key=key, slot=slot, spec=spec, weights=weights, trainable=trainable)
+        adapter.splits = {n: s for n in weights if (s := getattr(self.layers[n], "out_split", None))}
         if trainable:
             adapter.optimizer = torch.optim.AdamW(adapter.parameters(), lr=1e-4, foreach=True)
         for name, (a, b) in weights.items():
