@@ -31,7 +31,7 @@ def test_dense_families_are_served():
 
 @pytest.mark.parametrize("cfg, reason", [
     ({"model_type": "qwen3_vl", "architectures": ["Qwen3VLForConditionalGeneration"]}, "vision-language"),
-    ({"model_type": "qwen3_5_moe", "vision_config": {}}, "vision-language"),
+    ({"model_type": "llava", "vision_config": {}}, "vision-language"),
     ({"model_type": "qwen3_next"}, "linear attention"),
     ({"model_type": "gpt_oss"}, "gpt-oss"),
     ({"model_type": "qwen3", "layer_types": ["full_attention", "sliding_attention"]}, "full attention"),
@@ -61,3 +61,10 @@ def test_qwen3_5_is_served_as_hybrid_and_its_vlm_text_only(tmp_path):
     # language model alone; the registry logs that its tower is not loaded.
     family = families.detect({"model_type": "qwen3_5", "vision_config": {"depth": 1}, "text_config": cfg}, "m")
     assert family.text_only and "linear_attention" in family.layer_types
+
+
+def test_qwen3_5_moe_is_served_as_hybrid_moe(tmp_path):
+    cfg = _saved(tmp_path, "tinkerd/tiny-qwen3.5-moe")
+    assert cfg["model_type"] == "qwen3_5_moe_text"
+    assert families.detect(cfg, "m") is families.QWEN3_5_MOE
+    assert families.detect({"model_type": "qwen3_5_moe", "vision_config": {}, "text_config": cfg}, "m").text_only

@@ -60,6 +60,20 @@ class SlotGroup:
     slot: int
     # Row indices into the batch; None means every row (the common single-adapter case, no gather).
     rows: torch.Tensor | None
+    # Rows in the whole batch (all groups): a 2-D input with more rows than this holds each row's
+    # tokens flattened row-major (a MoE block's shared expert gets [B * T, H]), see token_rows.
+    total: int = 0
+
+    def token_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """This group's indices into dim 0 of x: its batch rows, or for flattened tokens [B * T, in]
+        every token of its rows."""
+        n = x.shape[0]
+        if x.dim() != 2 or n == self.total or self.total <= 0:
+            return self.rows
+        if n % self.total:
+            raise RuntimeError(f"{n} flattened tokens do not split into the batch's {self.total} rows")
+        per = n // self.total
+        return (self.rows[:, None] * per + torch.arange(per, device=self.rows.device)).reshape(-1)
 
 
 @dataclass
@@ -83,7 +97,7 @@ class LoraContext:
         by_slot: dict[int, list[int]] = {}
         for i, s in enumerate(row_slots):
             by_slot.setdefault(s, []).append(i)
-        self.groups = [SlotGroup(s, torch.tensor(rows, dtype=torch.long)) for s, rows in by_slot.items()]
+        self.groups = [SlotGroup(s, torch.tensor(rows, dtype=torch.long), len(row_slots)) for s, rows in by_slot.items()]
 
     def clear(self) -> None:
         self.groups = []
@@ -148,8 +162,9 @@ class MultiLoraLinear(nn.Module):
             if group.rows is None:
                 out = out + ((x @ lw.a.t()) @ lw.b.t()) * lw.scaling
             else:
-                delta = ((x[group.rows] @ lw.a.t()) @ lw.b.t()) * lw.scaling
-                out = out.index_add(0, group.rows, delta)
+                rows = group.token_rows(x)
+                delta = ((x[rows] @ lw.a.t()) @ lw.b.t()) * lw.scaling
+                out = out.index_add(0, rows, delta)
         return out
 
     def _add_adapters_inplace(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -168,7 +183,8 @@ class MultiLoraLinear(nn.Module):
                 x2 = x.reshape(-1, x.shape[-1])  # [M, in]: every position of every row
                 out.view(-1, out.shape[-1]).addmm_(x2 @ lw.a.t(), lw.b.t(), alpha=lw.scaling)
             else:  # rows index dim 0 (batch rows), whatever the trailing token dims
-                out.index_add_(0, group.rows, (x[group.rows] @ lw.a.t()) @ lw.b.t(), alpha=lw.scaling)
+                rows = group.token_rows(x)
+                out.index_add_(0, rows, (x[rows] @ lw.a.t()) @ lw.b.t(), alpha=lw.scaling)
         return out
 
 

@@ -14,6 +14,7 @@ Saved keys differ from constructor keywords: `Qwen3MoeConfig(num_experts=4)` is 
 | dense      | llama, mistral, qwen2, qwen3     | attention, MLP, lm_head                        |
 | qwen3_moe  | qwen3_moe                        | attention, every routed expert (lora/experts.py), dense MLP layers, lm_head |
 | qwen3_5    | qwen3_5_text; qwen3_5 text only  | Gated DeltaNet in_proj_qkv/in_proj_z/out_proj, gated attention q/k/v/o, MLP, lm_head |
+| qwen3_5_moe | qwen3_5_moe_text; qwen3_5_moe text only | as qwen3_5, with every routed expert and the shared expert instead of the MLP |
 
 Qwen3.5 is hybrid linear attention: 3 of every 4 layers are Gated DeltaNet (conv + recurrent
 state, no KV cache; the sampler keeps both, sampler/hybrid.py). A `qwen3_5` checkpoint (the
@@ -46,14 +47,16 @@ QWEN3_MOE = Family("qwen3_moe", experts_class="Qwen3MoeExperts")
 _HYBRID = frozenset({"full_attention", "linear_attention"})
 QWEN3_5 = Family("qwen3_5", layer_types=_HYBRID)
 QWEN3_5_TEXT_ONLY = Family("qwen3_5", layer_types=_HYBRID, text_only=True)
+QWEN3_5_MOE = Family("qwen3_5_moe", experts_class="Qwen3_5MoeExperts", layer_types=_HYBRID)
+QWEN3_5_MOE_TEXT_ONLY = Family("qwen3_5_moe", experts_class="Qwen3_5MoeExperts", layer_types=_HYBRID, text_only=True)
 
 _SERVED = {"llama": DENSE, "mistral": DENSE, "qwen2": DENSE, "qwen3": DENSE, "qwen3_moe": QWEN3_MOE,
-           "qwen3_5_text": QWEN3_5}
+           "qwen3_5_text": QWEN3_5, "qwen3_5_moe_text": QWEN3_5_MOE}
 # Vision-language checkpoints served as their language model alone (see the module docstring).
-_TEXT_ONLY = {"qwen3_5": QWEN3_5_TEXT_ONLY}
+_TEXT_ONLY = {"qwen3_5": QWEN3_5_TEXT_ONLY, "qwen3_5_moe": QWEN3_5_MOE_TEXT_ONLY}
 
 # Known but not (yet) served, with the reason a user reads.
-_VISION = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5_moe", "kimi_k25",
+_VISION = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "kimi_k25",
            "llava", "mllama", "gemma3", "idefics3", "inkling")
 _NOT_YET = {
     "gpt_oss": "gpt-oss MoE (interleaved experts, attention sinks) is not served yet",

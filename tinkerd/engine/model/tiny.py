@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from transformers import (AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
                           Qwen3MoeForCausalLM, Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3_5ForCausalLM,
-                          Qwen3_5TextConfig)
+                          Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig)
 
 TINY_SEED = 1234
 
@@ -76,12 +76,26 @@ def _qwen3_5(common: dict) -> Qwen3_5TextConfig:
     return Qwen3_5TextConfig(**text)
 
 
+def _qwen3_5_moe(common: dict) -> Qwen3_5MoeTextConfig:
+    # The hybrid layers of _qwen3_5 with a MoE MLP in every layer: 4 experts top-2, moe_intermediate
+    # 40 (hidden 64 is neither it nor twice it: the cookbook's fused-axis detection), and a gated
+    # shared expert of 48.
+    dense = _qwen3_5(common).to_dict()
+    keep = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "max_position_embeddings", "tie_word_embeddings", "eos_token_id", "pad_token_id", "bos_token_id",
+            "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
+            "linear_num_value_heads", "rope_parameters")
+    return Qwen3_5MoeTextConfig(**{k: dense[k] for k in keep}, moe_intermediate_size=40, shared_expert_intermediate_size=48,
+                                num_experts=4, num_experts_per_tok=2)
+
+
 TINY_MODELS = {
     "tinkerd/tiny-qwen3": (lambda c: Qwen3Config(**c), Qwen3ForCausalLM),
     "tinkerd/tiny-llama": (lambda c: LlamaConfig(**c), LlamaForCausalLM),
     "tinkerd/tiny-qwen3-moe": (_moe, Qwen3MoeForCausalLM),
     "tinkerd/tiny-qwen3-vl": (_vl, Qwen3VLForConditionalGeneration),
     "tinkerd/tiny-qwen3.5": (_qwen3_5, Qwen3_5ForCausalLM),
+    "tinkerd/tiny-qwen3.5-moe": (_qwen3_5_moe, Qwen3_5MoeForCausalLM),
 }
 
 

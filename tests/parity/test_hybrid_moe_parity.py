@@ -1,0 +1,170 @@
+"""Qwen3.5-MoE (hybrid linear attention + routed experts + gated shared expert) equals HF + PEFT.
+
+`tinkerd/tiny-qwen3.5-moe`: the layers of tiny-qwen3.5 (0-2 Gated DeltaNet, 3 gated attention)
+with a MoE block in each (4 experts top-2, moe_intermediate 40, a shared expert of 48 behind a
+sigmoid gate). LoRA on the DeltaNet and attention projections, every routed expert
+(lora/experts.py, `Qwen3_5MoeExperts`), the shared expert's gate/up/down_proj and lm_head. The
+oracle is PEFT `target_modules` + `target_parameters` (experts) in fp64, tinkerd in fp32, 1e-5 of
+the largest reference value, as in test_moe_parity.py. The shared expert runs on the block's
+flattened tokens [B * T, H], so a batch mixing tenants routes its LoRA by token, not by row
+(SlotGroup.token_rows); the two-tenant test fails without that.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from tests.parity.test_lora_parity import assert_close_scaled
+from tests.parity.test_moe_parity import EXPERT_PARAMS, peft_lora_tensors
+from tinkerd.engine.engine import Engine
+from tinkerd.engine.model.registry import cache_dir_for
+from tinkerd.engine.sampler import sample as sample_mod
+from tinkerd.engine.sampler.hybrid import HybridBatchCache
+from tinkerd.engine.sampler.sample import Sampler, SamplerConfig
+from tinkerd.types import CreateModelOp, Datum, ForwardBackwardOp, ForwardBackwardResult, LoraSpec, SampleOp, SamplingParams
+
+HMOE = "tinkerd/tiny-qwen3.5-moe"
+FULL = LoraSpec(rank=4, alpha=8.0, seed=41)
+SECOND = LoraSpec(rank=2, alpha=4.0, seed=42)
+
+
+@pytest.fixture(scope="module")
+def hmoe_engine(models_dir) -> Engine:
+    engine = Engine(models_dir)
+    engine.load_base_model(HMOE)
+    return engine
+
+
+@pytest.fixture(scope="module")
+def hmoe_dir(hmoe_engine, models_dir):
+    return cache_dir_for(HMOE, models_dir)
+
+
+def run(engine, op):
+    (result,) = engine.step([op])
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
+def adapter(engine, key: str, spec: LoraSpec, seed: int, scale: float = 0.05):
+    rt = engine.runtime(HMOE)
+    if key not in rt.pool:
+        run(engine, CreateModelOp(key, HMOE, spec))
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for _, b in rt.pool.get(key).weights.values():
+                b.copy_(torch.randn(b.shape, generator=gen) * scale)
+    return rt.pool.get(key)
+
+
+def peft_reference(model_dir, ad, dtype=torch.float64):
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    base.set_experts_implementation("eager")
+    short = {n.rsplit(".", 1)[-1] for n in ad.weights if ".experts." not in n}
+    config = LoraConfig(r=ad.spec.rank, lora_alpha=ad.spec.alpha, lora_dropout=0.0, target_modules=sorted(short),
+                        target_parameters=EXPERT_PARAMS if any(".experts." in n for n in ad.weights) else None)
+    model = get_peft_model(base, config).eval()
+    for name, module in model.base_model.model.named_modules():
+        if not (hasattr(module, "lora_A") and "default" in module.lora_A):
+            continue
+        pname = getattr(module, "parameter_name", None)
+        a, b = ad.weights[f"{name.removesuffix('.base_layer')}.{pname}" if pname else name]
+        with torch.no_grad():
+            if pname:  # A [E, R, in] -> [E*R, in]; B [E, out, R] -> [out, R*E], expert the fast axis
+                module.lora_A["default"].weight.copy_(a.reshape(-1, a.shape[-1]).to(dtype))
+                module.lora_B["default"].weight.copy_(b.permute(1, 2, 0).reshape(b.shape[1], -1).to(dtype))
+            else:
+                module.lora_A["default"].weight.copy_(a.to(dtype))
+                module.lora_B["default"].weight.copy_(b.to(dtype))
+    return model
+
+
+def logits(rt, ids, slots):
+    rt.ctx.set_rows(slots) if len(slots) > 1 else rt.ctx.set_single(slots[0])
+    try:
+        with torch.no_grad():
+            return rt.model(input_ids=ids).logits
+    finally:
+        rt.ctx.clear()
+
+
+def test_logits_logprobs_and_grads_equal_peft(hmoe_engine, hmoe_dir):
+    rt = hmoe_engine.runtime(HMOE)
+    ad = adapter(hmoe_engine, "hm-full", FULL, seed=1)
+    assert {n.removeprefix("model.layers.0.") for n in ad.weights if ".layers.0." in n} == {
+        "linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.out_proj", "mlp.experts.gate_up_proj",
+        "mlp.experts.down_proj", "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj"}
+    reference = peft_reference(hmoe_dir, ad)
+    ids = torch.randint(0, 151_000, (3, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        theirs = reference(input_ids=ids).logits
+    assert_close_scaled(logits(rt, ids, [ad.slot]), theirs, "logits")
+
+    rng = np.random.default_rng(1)
+    seqs = [rng.integers(0, 151_000, n + 1) for n in (9, 5)]
+    weights = [rng.normal(size=n).astype(np.float32) for n in (9, 5)]
+    data = [Datum(tokens=s[:-1], loss_fn_inputs={"target_tokens": s[1:], "weights": w}) for s, w in zip(seqs, weights)]
+    for t in ad.parameters():
+        t.grad = None
+    result = run(hmoe_engine, ForwardBackwardOp(ad.key, data, "cross_entropy"))
+    assert isinstance(result, ForwardBackwardResult)
+    total = torch.zeros((), dtype=torch.float64)
+    for i, (s, w) in enumerate(zip(seqs, weights)):
+        lp = torch.log_softmax(reference(input_ids=torch.from_numpy(s[:-1])[None]).logits[0], -1)
+        lp = lp.gather(-1, torch.from_numpy(s[1:])[:, None])[:, 0]
+        np.testing.assert_allclose(result.loss_fn_outputs[i]["logprobs"], lp.detach().numpy(), rtol=1e-5, atol=1e-5)
+        total = total - (lp * torch.from_numpy(w).double()).sum()
+    total.backward()
+    assert result.metrics["loss:sum"] == pytest.approx(total.item(), rel=1e-5)
+    assert 0 < result.metrics["e_frac_with_tokens:mean"] <= 1  # the router metrics come with it
+    want = peft_lora_tensors(reference, ad)
+    for name, (a, b) in ad.weights.items():
+        assert_close_scaled(a.grad, want[name][0], f"lora_A grad of {name}")
+        assert_close_scaled(b.grad, want[name][1], f"lora_B grad of {name}")
+        assert a.grad.abs().max() > 0 and b.grad.abs().max() > 0, name
+    for t in ad.parameters():
+        t.grad = None
+    ad.pending_grads = 0
+
+
+def test_two_tenants_in_one_batch_equal_each_alone(hmoe_engine):
+    rt = hmoe_engine.runtime(HMOE)
+    first = adapter(hmoe_engine, "hm-full", FULL, seed=1)
+    second = adapter(hmoe_engine, "hm-second", SECOND, seed=3, scale=0.2)
+    ids = torch.randint(0, 151_000, (3, 9), generator=torch.Generator().manual_seed(4))
+    mixed = logits(rt, ids, [first.slot, second.slot, -1])
+    for row, slot in enumerate([first.slot, second.slot, -1]):
+        alone = logits(rt, ids[row:row + 1], [slot])[0]
+        torch.testing.assert_close(mixed[row], alone, rtol=1e-6, atol=1e-5)
+    assert (logits(rt, ids[:1], [first.slot]) - logits(rt, ids[:1], [second.slot])).abs().max() > 1e-2
+
+
+def test_greedy_sampling_of_concurrent_tenants_equals_hf_generate_with_the_merged_adapter(hmoe_engine, hmoe_dir, monkeypatch):
+    rt = hmoe_engine.runtime(HMOE)
+    ads = [adapter(hmoe_engine, "hm-full", FULL, seed=1), adapter(hmoe_engine, "hm-second", SECOND, seed=3, scale=0.2)]
+    prompts = [[9707, 11, 1879, 0, 220, 3555], [785, 6722, 315, 9625, 374, 12095, 13, 576, 1156]]
+    monkeypatch.setattr(sample_mod, "acquire_adapter", lambda runtime, path, max_idle: runtime.pool.acquire(path))
+    sampler = Sampler(rt, SamplerConfig(prefill_tokens_per_step=4))
+    assert isinstance(sampler.cache, HybridBatchCache)
+    params = SamplingParams(max_tokens=6, temperature=0.0, stop_at_eos=False)
+    for i, (ad, prompt) in enumerate(zip(ads, prompts)):
+        sampler.admit(i, SampleOp(base_model=HMOE, adapter_path=ad.key, prompt=np.array(prompt), params=params))
+    done = {}
+    while len(done) < 2:
+        done.update(dict(sampler.step()))
+    for i, (ad, prompt) in enumerate(zip(ads, prompts)):
+        merged = peft_reference(hmoe_dir, ad, dtype=torch.float32).merge_and_unload().eval()
+        with torch.no_grad():
+            ids = torch.tensor([prompt])
+            out = merged.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                                  output_logits=True, return_dict_in_generate=True, eos_token_id=None, pad_token_id=151643)
+        want = out.sequences[0, len(prompt):].tolist()
+        (seq,) = done[i].sequences
+        assert seq.tokens == want, i
+        lps = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.logits, want)]
+        np.testing.assert_allclose(seq.logprobs, lps, atol=1e-4)
