@@ -22,21 +22,24 @@ from tinker import types
 from tests.serverproc import API_KEY, start_server
 
 HYBRID = "tinkerd/tiny-qwen3.5"
+HMOE = "tinkerd/tiny-qwen3.5-moe"
 TOKENS = list(range(2000, 2024))
 PROMPT = [3000, 2000, 2001, 2002, 2003, 2004, 2005, 17, 2010, 2011, 99, 5]
 
 
 def _vlm_checkpoint(text_dir, out_dir) -> None:
-    """The tiny text model's weights inside a Qwen3_5ForConditionalGeneration, saved."""
-    from transformers import AutoConfig, AutoModelForCausalLM, Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    """The tiny text model's weights inside a Qwen3_5(Moe)ForConditionalGeneration, saved."""
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     text_cfg = AutoConfig.from_pretrained(text_dir)
+    kind = "Qwen3_5Moe" if text_cfg.model_type == "qwen3_5_moe_text" else "Qwen3_5"
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text_cfg.hidden_size,
                   patch_size=16, spatial_merge_size=2, temporal_patch_size=2)
-    cfg = Qwen3_5Config(text_config=text_cfg.to_dict(), vision_config=vision, tie_word_embeddings=False)
+    cfg = getattr(transformers, f"{kind}Config")(text_config=text_cfg.to_dict(), vision_config=vision, tie_word_embeddings=False)
     text = AutoModelForCausalLM.from_pretrained(text_dir, dtype=torch.float32)
     torch.manual_seed(0)
-    vlm = Qwen3_5ForConditionalGeneration(cfg)
+    vlm = getattr(transformers, f"{kind}ForConditionalGeneration")(cfg)
     vlm.model.language_model.load_state_dict(text.model.state_dict())
     vlm.lm_head.load_state_dict(text.lm_head.state_dict())
     vlm.save_pretrained(out_dir)
@@ -57,8 +60,19 @@ def vlm_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def vlm_moe_dir(tmp_path_factory):
+    from tinkerd.engine.model import tiny
+
+    text_dir = tmp_path_factory.mktemp("tiny-qwen3.5-moe-text")
+    tiny.build_tiny(HMOE, text_dir)
+    out = tmp_path_factory.mktemp("tiny-qwen3.5-moe-vlm")
+    _vlm_checkpoint(text_dir, out)
+    return out
+
+
+@pytest.fixture(scope="module")
 def server(tmp_path_factory, vlm_dir):
-    srv = start_server(tmp_path_factory.mktemp("tinkerd-hybrid"), [HYBRID, str(vlm_dir)], ["--threads", "1"])
+    srv = start_server(tmp_path_factory.mktemp("tinkerd-hybrid"), [HYBRID, str(vlm_dir), HMOE], ["--threads", "1"])
     yield srv
     srv.stop()
 
@@ -124,10 +138,29 @@ def test_sampling_from_saved_weights_matches_compute_logprobs(trained):
     assert max(abs(a - b) for a, b in zip(trained["reference"], trained["base"])) > 1e-2  # trained, not the base
 
 
+def _logprobs(model) -> list[float]:
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPT])).logits[0, :-1]
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(PROMPT[1:])[:, None])[:, 0].tolist()
+
+
+def _assert_merges(weights, base_dir: str, adapter: str, reference: list[float], tmp_path) -> None:
+    """The cookbook's Qwen3.5 merge takes a released-layout base (model_type qwen3_5 or
+    qwen3_5_moe, language_model keys); both strategies must score PROMPT as tinkerd did."""
+    from transformers import AutoModelForCausalLM
+
+    for strategy in ("shard", "full"):
+        out = tmp_path / f"merged-{strategy}"
+        weights.build_hf_model(base_model=base_dir, adapter_path=adapter, output_path=str(out), dtype="float32",
+                               merge_strategy=strategy)
+        merged = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+        diff = max(abs(a - b) for a, b in zip(_logprobs(merged), reference))
+        assert diff < 1e-4, (strategy, diff)
+
+
 def test_export_is_hosted_layout_and_the_cookbook_merge_equals_the_trained_model(server, trained, vlm_dir, tmp_path, monkeypatch):
     from safetensors.torch import load_file
     from tinker_cookbook import weights
-    from transformers import AutoModelForCausalLM
 
     monkeypatch.setenv("TINKER_API_KEY", API_KEY)
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
@@ -142,21 +175,35 @@ def test_export_is_hosted_layout_and_the_cookbook_merge_equals_the_trained_model
     }
     assert tensors[f"{prefix}.in_proj_v.lora_B.weight"].abs().max() > 0  # trained, not the zero init
 
-    def logprobs(model) -> list[float]:
-        with torch.no_grad():
-            logits = model(torch.tensor([PROMPT])).logits[0, :-1]
-        return torch.log_softmax(logits, -1).gather(-1, torch.tensor(PROMPT[1:])[:, None])[:, 0].tolist()
-
-    reference = trained["reference"]
-    # The cookbook's Qwen3.5 merge takes a released-layout base (model_type qwen3_5, language_model keys).
-    for strategy in ("shard", "full"):
-        out = tmp_path / f"merged-{strategy}"
-        weights.build_hf_model(base_model=str(vlm_dir), adapter_path=adapter, output_path=str(out), dtype="float32",
-                               merge_strategy=strategy)
-        merged = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
-        diff = max(abs(a - b) for a, b in zip(logprobs(merged), reference))
-        assert diff < 1e-4, (strategy, diff)
+    _assert_merges(weights, str(vlm_dir), adapter, trained["reference"], tmp_path)
     # build_lora_adapter (PEFT files for vLLM) keeps in_proj_q/k/v split, under the VLM's key names.
     weights.build_lora_adapter(base_model=str(vlm_dir), adapter_path=adapter, output_path=str(tmp_path / "peft"))
     peft_tensors = load_file(tmp_path / "peft" / "adapter_model.safetensors")
     assert any(k.endswith("layers.0.linear_attn.in_proj_k.lora_B.weight") for k in peft_tensors), sorted(peft_tensors)[:8]
+
+
+def test_qwen3_5_moe_trains_samples_and_its_export_merges(service_client, server, vlm_moe_dir, tmp_path, monkeypatch):
+    """Qwen3.5-MoE through the SDK: loss falls with LoRA on every expert (router metrics reported),
+    sampled logprobs equal compute_logprobs, and the export (split in_proj_q/k/v, experts w1/w3/w2)
+    merges with the cookbook into a model that scores as tinkerd does."""
+    from safetensors.torch import load_file
+    from tinker_cookbook import weights
+
+    tc = service_client.create_lora_training_client(base_model=HMOE, rank=4, seed=5).result()
+    losses = _train(tc, [_datum(TOKENS)], 6)
+    assert losses[-1] < 0.5 * losses[0], losses
+    assert "e_frac_with_tokens:mean" in tc.forward([_datum(TOKENS)], "cross_entropy").result().metrics
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    seq = sampler.sample(types.ModelInput.from_ints(PROMPT), 1, types.SamplingParams(max_tokens=5, temperature=0.0)).result().sequences[0]
+    scored = sampler.compute_logprobs(types.ModelInput.from_ints(PROMPT + seq.tokens)).result()
+    assert max(abs(a - b) for a, b in zip(seq.logprobs, scored[len(PROMPT):])) < 1e-4
+
+    monkeypatch.setenv("TINKER_API_KEY", API_KEY)
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    ext = tc.save_weights_external("hmoe-ext").result().path
+    adapter = weights.download(tinker_path=ext, output_dir=str(tmp_path / "ext"), base_url=server.url)
+    keys = set(load_file(tmp_path / "ext" / "adapter_model.safetensors"))
+    layer = "base_model.model.model.layers.0"
+    assert {f"{layer}.linear_attn.in_proj_k.lora_B.weight", f"{layer}.mlp.experts.w3.lora_B.weight",
+            f"{layer}.mlp.shared_expert.up_proj.lora_B.weight"} <= keys
+    _assert_merges(weights, str(vlm_moe_dir), adapter, scored[1:len(PROMPT)], tmp_path)
