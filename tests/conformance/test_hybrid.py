@@ -103,6 +103,14 @@ def test_the_vision_language_checkpoint_is_served_text_only_and_says_so(server, 
     text = service_client.create_sampling_client(base_model=HYBRID).result().compute_logprobs(prompt).result()
     vlm = service_client.create_sampling_client(base_model=str(vlm_dir)).result().compute_logprobs(prompt).result()
     assert vlm == pytest.approx(text, abs=1e-5)  # the same language model, read from the VLM layout
+    # Its images are refused with a user error (issue 22 item 3 is what would take them).
+    tc = service_client.create_lora_training_client(base_model=str(vlm_dir), rank=4, seed=1).result()
+    image = types.ImageChunk(data=b"\x89PNG\r\n\x1a\n", format="png", expected_tokens=4)
+    chunks = [types.EncodedTextChunk(tokens=[1, 2]), image, types.EncodedTextChunk(tokens=[3])]
+    datum = types.Datum(model_input=types.ModelInput(chunks=chunks),
+                        loss_fn_inputs={"target_tokens": [0] * 7, "weights": [0.0] * 7})
+    with pytest.raises(tinker.BadRequestError, match="image chunks are not supported"):
+        tc.forward([datum], "cross_entropy").result()
 
 
 def test_sl_loss_falls_and_save_state_resumes_exactly(service_client):
