@@ -12,7 +12,7 @@ import os
 import shutil
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import httpx
@@ -29,6 +29,7 @@ from tests.conformance.conftest import TINY
 from tinkerd.config import ServerConfig
 from tinkerd.control.accounts import Accounts
 from tinkerd.control.store.db import Store
+from tinkerd.control.store.tables import SessionRow, TrainingRunRow
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 DESKTOP, PHONE = (1280, 900), (390, 844)
@@ -297,6 +298,32 @@ def test_another_account_sees_none_of_it(world, shots):
     assert bob.post("/console/checkpoints/publish", data={"csrf": csrf, "tinker_path": sampler}).status_code == 404
     assert bob.post("/console/checkpoints/delete", data={"csrf": csrf, "tinker_path": sampler}).status_code == 404
     assert sampler in {c.tinker_path for c in _rest(world).list_checkpoints(run_id).result().checkpoints}
+
+
+def test_runs_list_pages(world, browser, shots):
+    """55 runs (written straight into the server's store: the SDK would take minutes) list as 50 + 5."""
+    accounts = world["accounts"]
+    key = accounts.create_key("console-dave", account="dave-console").key
+    account_id = accounts.account_id("dave-console", create=False)
+    now = datetime.now(timezone.utc).replace(tzinfo=None)
+    with accounts.store.write() as s:
+        for i in range(55):
+            sid = f"sess-dave{i:012d}"
+            s.add(SessionRow(session_id=sid, account_id=account_id, created_at=now, last_heartbeat_at=now,
+                             finished_reason="done"))
+            s.add(TrainingRunRow(model_id=f"{sid}:train:0", session_id=sid, base_model=TINY, lora_rank=8,
+                                 lora_config={"rank": 8}, created_at=now + timedelta(seconds=i),
+                                 last_request_at=now + timedelta(seconds=i)))
+    _sign_in(browser, world["url"], key)
+    assert browser.find_element(By.ID, "runs-total").text == "55"
+    first = [tr.get_attribute("data-run") for tr in browser.find_elements(By.CSS_SELECTOR, "table.runs tbody tr")]
+    assert first == [f"sess-dave{i:012d}:train:0" for i in range(54, 4, -1)]  # newest first, 50
+    _shoot(browser, shots, "runs-paged")
+    browser.find_element(By.CSS_SELECTOR, ".pager a[rel=next]").click()
+    WebDriverWait(browser, WAIT_S).until(lambda d: "page=2" in d.current_url)
+    rest = [tr.get_attribute("data-run") for tr in browser.find_elements(By.CSS_SELECTOR, "table.runs tbody tr")]
+    assert rest == [f"sess-dave{i:012d}:train:0" for i in range(4, -1, -1)]
+    assert "page 2 of 2" in browser.find_element(By.CSS_SELECTOR, ".pager").text
 
 
 def test_forms_need_the_csrf_token_and_a_revoked_key_ends_the_session(world):
