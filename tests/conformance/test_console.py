@@ -334,6 +334,9 @@ def test_forms_need_the_csrf_token_and_a_revoked_key_ends_the_session(world):
     path = _rest(world).list_checkpoints(world["tc"].model_id).result().checkpoints[0].tinker_path
     r = carol.post("/console/checkpoints/publish", data={"csrf": "forged", "tinker_path": path})
     assert r.status_code == 403 and "CSRF" in r.text
+    # Another site's page posting the sign-in form (login CSRF) is refused by its Origin.
+    r = httpx.post(f"{url}/console/signin", data={"api_key": carol_key}, headers={"Origin": "https://evil.example"})
+    assert r.status_code == 403 and "tinkerd_console" not in r.headers.get("set-cookie", "")
     assert carol.get("/console/runs").status_code == 200
     # `tinker auth logout` revokes the presented key; the console session signed in with it ends at once.
     assert httpx.delete(f"{url}/api/v1/auth/apikey/me", headers={"X-API-Key": carol_key}).status_code == 204

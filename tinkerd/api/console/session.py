@@ -15,7 +15,7 @@ from __future__ import annotations
 import hmac
 import secrets
 from dataclasses import dataclass
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, urlsplit
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -80,7 +80,12 @@ def viewer(request: Request) -> Viewer:
 
 
 async def form(request: Request) -> dict[str, str]:
-    """An application/x-www-form-urlencoded body (the console's forms), first value of each field."""
+    """An application/x-www-form-urlencoded body (the console's forms), first value of each field.
+    A browser's form post from another site's page is refused by its Origin header; this also covers
+    the sign-in form, which has no session (and so no CSRF token) yet."""
+    origin = request.headers.get("origin")
+    if origin is not None and origin != "null" and urlsplit(origin).netloc != request.headers.get("host"):
+        raise CsrfError(f"a form posted from {origin} is refused: the console accepts its own pages' forms only")
     limit = min(state(request).config.max_body_bytes, MAX_FORM_BYTES)
     body = await read_body(request)
     if len(body) > limit:
