@@ -3,7 +3,8 @@ session's conformance server: sign-in, live loss curves equal to what an SDK loo
 and delete reflected in the SDK's RestClient (and audited as the API audits them), usage equal to
 AdminClient.get_billing_usage, the queue page's paused op and quotas, and another account seeing none of
 it. Screenshots of every page, desktop and phone width, go to $TINKERD_TEST_ARTIFACTS/console (or a pytest
-temp dir) and the path is printed."""
+temp dir) and the path is printed. The tests run in file order: the later ones look at what the live-curve
+test's run made."""
 
 from __future__ import annotations
 
@@ -331,8 +332,7 @@ def test_forms_need_the_csrf_token_and_a_revoked_key_ends_the_session(world):
     carol_key = world["accounts"].create_key("console-carol", account="alice-console").key
     carol = httpx.Client(base_url=url, follow_redirects=False, timeout=60)
     assert carol.post("/console/signin", data={"api_key": carol_key}).status_code == 303
-    path = _rest(world).list_checkpoints(world["tc"].model_id).result().checkpoints[0].tinker_path
-    r = carol.post("/console/checkpoints/publish", data={"csrf": "forged", "tinker_path": path})
+    r = carol.post("/console/checkpoints/publish", data={"csrf": "forged", "tinker_path": "tinker://r:train:0/weights/c"})
     assert r.status_code == 403 and "CSRF" in r.text
     # Another site's page posting the sign-in form (login CSRF) is refused by its Origin.
     r = httpx.post(f"{url}/console/signin", data={"api_key": carol_key}, headers={"Origin": "https://evil.example"})
