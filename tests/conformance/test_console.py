@@ -274,8 +274,10 @@ def test_another_account_sees_none_of_it(world, shots):
     try:
         _sign_in(driver, url, world["bob"])
         assert driver.find_element(By.ID, "runs-total").text == "0"
+        _shoot(driver, shots, "other-account-runs")
         driver.get(f"{url}/console/runs/{run_id}")
         foreign = driver.find_element(By.ID, "error").text
+        _shoot(driver, shots, "other-account-foreign-run")
         driver.get(f"{url}/console/runs/sess-0000000000000000:train:0")
         missing = driver.find_element(By.ID, "error").text
         assert foreign.replace(run_id, "X") == missing.replace("sess-0000000000000000:train:0", "X")
@@ -286,7 +288,6 @@ def test_another_account_sees_none_of_it(world, shots):
                    for tr in driver.find_elements(By.CSS_SELECTOR, "#totals tr[data-kind]"))
         driver.get(f"{url}/console/queue")
         assert driver.find_elements(By.ID, "queue-empty")
-        _shoot(driver, shots, "other-account-runs")
     finally:
         _quit(driver)
     # The same over plain HTTP: the status is 404, and a forged form for alice's checkpoint is a 404 too.
