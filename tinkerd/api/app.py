@@ -16,6 +16,7 @@ from tinkerd.api import openai_schema
 from tinkerd.api.deps import AppState, error_response
 from tinkerd.api.routes import account, admin, custom_loss, export, futures, rest, sampling, service, sessions, training
 from tinkerd.api.routes import metrics, openai
+from tinkerd.api.console import pages as console
 from tinkerd.errors import TinkerdError, UserError
 
 log = logging.getLogger(__name__)
@@ -79,4 +80,5 @@ def create_app(app_state: AppState) -> FastAPI:
     # The OpenAI-compatible /v1 (docs/inference.md) and GET /metrics: no path of theirs overlaps the above.
     for module in (openai, metrics):
         app.include_router(module.router)
+    app.include_router(console.router)  # the web console (docs/console.md): all under /console
     return app

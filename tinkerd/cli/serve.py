@@ -162,6 +162,7 @@ def build_app(config: ServerConfig, client=None):
     from tinkerd.control.retention import FutureRetention
     from tinkerd.control.runs import Runs
     from tinkerd.control.stability import StabilityRecords
+    from tinkerd.control.stepmetrics import StepMetrics
     from tinkerd.control.store.db import Store
     from tinkerd.control.tokens import Tokens
 
@@ -193,6 +194,7 @@ def build_app(config: ServerConfig, client=None):
     accounts = Accounts(store, audit)
     records = StabilityRecords(store, config.recorded_sequence_ttl_s)
     control.results.recorders.append(records.record)
+    control.results.recorders.append(StepMetrics(store).record)  # the console's curves (control/stepmetrics.py)
     app_state = AppState(config=config, control=control, runs=runs, served=served, accounts=accounts, records=records,
                          tokenizers=Tokenizers(served), tokens=Tokens.in_dir(config.data_dir))
     legacy.convert(app_state)  # a data directory from before the op log: once, before control recovers

@@ -246,6 +246,10 @@ class Control:
         """Whether `target` has ops queued or in the engine (exact on the worker thread)."""
         return self.queue.depth(target) > 0 or any(q.target == target for q, _ in list(self._inflight.values()))
 
+    def running(self) -> list[QueuedOp]:
+        """The ops in the engine now (a snapshot, for the console's queue page)."""
+        return [q for q, _ in list(self._inflight.values())]
+
     # -- results ---------------------------------------------------------------------------------
 
     def _finalize(self, work: Work, result: Any) -> tuple[bytes, str]:

@@ -30,6 +30,7 @@ from tinkerd.api.deps import AppState, Prepared, account, authenticate, parse, r
 from tinkerd.control.control import Work
 from tinkerd.control.oplog import OpRecord, OpType, Payer, RegisterCheckpoint
 from tinkerd.control.runs import TinkerPath, check_name, check_ttl, iso
+from tinkerd.control.store.tables import CheckpointRow
 from tinkerd.errors import NotFoundError, UserError
 from tinkerd.types import ExportWeightsOp
 
@@ -123,6 +124,14 @@ async def save_weights_external(request: Request) -> JSONResponse:
 async def external_weights_urls(run_id: str, name: str, request: Request) -> dict:
     st = state(request)
     row = st.runs.owned_checkpoint(TinkerPath(run_id, "external_weights", check_name(name)), account(request))
+    urls, expires = download_urls(request, row)
+    return {"urls": urls, "expires": iso(datetime.fromtimestamp(expires, timezone.utc).replace(tzinfo=None))}
+
+
+def download_urls(request: Request, row: CheckpointRow) -> tuple[dict[str, str], int]:
+    """Signed download URLs of an (ownership-checked) external_weights checkpoint's files, and when
+    they expire (unix time); also the console's download links."""
+    run_id, name = row.model_id, row.name
     signer = _signer(request)
     expires = int(time.time()) + DOWNLOAD_URL_TTL_S
     # request.base_url carries the scheme, host and port the client used, so the URLs work from
@@ -133,7 +142,7 @@ async def external_weights_urls(run_id: str, name: str, request: Request) -> dic
         if f.is_file():
             sig = signer.signature(run_id, name, f.name, expires)
             urls[f.name] = f"{base}/files/external_weights/{quote(run_id, safe=':')}/{name}/{f.name}?expires={expires}&sig={sig}"
-    return {"urls": urls, "expires": iso(datetime.fromtimestamp(expires, timezone.utc).replace(tzinfo=None))}
+    return urls, expires
 
 
 @router.api_route("/files/external_weights/{run_id}/{name}/{file_name}", methods=["GET", "HEAD"])

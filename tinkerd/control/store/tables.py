@@ -244,3 +244,18 @@ class UnrecoverableRunRow(Base):
     model_id: Mapped[str] = mapped_column(String, primary_key=True)
     reason: Mapped[str] = mapped_column(Text)
     at: Mapped[datetime] = mapped_column(DateTime)
+
+
+class StepMetricRow(Base):
+    """The metrics one training op returned (forward_backward, forward, optim_step), stored as it
+    completes (control/stepmetrics.py): the console's loss and metric curves. One row per op, so a
+    redone op (recovery re-running a pending one) keeps the first."""
+
+    __tablename__ = "step_metrics"
+    request_id: Mapped[str] = mapped_column(String, primary_key=True)
+    model_id: Mapped[str] = mapped_column(String, index=True)
+    # The op's seq_id in its run (the SDK numbers a run's ops from 1): the curves' x axis.
+    seq_id: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    request_type: Mapped[str] = mapped_column(String)  # ForwardBackward | Forward | OptimStep
+    metrics: Mapped[dict] = mapped_column(JSON)  # name -> float, the keys the SDK's result carries
+    recorded_at: Mapped[datetime] = mapped_column(DateTime)
