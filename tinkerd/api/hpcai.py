@@ -171,9 +171,12 @@ def forward_backward_protobuf(body: bytes, forward_only: bool) -> bytes:
     if not isinstance(fb, dict) or not isinstance(fb.get("data"), list) or not isinstance(fb.get("loss_fn"), str):
         raise UserError(f"{key} is required: {{data: [datum, ...], loss_fn: <name>}}")
     msg = pb.ForwardBackwardRequest(model_id=model_id, loss_fn=fb["loss_fn"], forward_only=forward_only)
-    for name, value in (fb.get("loss_fn_config") or {}).items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise UserError(f"loss_fn_config[{name!r}] must be a number")
+    config = fb.get("loss_fn_config") or {}
+    if not isinstance(config, dict):
+        raise UserError("loss_fn_config must be an object of numbers")
+    for name, value in config.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -1e308 < value < 1e308:
+            raise UserError(f"loss_fn_config[{name!r}] must be a finite number")
         msg.loss_fn_config[str(name)] = float(value)
     for i, datum in enumerate(fb["data"]):
         _datum(msg.data.add(), datum, i)
@@ -205,8 +208,9 @@ def _datum(out, datum: Any, i: int) -> None:
         shape = tensor.get("shape")
         if shape is None:
             shape = [data.size]
-        if not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool) for s in shape):
-            raise UserError(f"{where}: shape must be a list of integers")
+        if not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool)
+                                                  and 0 <= s <= _INT32.max for s in shape):
+            raise UserError(f"{where}: shape must be a list of integers from 0 to {_INT32.max}")
         t = out.loss_fn_inputs[str(name)]
         t.dtype = _PB_DTYPES[tensor["dtype"]]
         t.shape.extend(shape)  # checked against the data by the decoder

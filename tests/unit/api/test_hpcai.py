@@ -65,6 +65,9 @@ def test_json_forward_backward_decodes_to_the_protobuf_bodys_op():
      "float32|int64"),
     (lambda b: b["forward_backward_input"]["data"][0]["loss_fn_inputs"]["weights"].update(data=["a"]), "numbers"),
     (lambda b: b["forward_backward_input"]["data"][0]["loss_fn_inputs"]["weights"].update(shape=[5]), "do not fill"),
+    (lambda b: b["forward_backward_input"]["data"][0]["loss_fn_inputs"]["weights"].update(shape=[2**70]), "shape"),
+    (lambda b: b["forward_backward_input"].update(loss_fn_config=[1]), "loss_fn_config"),
+    (lambda b: b["forward_backward_input"].update(loss_fn_config={"x": 10**400}), "finite number"),
 ])
 def test_bad_json_forward_backward_is_a_user_error_naming_the_field(mutate, message):
     body = json.loads(_json_body())
