@@ -29,6 +29,9 @@ class ServerConfig(BaseModel):
     retrieve_future_timeout_s: float = 20.0
     # forward_backward bodies: the SDK chunks at ~5 MB estimated; leave headroom.
     max_body_bytes: int = 64 * 1024 * 1024
+    # GET .../checkpoints/{name}/archive (hpcai's download, api/routes/archive.py): the most checkpoint
+    # bytes one archive streams. A rank-32 adapter of an 8B model with its AdamW state is ~0.5 GB.
+    max_archive_bytes: int = Field(default=8 * 1024**3, gt=0)
     # The HTTP edge (api/connection.py, cli/serve.py). Deadlines for reading one request, never
     # extended by trickled bytes: the head within request_head_timeout_s of the connection opening
     # (or of the next request's first byte), the body within request_body_timeout_s of the head. An

@@ -15,6 +15,7 @@ from starlette.requests import ClientDisconnect
 from tinkerd.api import openai_schema
 from tinkerd.api.deps import AppState, error_response
 from tinkerd.api.routes import account, admin, custom_loss, export, futures, rest, sampling, service, sessions, training
+from tinkerd.api.routes import archive
 from tinkerd.api.routes import metrics, openai
 from tinkerd.api.console import pages as console
 from tinkerd.errors import TinkerdError, UserError
@@ -72,7 +73,7 @@ def create_app(app_state: AppState) -> FastAPI:
         return JSONResponse({"error": f"internal error: {type(e).__name__}", "category": "server"}, status_code=500)
 
     # rest last: its catch-all under /training_runs/{id}/checkpoints/ must not shadow export's routes.
-    for module in (service, training, custom_loss, sampling, futures, export, admin, account, sessions, rest):
+    for module in (service, training, custom_loss, sampling, futures, export, admin, account, sessions, archive, rest):
         for name in ("router", "authed", "public"):
             router = getattr(module, name, None)
             if router is not None:

@@ -125,6 +125,17 @@ def _spans(msgs, where: str) -> list[ProvenanceSpan] | None:
     return spans
 
 
+def forward_only(body: bytes) -> bytes:
+    """A ForwardBackwardRequest body with forward_only set (POST /forward)."""
+    msg = pb.ForwardBackwardRequest()
+    try:
+        msg.ParseFromString(body)
+    except DecodeError as e:
+        raise UserError(f"malformed ForwardBackwardRequest protobuf: {e}") from e
+    msg.forward_only = True
+    return msg.SerializeToString()
+
+
 def forward_backward_seq_id(body: bytes) -> tuple[str, int]:
     msg = pb.ForwardBackwardRequest()
     msg.ParseFromString(body)

@@ -175,14 +175,18 @@ class Control:
         body: bytes,
         work: Work,
         account_id: str | None = None,
+        idempotency_key: str | None = None,
     ) -> Accepted:
-        """Store the op, then queue it. Idempotent on (target, seq_id) when seq_id is given.
+        """Store the op, then queue it. Idempotent on (target, seq_id) when seq_id is given, else on
+        (target, idempotency_key) when the client sent one (hpcai's X-Idempotency-Key).
 
         The log stores `work.record` (its domain form). `body` is stored only for work without a
         record, in the pre-v1 form a start converts through the API (api/legacy.py): the path of an
         op kind not yet given a record; every op of tinkerd's own carries one."""
         # The account is part of the key: an idempotent re-send is one client's, never another's.
         dedupe_key = f"{request_type}|{account_id}|{target}|{seq_id}" if seq_id is not None else None
+        if seq_id is None and idempotency_key:
+            dedupe_key = f"{request_type}|{account_id}|{target}|key:{idempotency_key}"
         if dedupe_key is not None:
             existing = self.store.future_by_dedupe_key(dedupe_key)
             if existing is not None:
@@ -223,6 +227,11 @@ class Control:
         self.queue.put(request_id, target, seq_id, request_type, work)
         self.metrics.accepted(request_type, Scheduler.lane_of(work.op), request_id)
         return Accepted(request_id, new=True)
+
+    def release_run(self, model_id: str) -> None:
+        """Release a run's adapter as soon as it is idle (hpcai's unload_model); no-op without residency."""
+        if self.residency is not None:
+            self.residency.request_release(model_id)
 
     def complete_now(self, request_type: str, target: str, payload: bytes, media_type: str,
                      account_id: str | None = None) -> str:

@@ -64,6 +64,8 @@ class Residency:
         # What the engine reported holding after its last step; None before the first.
         self.resident: Resident | None = None
         self._release_queued = False
+        # Runs a client asked to unload (request_release), released like idle ones when not busy.
+        self.requested: set[str] = set()
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -106,10 +108,16 @@ class Residency:
 
     # -- what is idle --------------------------------------------------------------------------------
 
+    def request_release(self, model_id: str) -> None:
+        """Release `model_id` at the next look once nothing of it is queued or running (an explicit
+        unload). An op that comes later finds it released and rebuilds it, as after any release."""
+        self.requested.add(model_id)
+        self.poke()
+
     def idle_runs(self, busy: Callable[[str], bool]) -> list[str]:
-        """Loaded runs of ended sessions, and (expiry on) of gone sessions that are themselves idle
-        for expiry_s; with nothing queued or running."""
-        idle = SessionRow.finished_reason.is_not(None)
+        """Loaded runs of ended sessions, runs asked to be released, and (expiry on) runs of gone
+        sessions that are themselves idle for expiry_s; with nothing queued or running."""
+        idle = or_(SessionRow.finished_reason.is_not(None), TrainingRunRow.model_id.in_(list(self.requested)))
         if self.expiry_s > 0:
             cutoff = utcnow() - timedelta(seconds=self.expiry_s)
             idle = or_(idle, and_(SessionRow.last_heartbeat_at < cutoff, TrainingRunRow.last_request_at < cutoff))
@@ -167,6 +175,7 @@ class Residency:
         """Finalize of the release op (on the worker): record the runs no longer in the engine."""
         now = utcnow()
         for model_id in result["unloaded"]:
+            self.requested.discard(model_id)
             self.store.add(UnloadedRunRow(model_id=model_id, unloaded_at=now))
             self.unloaded.add(model_id)
         if result["unloaded"] or result["sampler_paths"]:

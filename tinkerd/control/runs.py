@@ -114,10 +114,11 @@ class Runs:
 
     def create_session(self, tags: list[str], user_metadata: dict, sdk_version: str | None,
                        account_id: str | None = None, display_name: str | None = None,
-                       project_id: str | None = None) -> str:
+                       project_id: str | None = None, session_id: str | None = None) -> str:
+        """A new session; `session_id`: a fixed id (an API key's implicit session, api/hpcai.py)."""
         if self.reserve is not None:
             self.reserve.check()
-        session_id = f"sess-{secrets.token_hex(8)}"
+        session_id = session_id or f"sess-{secrets.token_hex(8)}"
         now = utcnow()
         self.store.add(
             SessionRow(session_id=session_id, account_id=account_id, created_at=now, last_heartbeat_at=now, tags=list(tags or []),

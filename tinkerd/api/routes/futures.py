@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from tinker import types as t
 
-from tinkerd.api import limits
+from tinkerd.api import hpcai, limits
 from tinkerd.api.deps import account, authenticate, empty, load_json, parse, read_body, state
 from tinkerd.api.results import wire_result
 from tinkerd.control.completions import CLONE_BLOCK, MAX_CURSOR, completions
@@ -30,7 +30,7 @@ def _owned_future(st, request_id: str, account_id: str) -> FutureRow:
 @router.post("/retrieve_future")
 async def retrieve_future(request: Request) -> Response:
     st = state(request)
-    req = parse(t.FutureRetrieveRequest, await read_body(request))
+    req = parse(t.FutureRetrieveRequest, hpcai.retrieve_body(await read_body(request)))
     _owned_future(st, req.request_id, account(request))
     row = await st.control.retrieve(req.request_id, st.config.retrieve_future_timeout_s)
     if row is None:
@@ -50,7 +50,8 @@ async def retrieve_future(request: Request) -> Response:
         return JSONResponse(body, status_code=408)
     if row.status == "failed":
         return JSONResponse({"error": row.error, "category": row.error_category or "unknown"})
-    body, media_type = wire_result(row.request_type, row.result, row.result_media_type, row.body)
+    body, media_type = wire_result(row.request_type, row.result, row.result_media_type, row.body,
+                                   as_json=hpcai.wants_json(request), hpcai_paths=hpcai.is_hpcai(request))
     return Response(body, media_type=media_type)
 @router.post("/retrieve_futures")
 async def retrieve_futures(request: Request) -> dict:

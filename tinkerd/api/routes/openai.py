@@ -25,13 +25,12 @@ from typing import AsyncIterator
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from tinkerd.api import codec
+from tinkerd.api import codec, hpcai
 from tinkerd.api import openai_schema as schema
 from tinkerd.api import openai_text as text
 from tinkerd.api.deps import AppState, AuthError, load_json, read_body, state
 from tinkerd.api.results import wire_result
 from tinkerd.api.routes.sampling import prepare_asample
-from tinkerd.control.runs import parse_tinker_path
 from tinkerd.control.store.tables import FutureRow
 from tinkerd.errors import NotFoundError, ServerError, TinkerdError, UserError
 
@@ -78,8 +77,8 @@ async def list_models(request: Request) -> dict:
 
 def _resolve(st: AppState, model: str, account_id: str) -> str:
     """The base model of `model` (a served name or a tinker:// sampler path the caller may read)."""
-    if model.startswith("tinker://"):
-        path = parse_tinker_path(model)
+    if model.startswith(("tinker://", hpcai.SCHEME)):
+        path = hpcai.parse_path(model)
         if path.segment not in ("sampler_weights", "weights"):
             raise schema.OpenAIError(f"cannot sample from {model}: use a sampler_weights path", "model")
         ckpt = st.runs.owned_checkpoint(path, account_id, public_ok=True)  # another account's: NotFoundError
@@ -103,7 +102,7 @@ def _sample_body(req: schema._Request, model: str, prompt: list[int], st: AppSta
     }
     body = {"prompt": {"chunks": [{"type": "encoded_text", "tokens": prompt}]}, "sampling_params": params,
             "num_samples": req.n, "topk_sample_logprobs": req.topk() or 0}
-    body["model_path" if model.startswith("tinker://") else "base_model"] = model
+    body["model_path" if model.startswith(("tinker://", hpcai.SCHEME)) else "base_model"] = model
     return json.dumps(body).encode()
 
 

@@ -16,7 +16,7 @@ import json
 
 from fastapi import APIRouter, Depends, Request, Response
 
-from tinkerd.api import limits
+from tinkerd.api import hpcai, limits
 from tinkerd.api.deps import account, authenticate, empty, load_json, read_body, state
 from tinkerd.control import projects
 from tinkerd.control.runs import LOCAL_OWNER, TYPE_SEGMENTS, Runs, TinkerPath, check_name, iso, parse_tinker_path
@@ -42,6 +42,8 @@ def checkpoint_json(row: CheckpointRow, base_model: str | None = None) -> dict:
         "checkpoint_type": row.checkpoint_type,
         "time": iso(row.created_at),
         "tinker_path": row.tinker_path,
+        # What the hpcai client requires (api/hpcai.py turns it into an hpcai:// path for that client).
+        "checkpoint_path": row.tinker_path,
         "size_bytes": row.size_bytes,
         "public": bool(row.public),
         "user_metadata": dict(row.user_metadata or {}),
@@ -94,17 +96,17 @@ async def list_training_runs(request: Request, limit: int = 20, offset: int = 0,
     if project_id is not None:  # one of the caller's projects (control/projects.py); others are 404
         projects.require(runs.store, account(request), [project_id])
     rows, total = runs.list_runs(limit, offset, account_id=account(request), project_id=project_id)
-    return {
+    return hpcai.rest_answer(request, {
         "training_runs": [run_json(runs, r) for r in rows],
         "cursor": {"offset": offset, "limit": limit, "total_count": total},
-    }
+    })
 
 
 @router.get("/training_runs/{run_id}")
 async def get_training_run(run_id: str, request: Request, access_scope: str = "owned") -> dict:
     _scope(access_scope)
     runs = state(request).runs
-    return run_json(runs, runs.owned_run(run_id, account(request)))
+    return hpcai.rest_answer(request, run_json(runs, runs.owned_run(run_id, account(request))))
 
 
 # -- checkpoints --------------------------------------------------------------------------------
@@ -115,8 +117,8 @@ async def list_run_checkpoints(run_id: str, request: Request) -> dict:
     runs = state(request).runs
     run = runs.owned_run(run_id, account(request))
     rows, total = runs.list_checkpoints(run_id)
-    return {"checkpoints": [checkpoint_json(r, run.base_model) for r in rows],
-            "cursor": {"offset": 0, "limit": total, "total_count": total}}
+    return hpcai.rest_answer(request, {"checkpoints": [checkpoint_json(r, run.base_model) for r in rows],
+                                       "cursor": {"offset": 0, "limit": total, "total_count": total}})
 
 
 @router.get("/checkpoints")
@@ -125,10 +127,10 @@ async def list_user_checkpoints(request: Request, limit: int = 100, offset: int 
     runs = state(request).runs
     rows, total = runs.list_checkpoints(limit=limit, offset=offset, account_id=account(request))
     bases = runs.base_models(r.model_id for r in rows)
-    return {
+    return hpcai.rest_answer(request, {
         "checkpoints": [checkpoint_json(r, bases.get(r.model_id)) for r in rows],
         "cursor": {"offset": offset, "limit": limit, "total_count": total},
-    }
+    })
 
 
 @router.delete("/training_runs/{run_id}/checkpoints/{type_seg}/{name}/publish")
@@ -152,7 +154,7 @@ async def set_checkpoint_ttl(run_id: str, type_seg: str, name: str, request: Req
         raise UserError('send {"ttl_seconds": <seconds> or null}')
     runs = state(request).runs
     row = runs.set_ttl(path, body["ttl_seconds"], account(request))
-    return checkpoint_json(row, runs.base_models([row.model_id]).get(row.model_id))
+    return hpcai.rest_answer(request, checkpoint_json(row, runs.base_models([row.model_id]).get(row.model_id)))
 
 
 @router.delete("/training_runs/{run_id}/checkpoints/{type_seg}/{name}")
@@ -168,7 +170,7 @@ async def weights_info(request: Request) -> dict:
     if not isinstance(tinker_path, str):
         raise UserError('send {"tinker_path": "tinker://<run_id>/<type>/<name>"}')
     runs = state(request).runs
-    ckpt = runs.owned_checkpoint(parse_tinker_path(tinker_path), account(request), public_ok=True)
+    ckpt = runs.owned_checkpoint(hpcai.parse_path(tinker_path), account(request), public_ok=True)
     run = runs.run(ckpt.model_id)
     cfg = run.lora_config or {}
     return {

@@ -7,11 +7,10 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from tinker import types as t
 
-from tinkerd.api import limits, prompt_scores
+from tinkerd.api import hpcai, limits, prompt_scores
 from tinkerd.api.deps import AppState, Prepared, account, authenticate, future_response, parse, read_body, state
 from tinkerd.control.control import Work
 from tinkerd.control.oplog import OpRecord, OpType, Payer
-from tinkerd.control.runs import parse_tinker_path
 from tinkerd.errors import UserError
 from tinkerd.types import SampleOp, SamplingParams, base_model_of, long_context_id
 
@@ -24,7 +23,7 @@ async def create_sampling_session(request: Request) -> dict:
     req = parse(t.CreateSamplingSessionRequest, await read_body(request))
     limits.integer(req.sampling_session_seq_id, "sampling_session_seq_id")
     if req.model_path is not None:
-        path = parse_tinker_path(req.model_path)
+        path = hpcai.parse_path(req.model_path)
         if path.segment not in ("sampler_weights", "weights"):
             raise UserError(f"cannot sample from {req.model_path}: use a sampler_weights or weights path")
         ckpt = st.runs.owned_checkpoint(path, account(request), public_ok=True)
@@ -102,8 +101,9 @@ def prepare_asample(st: AppState, body: bytes, account_id: str | None = None) ->
         base_model, adapter_dir, target = row.base_model, row.adapter_dir, row.sampling_session_id
         session_id = row.session_id
     elif req.model_path is not None:
-        ckpt = st.runs.owned_checkpoint(parse_tinker_path(req.model_path), account_id, public_ok=True)
-        base_model, adapter_dir, target = st.runs.run(ckpt.model_id).base_model, ckpt.dir_path, req.model_path
+        path = hpcai.parse_path(req.model_path)
+        ckpt = st.runs.owned_checkpoint(path, account_id, public_ok=True)
+        base_model, adapter_dir, target = st.runs.run(ckpt.model_id).base_model, ckpt.dir_path, str(path)
     elif req.base_model is not None:
         base_model, adapter_dir, target = req.base_model, None, req.base_model
     else:
@@ -155,8 +155,10 @@ async def asample(request: Request) -> JSONResponse:
     body = await read_body(request)
     account_id = account(request)
     prepared = prepare_asample(st, body, account_id)
+    # hpcai's samples carry no seq_id: its X-Idempotency-Key dedupes their re-sends.
+    key = request.headers.get("x-idempotency-key") if prepared.seq_id is None else None
     accepted = st.control.submit(prepared.request_type, prepared.target, prepared.seq_id, body, prepared.work,
-                                 account_id=account_id)
+                                 account_id=account_id, idempotency_key=key)
     ids = [f"{accepted.request_id}:{i}" for i in range(prepared.work.op.num_samples)]
     return future_response(accepted.request_id, sample_sequence_ids=ids)
 

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from tinker import types as t
 
-from tinkerd.api import limits
+from tinkerd.api import hpcai, limits
 from tinkerd.api.deps import account, authenticate, empty, load_json, parse, read_body, state
 from tinkerd.control import projects
 from tinkerd.control.projects import check_project_id
@@ -139,7 +139,8 @@ async def copy_weights_route(request: Request) -> dict:
         raise UserError("tinkerd has no weights access tokens: the owner publishes a checkpoint to share it")
     if req.model_seq_id is not None:
         limits.integer(req.model_seq_id, "model_seq_id")
-    path = copy_weights(state(request).runs, req.source_path, account(request), session_id=req.session_id,
+    source = hpcai.to_tinker(req.source_path)  # an hpcai:// path names the same checkpoint
+    path = copy_weights(state(request).runs, source, account(request), session_id=req.session_id,
                         model_seq_id=req.model_seq_id, project_id=req.destination_project_id,
                         ttl_seconds=req.ttl_seconds, idempotency_key=request.headers.get("x-idempotency-key"))
     return {"tinker_path": str(path)}

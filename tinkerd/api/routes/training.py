@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import hashlib
+import json
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from tinker import types as t
 
-from tinkerd.api import codec, limits
-from tinkerd.api.deps import AppState, Prepared, account, authenticate, parse, read_body, state, submit
+from tinkerd.api import codec, hpcai, limits
+from tinkerd.api.deps import (AppState, Prepared, account, authenticate, future_response, load_json, parse, read_body,
+                              state, submit)
 from tinkerd.control.control import Work
 from tinkerd.control.copies import is_copy_run, trainable_config
 from tinkerd.control.custom_losses import CustomLosses
 from tinkerd.control.oplog import CreateSampler, OpRecord, OpType, Payer, RegisterCheckpoint
 from tinkerd.control.store.tables import TrainingRunRow
-from tinkerd.control.runs import TinkerPath, check_name, check_ttl, parse_tinker_path
+from tinkerd.control.runs import TinkerPath, check_name, check_ttl
 from tinkerd.errors import UserError
 from tinkerd.types import (
     AdamParams,
@@ -115,11 +117,13 @@ async def get_info(request: Request) -> dict:
 
 
 def prepare_forward_backward(st: AppState, body: bytes, account_id: str | None = None,
-                             completed: bool = False) -> Prepared:
+                             completed: bool = False, sequenced: bool = True) -> Prepared:
+    """`sequenced=False`: a body transcoded from hpcai's JSON (api/hpcai.py), which has no seq_id (a
+    protobuf reads an absent one as 0): the op runs in arrival order on its model."""
     op = codec.decode_forward_backward(body)
     run = _trainable(st, op.model_id, account_id)
-    seq_id = codec.forward_backward_seq_id(body)[1]
-    if not completed:
+    seq_id = codec.forward_backward_seq_id(body)[1] if sequenced else None
+    if not completed and seq_id is not None:
         limits.seq_id(seq_id)
     op.allow_non_finite = st.config.allow_non_finite or completed
     if not completed and long_context_id(run.base_model) is not None:  # the engine checks the base's own limit
@@ -212,7 +216,7 @@ def prepare_load_weights(st: AppState, body: bytes, account_id: str | None = Non
     if not completed:
         limits.seq_id(req.seq_id)
         limits.integer(req.model_seq_id, "model_seq_id")
-    path = parse_tinker_path(req.path)
+    path = hpcai.parse_path(req.path)
     if path.segment != "weights":
         raise UserError(f"load_weights needs a training checkpoint (tinker://.../weights/<name>), got {req.path}")
     ckpt = st.runs.owned_checkpoint(path, account_id, public_ok=True)
@@ -257,24 +261,79 @@ PREPARERS = {
     "LoadWeights": prepare_load_weights,
 }
 
-def _route_for(prepare):
+def _route_for(prepare, translate=None):
     # Bound by a closure, not a default argument: FastAPI exposes every parameter of a route as a
     # request parameter, and `?_prepare=x` once replaced the function with a string (a 500).
+    # `translate(st, request, body)`: the hpcai client's request shape to the official one (api/hpcai.py).
     async def route(request: Request) -> JSONResponse:
         st = state(request)
         body = await read_body(request)
         account_id = account(request)
-        return submit(st, prepare(st, body, account_id), body, account_id)
+        if translate is not None:
+            body = translate(st, request, body)
+        return _submit(st, request, prepare(st, body, account_id), body, account_id)
 
     return route
 
 
-for _path, _prepare in (
-    ("/create_model", prepare_create_model),
-    ("/forward_backward", prepare_forward_backward),
-    ("/optim_step", prepare_optim_step),
-    ("/save_weights", prepare_save_weights),
-    ("/save_weights_for_sampler", prepare_save_weights_for_sampler),
-    ("/load_weights", prepare_load_weights),
+def _submit(st: AppState, request: Request, prepared: Prepared, body: bytes, account_id: str) -> JSONResponse:
+    hpcai.check_ordering(st, prepared.target, prepared.seq_id)
+    # Ops without a seq_id have no (target, seq_id) key: hpcai's X-Idempotency-Key dedupes their re-sends.
+    key = request.headers.get("x-idempotency-key") if prepared.seq_id is None else None
+    return submit(st, prepared, body, account_id, idempotency_key=key)
+
+
+@router.post("/create_model")
+async def create_model(request: Request) -> JSONResponse:
+    st = state(request)
+    body = await read_body(request)
+    account_id = account(request)
+    with hpcai.numbering():  # an implicit session's next model number, then its run row
+        body = hpcai.create_model_body(st, request, body)
+        prepared = prepare_create_model(st, body, account_id)
+    return _submit(st, request, prepared, body, account_id)
+
+
+def _forward_backward(forward_only: bool):
+    async def route(request: Request) -> JSONResponse:
+        st = state(request)
+        body = await read_body(request)
+        account_id = account(request)
+        if hpcai.is_json_body(request):  # the hpcai client's JSON body: the same op, in arrival order
+            prepared = prepare_forward_backward(st, hpcai.forward_backward_protobuf(body, forward_only), account_id,
+                                                sequenced=False)
+        else:
+            if forward_only:
+                body = codec.forward_only(body)
+            prepared = prepare_forward_backward(st, body, account_id)
+        return _submit(st, request, prepared, body, account_id)
+
+    return route
+
+
+@router.post("/unload_model")
+async def unload_model(request: Request) -> JSONResponse:
+    """hpcai's unload_model: the run's adapter leaves the engine now, as for a session that ended
+    (control/residency.py); its next op, if any, rebuilds it exactly. A future, as the client expects."""
+    st = state(request)
+    body = load_json(await read_body(request))
+    model_id = body.get("model_id") if isinstance(body, dict) else None
+    if not isinstance(model_id, str) or not model_id:
+        raise UserError("unload_model needs a model_id (a string)")
+    run = st.runs.owned_run(model_id, account(request))
+    st.control.release_run(run.model_id)
+    payload = json.dumps({"model_id": run.model_id, "type": "unload_model"}).encode()
+    request_id = st.control.complete_now("UnloadModel", run.model_id, payload, "application/json",
+                                         account_id=account(request))
+    return future_response(request_id, model_id=run.model_id)
+
+
+router.add_api_route("/forward_backward", _forward_backward(False), methods=["POST"], name="forward_backward")
+router.add_api_route("/forward", _forward_backward(True), methods=["POST"], name="forward")
+for _path, _prepare, _translate in (
+    ("/optim_step", prepare_optim_step, None),
+    ("/save_weights", prepare_save_weights, None),
+    ("/save_weights_for_sampler", prepare_save_weights_for_sampler, None),
+    ("/load_weights", prepare_load_weights, lambda st, request, body: hpcai.load_weights_body(body)),
 ):
-    router.add_api_route(_path, _route_for(_prepare), methods=["POST"], name=_path.strip("/"))
+    router.add_api_route(_path, _route_for(_prepare, _translate), methods=["POST"], name=_path.strip("/"))
