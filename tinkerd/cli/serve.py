@@ -200,7 +200,14 @@ def build_app(config: ServerConfig, client=None):
 
 
 def build_engine_client(config: ServerConfig, wait: bool = True):
-    """wait=False (process engine only): return once the child is spawned; its first use waits."""
+    """The EngineRouter over the engine serving config.base_models. wait=False (process engine
+    only): return once the child is spawned; its first use waits."""
+    from tinkerd.control.engines import EngineRouter
+
+    return EngineRouter([_embedded_engine_client(config, wait)])
+
+
+def _embedded_engine_client(config: ServerConfig, wait: bool):
     if config.engine == "process":
         from tinkerd.engine.process import EngineSpec, ProcessEngineClient
 
