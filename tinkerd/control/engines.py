@@ -135,6 +135,14 @@ class EngineRouter:
 
     # -- routing -----------------------------------------------------------------------------------
 
+    def engine_key(self, op: Any) -> int | None:
+        """The engine `op` will run on, None with one engine or where not known yet (the scheduler
+        puts one training op per engine in a step: control/scheduler.py)."""
+        if len(self.engines) == 1 or isinstance(op, ReleaseAdaptersOp):
+            return None
+        base = getattr(op, "base_model", "") or self._base_of.get(getattr(op, "model_id", None), "")
+        return self._route_table().get(base)
+
     def _engine_of(self, op: Any) -> int:
         routes = self._route_table()
         base = getattr(op, "base_model", "") or self._base_of.get(getattr(op, "model_id", None), "")

@@ -157,3 +157,41 @@ def test_a_crash_of_one_engine_fails_the_step_and_restart_restarts_all():
     # (which ran, unreported) is not applied twice.
     assert (a.restarts, b.restarts) == (1, 1) and not a.held and not b.held
     assert run_ops(router, [CreateModelOp("ma", "base-a", LoraSpec(4, 8.0))]) == ["base-a:CreateModelOp"]
+
+
+def test_control_trains_two_base_models_in_the_same_step(tmp_path):
+    from tinkerd.control.control import Control, Work
+    from tinkerd.control.store.db import Store
+    from tests.unit.control.test_scheduler import _wait_done
+
+    a, b = _Engine("base-a"), _Engine("base-b")
+    a.barrier = b.barrier = threading.Barrier(2)  # a step that reaches only one engine times out and fails
+    control = Control(Store.sqlite(tmp_path / "db.sqlite"), EngineRouter([a, b]))
+    finalize = lambda result: (str(result).encode(), "text/plain")  # noqa: E731
+    ids = [control.submit("OptimStep", model, 0, b"", Work(OptimStepOp(model, AdamParams(), base_model=base), finalize))
+           .request_id for model, base in (("ma", "base-a"), ("mb", "base-b"))]
+    control.start()
+    try:
+        rows = [_wait_done(control, rid) for rid in ids]
+    finally:
+        control.stop()
+    assert [r.status for r in rows] == ["complete", "complete"], [r.error for r in rows]
+    assert len(a.batches) == len(b.batches) == 1  # one step carried both
+
+
+def test_with_one_engine_a_training_step_carries_one_op(tmp_path):
+    from tinkerd.control.control import Control, Work
+    from tinkerd.control.store.db import Store
+    from tests.unit.control.test_scheduler import _wait_done
+
+    engine = _Engine("base-a", "base-b")
+    control = Control(Store.sqlite(tmp_path / "db.sqlite"), EngineRouter([engine]))
+    finalize = lambda result: (str(result).encode(), "text/plain")  # noqa: E731
+    ids = [control.submit("OptimStep", model, 0, b"", Work(OptimStepOp(model, AdamParams(), base_model=base), finalize))
+           .request_id for model, base in (("ma", "base-a"), ("mb", "base-b"))]
+    control.start()
+    try:
+        [_wait_done(control, rid) for rid in ids]
+    finally:
+        control.stop()
+    assert [len(batch.run) for batch in engine.batches] == [1, 1]
