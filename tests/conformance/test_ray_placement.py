@@ -26,6 +26,10 @@ BASES = ("tinkerd/tiny-qwen3", "tinkerd/tiny-llama")
 STEPS = 8
 SAMPLE_EVERY = 4
 VICTIM = BASES[1]
+# The head and the server agree on Ray's token authentication whatever ~/.ray holds: Ray 2.60 turns it
+# on for a cluster when a token file exists there (a `ray.init()` on this machine writes one), and a
+# driver left at the default then fails to connect ("InvalidAuthToken").
+RAY_ENV = {"RAY_AUTH_MODE": "disabled"}
 
 
 def _free_port() -> int:
@@ -43,7 +47,7 @@ def ray_head():
         [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--port", str(port),
          "--num-cpus", "2", "--num-gpus", "0", "--temp-dir", temp, "--include-dashboard", "false",
          "--disable-usage-stats"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **RAY_ENV})
     try:
         deadline = time.monotonic() + 120
         while True:  # the GCS port answers once the head is up
@@ -79,7 +83,8 @@ def test_two_base_models_on_two_ray_actors_lose_nothing_when_one_is_killed(serve
     # Uninterrupted references, on the shared server's process engine (same code, same 2 threads).
     reference = {base: training_loop(server.url, STEPS, SAMPLE_EVERY, base_model=base) for base in BASES}
 
-    srv = start_server(tmp_path, list(BASES), ["--threads", "2", "--ray-address", ray_head], log_level="INFO")
+    srv = start_server(tmp_path, list(BASES), ["--threads", "2", "--ray-address", ray_head], log_level="INFO",
+                       env=RAY_ENV)
     try:
         first_pids = {base: _actor_pid(srv.lines, base) for base in BASES}
         assert None not in first_pids.values() and len(set(first_pids.values())) == 2, first_pids

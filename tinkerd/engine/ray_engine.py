@@ -34,9 +34,11 @@ NAMESPACE = "tinkerd"
 # Actors are named `tinkerd-engine:<base model>:<server pid>`: found by the base model they serve
 # (`ray list actors`, a test's ray.kill), and two servers on one cluster never share a name.
 NAME_PREFIX = "tinkerd-engine:"
-# Ray restarts a dead actor at most this many times over a server's life; past it the client's
-# restart fails and control marks the engine down. As many as control's own restart attempts.
-MAX_RESTARTS = 20
+# Ray restarts a dead actor however often it dies (-1): every restart is one control asked for or
+# recovers from, and control bounds them itself (its consecutive restart attempts, poison ops).
+# A finite budget would be spent over a long-lived server's deaths, and each of a router's engines
+# is restarted after a crash of any (control/engines.py).
+MAX_RESTARTS = -1
 
 
 def build_engine(spec: EngineSpec):
@@ -183,6 +185,9 @@ def ray_engines(config, log_level: int = logging.WARNING, log_format: str | None
     except ImportError as e:
         raise UserError("--ray-address needs Ray, which is not installed: pip install -r requirements/ray.txt") from e
 
+    # ray.init on the main thread (`serve` calls this there) installs Ray's SIGTERM handler, which
+    # exits through atexit and so ray.shutdown: kept, because a `local` Ray's dashboard and
+    # runtime-env agents outlived a server that SIGTERM killed without it (seen: both still up 60 s on).
     if not ray.is_initialized():
         if config.ray_address == "local":
             n = len(config.base_models)
