@@ -61,8 +61,8 @@ def ray_head():
         yield f"127.0.0.1:{port}"
     finally:
         os.killpg(head.pid, signal.SIGTERM)
-        try:
-            head.wait(timeout=30)
+        try:  # `ray start --block` outlived a SIGTERM by 30 s here (a 30 s teardown): 5 s, then SIGKILL
+            head.wait(timeout=5)
         except subprocess.TimeoutExpired:
             pass
         try:
