@@ -41,7 +41,7 @@ def _child(tuned: bool, models_dir: str, steps: int, out) -> None:
     torch.set_num_threads(1)
     engine = Engine(Path(models_dir))
     engine.load_base_model(TINY)
-    engine.step([CreateModelOp("m", TINY, LoraSpec(8, 32.0, seed=1))])
+    engine.run_ops([CreateModelOp("m", TINY, LoraSpec(8, 32.0, seed=1))])
     rng = np.random.default_rng(0)
     batches = []
     for _ in range(steps):
@@ -50,8 +50,8 @@ def _child(tuned: bool, models_dir: str, steps: int, out) -> None:
 
     def run() -> None:
         for batch in batches:
-            engine.step([ForwardBackwardOp("m", batch, "cross_entropy")])
-            engine.step([OptimStepOp("m", AdamParams(1e-3))])
+            engine.run_ops([ForwardBackwardOp("m", batch, "cross_entropy")])
+            engine.run_ops([OptimStepOp("m", AdamParams(1e-3))])
 
     run()  # warm-up: allocator and caches reach their steady state
     r0, c0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.process_time(), time.perf_counter()

@@ -71,12 +71,12 @@ def main() -> None:
         engine = Engine(Path(tmp) / "models")
         engine.load_base_model(str(model_dir))
         spec = LoraSpec(rank=args.rank, alpha=float(args.rank), seed=1, train_unembed=False)
-        (created,) = engine.step([CreateModelOp("bench", str(model_dir), spec)])
+        (created,) = engine.run_ops([CreateModelOp("bench", str(model_dir), spec)])
         data = [Datum(tokens=s[:-1], loss_fn_inputs={"target_tokens": s[1:]}) for s in seqs]
         adapter = engine.runtime(str(model_dir)).pool.get("bench")
 
         def tinkerd_step():
-            (r,) = engine.step([ForwardBackwardOp("bench", data, "cross_entropy")])
+            (r,) = engine.run_ops([ForwardBackwardOp("bench", data, "cross_entropy")])
             assert not isinstance(r, Exception), r
             for t in adapter.parameters():
                 t.grad = None

@@ -47,10 +47,12 @@ class LoopResult:
     model_id: str
 
 
-def training_loop(url: str, steps: int, sample_every: int = 5, seed: int = 7) -> LoopResult:
-    """forward_backward + optim_step each step, pipelined one step ahead, sampling every few steps."""
+def training_loop(url: str, steps: int, sample_every: int = 5, seed: int = 7, base_model: str = TINY,
+                  done_steps: list[int] | None = None) -> LoopResult:
+    """forward_backward + optim_step each step, pipelined one step ahead, sampling every few steps.
+    `done_steps`, when given, gets each step's index once it is sent (a test times a kill by it)."""
     sc = tinker.ServiceClient(base_url=url, api_key=API_KEY)
-    tc = sc.create_lora_training_client(base_model=TINY, rank=8, seed=seed).result()
+    tc = sc.create_lora_training_client(base_model=base_model, rank=8, seed=seed).result()
     rng = random.Random(seed)
     data = [
         [types.Datum(model_input=types.ModelInput.from_ints(toks[:-1]), loss_fn_inputs={"target_tokens": toks[1:]})
@@ -67,6 +69,8 @@ def training_loop(url: str, steps: int, sample_every: int = 5, seed: int = 7) ->
             prompt = types.ModelInput.from_ints(data[step][0].model_input.to_ints()[:6])
             out = sampler.sample(prompt, 2, types.SamplingParams(max_tokens=6, temperature=1.0, seed=step)).result()
             samples.extend(list(s.tokens) for s in out.sequences)
+        if done_steps is not None:
+            done_steps.append(step)
     losses = [f.result().metrics["loss:sum"] for f in pending]
     path = tc.save_state("final").result().path
     return LoopResult(losses, samples, path, tc.model_id)

@@ -66,6 +66,12 @@ class ServerConfig(BaseModel):
     # "process": the engine runs in a child process that is restarted and rebuilt if it dies;
     # "thread": in the server process (no crash isolation, no pipe).
     engine: Literal["process", "thread"] = "process"
+    # Ray placement (engine/ray_engine.py): each base model's engine a Ray actor of the cluster at
+    # this address ("local": a private Ray on this machine, sized to the actors); None: `engine` above.
+    ray_address: str | None = None
+    # Each actor's Ray resources: its CPUs also size its torch threads unless torch_threads is set.
+    ray_num_cpus: float = Field(default=1.0, gt=0)
+    ray_num_gpus: float = Field(default=0.0, ge=0)
     # Least seconds between two recovery snapshots of a run (taken after an optim_step). A rank-32
     # SmolLM2 adapter with its AdamW state is ~120 MB: after every 5 s step that cost ~7% of
     # throughput (benchmarks/training.py); every 10 s bounds replay to ~10 s of recompute.

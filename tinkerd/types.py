@@ -100,6 +100,9 @@ class ForwardBackwardOp:
     allow_non_finite: bool = False
     # loss_fn "custom": the stored loss named by loss_fn_config["loss_id"] (api resolves it).
     custom_loss: CustomLoss | None = None
+    # The base model the op's adapter lives on, so an EngineRouter routes it (control/engines.py);
+    # "" in records from before the field: the router then knows the run from its create/load op.
+    base_model: str = ""
 
 
 @dataclass
@@ -119,6 +122,9 @@ class OptimStepOp:
     # Set by control's snapshot policy: after the step, write the adapter with its optimizer state
     # here (and drop older snapshots beside it), so recovery replays only the ops after this one.
     snapshot_dir: str | None = None
+    # The base model the op's adapter lives on, so an EngineRouter routes it (control/engines.py);
+    # "" in records from before the field: the router then knows the run from its create/load op.
+    base_model: str = ""
 
 
 @dataclass
@@ -135,6 +141,9 @@ class SaveWeightsOp:
     model_id: str
     dir_path: str
     with_optimizer: bool
+    # The base model the op's adapter lives on, so an EngineRouter routes it (control/engines.py);
+    # "" in records from before the field: the router then knows the run from its create/load op.
+    base_model: str = ""
 
 
 @dataclass
@@ -145,6 +154,9 @@ class ExportWeightsOp:
     model_id: str
     dir_path: str
     age_encryption_recipients: list[str] | None = None
+    # The base model the op's adapter lives on, so an EngineRouter routes it (control/engines.py);
+    # "" in records from before the field: the router then knows the run from its create/load op.
+    base_model: str = ""
 
 
 @dataclass
@@ -163,6 +175,9 @@ class LoadWeightsOp:
 @dataclass
 class UnloadModelOp:
     model_id: str
+    # The base model the op's adapter lives on, so an EngineRouter routes it (control/engines.py);
+    # "" in records from before the field: the router then knows the run from its create/load op.
+    base_model: str = ""
 
 
 @dataclass

@@ -37,7 +37,7 @@ SPECS = {
 
 
 def run(engine, op):
-    (result,) = engine.step([op])
+    (result,) = engine.run_ops([op])
     if isinstance(result, Exception):
         raise result
     return result

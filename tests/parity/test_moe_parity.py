@@ -40,7 +40,7 @@ def moe_dir(moe_engine, models_dir):
 
 
 def run(engine, op):
-    (result,) = engine.step([op])
+    (result,) = engine.run_ops([op])
     if isinstance(result, Exception):
         raise result
     return result

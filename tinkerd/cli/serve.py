@@ -33,6 +33,11 @@ def add_parser(sub) -> None:
     p.add_argument("--engine", choices=["process", "thread"], default=None,
                    help="process (default): the engine in its own process, restarted and rebuilt if it dies; "
                         "thread: in the server process")
+    p.add_argument("--ray-address", default=None,
+                   help="run each base model's engine as a Ray actor on this Ray cluster (an address, 'auto', or "
+                        "'local' for a private Ray on this machine); default: the embedded engine (--engine)")
+    p.add_argument("--ray-num-cpus", type=_positive, default=None, help="CPUs per engine actor (default 1)")
+    p.add_argument("--ray-num-gpus", type=float, default=None, help="GPUs per engine actor (default 0)")
     p.add_argument("--snapshot-interval-s", type=float, default=None,
                    help="least seconds between a run's recovery snapshots, taken after an optim_step (default 10)")
     p.add_argument("--allow-non-finite", action="store_true",
@@ -122,6 +127,9 @@ def build_config(args) -> ServerConfig:
         values["torch_threads"] = args.threads
     if args.engine:
         values["engine"] = args.engine
+    for name in ("ray_address", "ray_num_cpus", "ray_num_gpus"):
+        if getattr(args, name) is not None:
+            values[name] = getattr(args, name)
     if args.snapshot_interval_s is not None:
         values["snapshot_interval_s"] = args.snapshot_interval_s
     if args.allow_non_finite:
@@ -202,7 +210,19 @@ def build_app(config: ServerConfig, client=None):
 
 
 def build_engine_client(config: ServerConfig, wait: bool = True):
-    """wait=False (process engine only): return once the child is spawned; its first use waits."""
+    """The EngineRouter over the engines serving config.base_models: one Ray actor each with
+    --ray-address (engine/ray_engine.py), else the one embedded engine. wait=False (process engine
+    only): return once the child is spawned; its first use waits."""
+    from tinkerd.control.engines import EngineRouter
+
+    if config.ray_address:
+        from tinkerd.engine.ray_engine import ray_engines, shutdown
+
+        return EngineRouter(ray_engines(config, logging.getLogger().getEffectiveLevel(), LOG_FORMAT), on_close=shutdown)
+    return EngineRouter([_embedded_engine_client(config, wait)])
+
+
+def _embedded_engine_client(config: ServerConfig, wait: bool):
     if config.engine == "process":
         from tinkerd.engine.process import EngineSpec, ProcessEngineClient
 

@@ -97,7 +97,8 @@ class Control:
         # scheduler runs them apart from other work (scheduler.py), so a death with one alone names it.
         self._suspects: dict[str, int] = {}
         # Per-account quotas: the scheduler passes over paused accounts; metered usage fills their windows.
-        self.scheduler = Scheduler(self.queue, quotas=quotas, suspects=self._suspects)
+        self.scheduler = Scheduler(self.queue, quotas=quotas, suspects=self._suspects,
+                                   engine_of=getattr(engine, "engine_key", None))
         self.hub = FutureHub()
         self.meter = Meter(store)
         if quotas is not None:

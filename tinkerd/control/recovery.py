@@ -33,6 +33,7 @@ from sqlalchemy import select
 
 from tinkerd.control import oplog
 from tinkerd.control.debris import SNAPSHOT_TEMP, sweep_temp
+from tinkerd.control.engines import run_ops
 from tinkerd.control.queue import Work
 from tinkerd.control.store.db import Store, utcnow
 from tinkerd.control.store.tables import FutureRow, TrainingRunRow, UnrecoverableRunRow
@@ -184,7 +185,7 @@ class Recovery:
         models = {op.model_id for op in plan}
         failed: set[str] = set()
         if plan:
-            for op, result in zip(plan, engine.step(plan)):
+            for op, result in zip(plan, run_ops(engine, plan)):
                 if isinstance(result, TinkerdError) and op.model_id not in failed:
                     failed.add(op.model_id)
                     log.error("replay of %s for %s failed: %s", type(op).__name__, op.model_id, result.message)

@@ -38,6 +38,7 @@ from typing import Any, Callable
 
 from sqlalchemy import and_, or_, select
 
+from tinkerd.control.engines import run_ops
 from tinkerd.control.recovery import Recovery
 from tinkerd.control.store.db import Store, utcnow
 from tinkerd.control.store.tables import SamplingSessionRow, SessionRow, TrainingRunRow, UnloadedRunRow
@@ -164,7 +165,7 @@ class Residency:
     def _reload(self, model_id: str, engine) -> None:
         t0 = time.perf_counter()
         plan = self.recovery.replay_plan([model_id])
-        for op, result in zip(plan, engine.step(plan) if plan else []):
+        for op, result in zip(plan, run_ops(engine, plan)):
             if isinstance(result, TinkerdError):
                 log.error("rebuilding released run %s: %s failed: %s", model_id, type(op).__name__, result.message)
         self.store.delete(UnloadedRunRow, model_id)

@@ -11,7 +11,8 @@ Policy, a fair share of engine time: when both lanes have work, the lane that ha
 time goes next. A lane with no work banks no credit (its account is raised to the other's), so
 coming back from idle it cannot hold the engine for long. Both busy: ~half the time each, so a 3 s
 forward_backward is followed by ~3 s of decode steps, and neither starves; one idle: the other
-gets all of it. A training step carries one op; a sampling step admits every waiting request that
+gets all of it. A training step carries one op (one per engine behind an EngineRouter of several:
+Ray actors of different base models train at once); a sampling step admits every waiting request that
 fits the row budget, round-robin over sampling sessions, then decodes.
 
 Suspects (control/control.py): ops that were in flight when the engine died of what it was doing
@@ -27,7 +28,7 @@ rows decode, the scheduler sleeps until a token leaves a window (or a recheck, o
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,8 +52,12 @@ class Picked:
 
 class Scheduler:
     def __init__(self, queue: OpQueue, max_rows: int = 64, quotas: Quotas | None = None,
-                 suspects: Mapping[str, int] | None = None):
+                 suspects: Mapping[str, int] | None = None, engine_of: Callable[[Any], Hashable | None] | None = None):
         self.queue = queue
+        # The engine an op will run on (EngineRouter.engine_key), None where unknown: a training step
+        # then carries one op per engine, so engines of different base models (Ray actors) train at
+        # the same time. None (one engine): one training op per step.
+        self.engine_of = engine_of
         # request_id -> engine deaths it was in flight for, of suspect ops queued or in flight (the
         # control plane keeps them).
         self.suspects: Mapping[str, int] = suspects if suspects is not None else {}
@@ -92,7 +97,8 @@ class Scheduler:
             q = self.queue.pop(LANE_TRAIN, eligible=eligible)
             if q is not None:
                 self._started(q)
-                return Picked(StepBatch(run=[(q.request_id, q.op.op)]), [q], LANE_TRAIN, idle)
+                ops = [q, *self._beside(q, eligible)]
+                return Picked(StepBatch(run=[(o.request_id, o.op.op) for o in ops]), ops, LANE_TRAIN, idle)
         admitted = self._admit(active_rows)
         batch = StepBatch(admit=[(q.request_id, q.op.op) for q in admitted], decode=True)
         return Picked(batch, admitted, LANE_SAMPLE, idle)
@@ -119,6 +125,23 @@ class Scheduler:
         if not admitted:
             return None
         return Picked(StepBatch(admit=[(q.request_id, q.op.op) for q in admitted], decode=True), admitted, LANE_SAMPLE)
+
+    def _beside(self, first: QueuedOp, eligible) -> list[QueuedOp]:
+        """Training ops for the other engines, one each, to run in the same step as `first`."""
+        if self.engine_of is None or (key := self.engine_of(first.op.op)) is None:
+            return []
+        taken = {key}
+
+        def elsewhere(q: QueuedOp) -> bool:
+            k = self.engine_of(q.op.op)
+            return k is not None and k not in taken and (eligible is None or eligible(q))
+
+        beside = []
+        while (q := self.queue.pop(LANE_TRAIN, eligible=elsewhere)) is not None:
+            self._started(q)
+            taken.add(self.engine_of(q.op.op))
+            beside.append(q)
+        return beside
 
     def charge(self, picked: Picked, seconds: float) -> None:
         """Book a finished step's engine time to its lane; lanes idle meanwhile keep level, not behind."""

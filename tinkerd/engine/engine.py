@@ -125,14 +125,16 @@ class Engine:
             self.samplers[base_model] = Sampler(self.runtime(base_model), self.sampler_config)
         return self.samplers[base_model]
 
-    def step(self, batch: StepBatch | list[EngineOp]) -> StepOutput | list[object]:
-        """One step of what the scheduler picked; returns every result that finished in it.
+    def run_ops(self, ops: list[EngineOp]) -> list[object]:
+        """Run `ops` to completion in one StepBatch; one result (or TinkerdError) per op, in order.
+        For tests and tools that hold an Engine; control goes through its EngineClient
+        (control/engines.py: run_ops), which takes StepBatch only."""
+        tickets = [f"sync-{i}" for i in range(len(ops))]
+        done = dict(self.step(StepBatch(run=list(zip(tickets, ops)))).done)
+        return [done[t] for t in tickets]
 
-        Given a plain list of ops (the form that predates StepBatch, kept for callers that run
-        ops synchronously), runs each to completion and returns one result per op, in order.
-        """
-        if isinstance(batch, list):
-            return [self._guarded(self._run, op) for op in batch]
+    def step(self, batch: StepBatch) -> StepOutput:
+        """One step of what the scheduler picked; returns every result that finished in it."""
         done = [(ticket, self._guarded(self._run, op)) for ticket, op in batch.run]
         for ticket, op in batch.admit:
             error = self._guarded(lambda o: self.sampler(o.base_model).admit(ticket, o), op)

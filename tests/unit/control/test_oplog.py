@@ -124,10 +124,9 @@ class _Engine:
         return [ServedModel(name, name, 64, "qwen3") for name in self.served]
 
     def step(self, batch):
-        if isinstance(batch, list):  # recovery's plan
-            self.replayed += batch
-            return [UserError("broken snapshot") if op.model_id in self.fail else None for op in batch]
-        return StepOutput([(t, {}) for t, _ in batch.run], active_rows=0)
+        self.replayed += [op for _, op in batch.run]
+        return StepOutput([(t, UserError("broken snapshot") if op.model_id in self.fail else {}) for t, op in batch.run],
+                          active_rows=0)
 
     def close(self):
         pass

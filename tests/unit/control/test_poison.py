@@ -32,7 +32,7 @@ class DyingEngine(FakeEngine):
     def step(self, batch: StepBatch) -> StepOutput:
         self.decoding.append(sorted(self.inflight))
         ops = [op for _, op in batch.run + batch.admit]
-        if self.deaths_left > 0 and any(getattr(op, "base_model", getattr(op, "model_id", None)) == POISON for op in ops):
+        if self.deaths_left > 0 and any((getattr(op, "base_model", "") or getattr(op, "model_id", None)) == POISON for op in ops):
             self.deaths_left -= 1
             self.steps.append(batch)
             self.deaths.append(len(self.steps) - 1)

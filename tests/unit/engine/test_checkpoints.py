@@ -26,14 +26,14 @@ def trained(engine) -> str:
         ForwardBackwardOp("ckpt-model", [Datum(np.arange(1, 7), {"target_tokens": np.arange(2, 8)})], "cross_entropy"),
         OptimStepOp("ckpt-model", AdamParams(learning_rate=1e-2)),
     ]
-    for result in engine.step(ops):
+    for result in engine.run_ops(ops):
         assert not isinstance(result, Exception), result
     return "ckpt-model"
 
 
 def test_files_use_peft_keys_and_canonical_optimizer_order(engine, trained, tmp_path):
     adapter = engine.runtime(BASE).pool.get(trained)
-    (result,) = engine.step([SaveWeightsOp(trained, str(tmp_path / "c"), with_optimizer=True)])
+    (result,) = engine.run_ops([SaveWeightsOp(trained, str(tmp_path / "c"), with_optimizer=True)])
     assert not isinstance(result, Exception), result
 
     tensors = load_file(tmp_path / "c" / checkpoints.WEIGHTS_FILE)
@@ -56,7 +56,7 @@ def test_files_use_peft_keys_and_canonical_optimizer_order(engine, trained, tmp_
 
 def test_a_failed_save_leaves_the_old_checkpoint_and_no_debris(engine, trained, tmp_path, monkeypatch):
     target = tmp_path / "ckpt"
-    (ok,) = engine.step([SaveWeightsOp(trained, str(target), with_optimizer=False)])
+    (ok,) = engine.run_ops([SaveWeightsOp(trained, str(target), with_optimizer=False)])
     assert not isinstance(ok, Exception)
     before = {p.name: p.read_bytes() for p in target.iterdir()}
 
@@ -64,13 +64,13 @@ def test_a_failed_save_leaves_the_old_checkpoint_and_no_debris(engine, trained, 
         raise OSError("disk full")
 
     monkeypatch.setattr(checkpoints.torch, "save", crash)
-    (failed,) = engine.step([SaveWeightsOp(trained, str(target), with_optimizer=True)])
+    (failed,) = engine.run_ops([SaveWeightsOp(trained, str(target), with_optimizer=True)])
     assert isinstance(failed, ServerError)
     assert {p.name: p.read_bytes() for p in target.iterdir()} == before
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # no temporary directory left behind
 
     monkeypatch.undo()
-    (replaced,) = engine.step([SaveWeightsOp(trained, str(target), with_optimizer=True)])
+    (replaced,) = engine.run_ops([SaveWeightsOp(trained, str(target), with_optimizer=True)])
     assert not isinstance(replaced, Exception)
     assert (target / checkpoints.OPTIMIZER_FILE).is_file()
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
@@ -106,16 +106,16 @@ def test_a_save_that_runs_out_of_disk_names_the_disk_and_leaves_no_files(engine,
     from tests.tmpfs import fill, small_tmpfs
 
     with small_tmpfs(tmp_path / "disk", "16m") as disk:
-        (ok,) = engine.step([SaveWeightsOp(trained, str(disk / "ckpts" / "old"), with_optimizer=True)])
+        (ok,) = engine.run_ops([SaveWeightsOp(trained, str(disk / "ckpts" / "old"), with_optimizer=True)])
         assert not isinstance(ok, Exception), ok
         before = {p.name: p.read_bytes() for p in (disk / "ckpts" / "old").iterdir()}
         fill(disk / "ballast", leave_bytes=8192)
         for name in ("new", "old"):  # a new checkpoint, and an overwrite of an existing one
-            (failed,) = engine.step([SaveWeightsOp(trained, str(disk / "ckpts" / name), with_optimizer=True)])
+            (failed,) = engine.run_ops([SaveWeightsOp(trained, str(disk / "ckpts" / name), with_optimizer=True)])
             assert isinstance(failed, ServerError) and failed.category == "server", failed
             assert "disk is full" in failed.message and f"free of 16.8 MB on {disk}" in failed.message, failed.message
             assert sorted(os.listdir(disk / "ckpts")) == ["old"]  # no temporary directory, no half 'new'
         assert {p.name: p.read_bytes() for p in (disk / "ckpts" / "old").iterdir()} == before
         (disk / "ballast").unlink()
-        (again,) = engine.step([SaveWeightsOp(trained, str(disk / "ckpts" / "new"), with_optimizer=True)])
+        (again,) = engine.run_ops([SaveWeightsOp(trained, str(disk / "ckpts" / "new"), with_optimizer=True)])
         assert not isinstance(again, Exception), again

@@ -55,7 +55,7 @@ def test_unknown_config_key_is_refused():
 
 @pytest.fixture(scope="module")
 def ce_model(engine):
-    (result,) = engine.step([CreateModelOp("ce-model", BASE, LoraSpec(rank=4, alpha=8.0, seed=5))])
+    (result,) = engine.run_ops([CreateModelOp("ce-model", BASE, LoraSpec(rank=4, alpha=8.0, seed=5))])
     assert not isinstance(result, Exception)
     return "ce-model"
 
@@ -84,7 +84,7 @@ def test_engine_logprobs_and_loss_by_hand(engine, tiny_runtime, ce_model, case):
         inputs = {"target_tokens": tt} if case == "hard_no_weights" else {"target_tokens": tt, "weights": w}
         data.append(Datum(tokens=t, loss_fn_inputs=inputs))
 
-    (result,) = engine.step([ForwardBackwardOp(ce_model, data, "cross_entropy", forward_only=True)])
+    (result,) = engine.run_ops([ForwardBackwardOp(ce_model, data, "cross_entropy", forward_only=True)])
     assert not isinstance(result, Exception), result
 
     expected_loss = 0.0

@@ -134,13 +134,13 @@ def test_interpreted_graph_equals_the_sdk_client_side_runner(case):
 
 @pytest.fixture(scope="module")
 def custom_model(engine):
-    (result,) = engine.step([CreateModelOp("custom-model", "tinkerd/tiny-qwen3", LoraSpec(rank=4, alpha=8.0, seed=5))])
+    (result,) = engine.run_ops([CreateModelOp("custom-model", "tinkerd/tiny-qwen3", LoraSpec(rank=4, alpha=8.0, seed=5))])
     assert not isinstance(result, Exception)
     return "custom-model"
 
 
 def _step(engine, op):
-    (result,) = engine.step([op])
+    (result,) = engine.run_ops([op])
     if isinstance(result, Exception):
         raise result
     return result

@@ -27,13 +27,13 @@ def trained(engine) -> str:
         ForwardBackwardOp(MODEL, [Datum(np.arange(1, 7), {"target_tokens": np.arange(2, 8)})], "cross_entropy"),
         OptimStepOp(MODEL, AdamParams(learning_rate=1e-2)),
     ]
-    for result in engine.step(ops):
+    for result in engine.run_ops(ops):
         assert not isinstance(result, Exception), result
     return MODEL
 
 
 def _run(engine, op):
-    (result,) = engine.step([op])
+    (result,) = engine.run_ops([op])
     return result
 
 

@@ -160,13 +160,13 @@ def test_config_errors_are_the_callers():
 
 @pytest.fixture(scope="module")
 def loss_model(engine):
-    (result,) = engine.step([CreateModelOp("loss-model", "tinkerd/tiny-qwen3", LoraSpec(rank=4, alpha=8.0, seed=9))])
+    (result,) = engine.run_ops([CreateModelOp("loss-model", "tinkerd/tiny-qwen3", LoraSpec(rank=4, alpha=8.0, seed=9))])
     assert not isinstance(result, Exception)
     return "loss-model"
 
 
 def _step(engine, op):
-    (result,) = engine.step([op])
+    (result,) = engine.run_ops([op])
     if isinstance(result, Exception):
         raise result
     return result

@@ -47,7 +47,7 @@ def _twins(engine, name: str, seed: int, steps: int) -> tuple[str, str]:
 def _refused(engine, op, message: str) -> UserError:
     adapter = adapter_of(engine, op.model_id)
     before = snapshot(adapter)
-    (result,) = engine.step([op])
+    (result,) = engine.run_ops([op])
     assert isinstance(result, UserError) and result.category == "user" and result.status_code == 400, result
     assert re.search(message, result.message), result.message
     assert "was not applied" in result.message, result.message

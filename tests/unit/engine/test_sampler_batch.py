@@ -383,7 +383,7 @@ def test_engine_step_returns_results_in_the_step_they_finish(eng):
     assert_same(later[0][1], run_sample(eng, good))
     # A step with nothing to do is harmless; the list form still runs ops to completion.
     assert eng.step(StepBatch(decode=True)) == StepOutput([], 0)
-    (res,) = eng.step([good])
+    (res,) = eng.run_ops([good])
     assert_same(res, later[0][1])
 
 

@@ -106,7 +106,7 @@ def test_config_is_checked_naming_the_key():
 
 
 def _step(engine, op):
-    (result,) = engine.step([op])
+    (result,) = engine.run_ops([op])
     if isinstance(result, Exception):
         raise result
     return result

@@ -36,7 +36,7 @@ SMOOTH_ADAM = AdamParams(learning_rate=1e-2, eps=1.0)
 
 
 def run(engine, op):
-    (result,) = engine.step([op])
+    (result,) = engine.run_ops([op])
     if isinstance(result, Exception):
         raise result
     return result
@@ -160,7 +160,7 @@ def test_two_adapters_on_one_base_are_isolated(engine):
     before_b, before_a = snapshot(b), snapshot(a)
     for _ in range(3):
         train_step(engine, "iso-a", sft_data(6), AdamParams(learning_rate=1e-2, weight_decay=0.1, grad_clip_norm=1.0))
-    engine.step([ForwardBackwardOp("iso-a", [sft_data(6)[0], Datum(np.array([10**9]), {})], "cross_entropy")])
+    engine.run_ops([ForwardBackwardOp("iso-a", [sft_data(6)[0], Datum(np.array([10**9]), {})], "cross_entropy")])
     assert_identical(snapshot(b), before_b)
     moved = snapshot(a)["weights"]
     assert any(not torch.equal(moved[n][1], before_a["weights"][n][1]) for n in moved)
@@ -202,11 +202,11 @@ def test_save_with_optimizer_then_resume_is_exact(engine, tmp_path):
 def test_load_refuses_other_base_model_and_missing_optimizer(engine, tmp_path):
     create(engine, "ckpt-src", seed=8)
     run(engine, SaveWeightsOp("ckpt-src", str(tmp_path / "sampler"), with_optimizer=False))
-    (other_base,) = engine.step([LoadWeightsOp("ckpt-other", "tinkerd/tiny-llama", str(tmp_path / "sampler"), False)])
+    (other_base,) = engine.run_ops([LoadWeightsOp("ckpt-other", "tinkerd/tiny-llama", str(tmp_path / "sampler"), False)])
     assert isinstance(other_base, UserError) and "tinkerd/tiny-qwen3" in other_base.message
-    (no_optim,) = engine.step([LoadWeightsOp("ckpt-other", BASE, str(tmp_path / "sampler"), True)])
+    (no_optim,) = engine.run_ops([LoadWeightsOp("ckpt-other", BASE, str(tmp_path / "sampler"), True)])
     assert isinstance(no_optim, UserError) and "no optimizer state" in no_optim.message
-    (missing,) = engine.step([LoadWeightsOp("ckpt-other", BASE, str(tmp_path / "nothing"), False)])
+    (missing,) = engine.run_ops([LoadWeightsOp("ckpt-other", BASE, str(tmp_path / "nothing"), False)])
     assert isinstance(missing, NotFoundError)
     assert "ckpt-other" not in engine.model_of
 
@@ -252,7 +252,7 @@ def test_bad_forward_backward_is_a_user_error_and_changes_nothing(engine, victim
     data, loss_fn, message = BAD_OPS[case]
     adapter = adapter_of(engine, victim)
     before = snapshot(adapter)
-    (result,) = engine.step([ForwardBackwardOp(victim, data(), loss_fn)])
+    (result,) = engine.run_ops([ForwardBackwardOp(victim, data(), loss_fn)])
     assert isinstance(result, UserError) and result.category == "user", result
     assert result.status_code == 400
     assert re.search(message, result.message), result.message
@@ -262,12 +262,12 @@ def test_bad_forward_backward_is_a_user_error_and_changes_nothing(engine, victim
 def test_bad_optim_step_and_unknown_model(engine, victim):
     adapter = adapter_of(engine, victim)
     before = snapshot(adapter)
-    (bad_beta,) = engine.step([OptimStepOp(victim, AdamParams(beta1=1.0))])
+    (bad_beta,) = engine.run_ops([OptimStepOp(victim, AdamParams(beta1=1.0))])
     assert isinstance(bad_beta, UserError) and "beta1" in bad_beta.message
     assert_identical(snapshot(adapter), before)
     unknown = (ForwardBackwardOp("nobody", [_good()], "cross_entropy"), OptimStepOp("nobody", ADAM), UnloadModelOp("nobody"))
     for op in unknown:
-        (result,) = engine.step([op])
+        (result,) = engine.run_ops([op])
         assert isinstance(result, NotFoundError), op
 
 

@@ -32,7 +32,7 @@ from tinkerd.control.oplog import OpRecord, OpType, Payer, RegisterCheckpoint
 from tinkerd.control.runs import TinkerPath, check_name, check_ttl, iso
 from tinkerd.control.store.tables import CheckpointRow
 from tinkerd.errors import NotFoundError, UserError
-from tinkerd.types import ExportWeightsOp
+from tinkerd.types import ExportWeightsOp, base_model_of
 
 authed = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
 # No API key on downloads: the signature is the credential.
@@ -101,7 +101,8 @@ def prepare_save_weights_external(st: AppState, body: bytes, account_id: str | N
     # (Re-queued after a restart, an export that was written but not registered is written again.)
     if st.runs.checkpoint_exists(path):
         raise UserError(f"external weights {path} already exist; delete them or choose another name")
-    op = ExportWeightsOp(req.model_id, str(st.runs.checkpoint_dir(path)), req.age_encryption_recipients)
+    op = ExportWeightsOp(req.model_id, str(st.runs.checkpoint_dir(path)), req.age_encryption_recipients,
+                         base_model=base_model_of(run.base_model))
     owner = account_id if account_id is not None else st.runs.account_of(run.session_id)
     # Control registers the export when it is written (control/bookkeeping.py; size_bytes joins the reply).
     record = OpRecord(OpType.SAVE_WEIGHTS_EXTERNAL, op, Payer(owner, run.session_id, run.base_model),

@@ -52,7 +52,10 @@ def _payer(st: AppState, run: TrainingRunRow, account_id: str | None) -> Payer:
 
 
 def _accepted(op_type: OpType, op, st: AppState, run: TrainingRunRow, account_id: str | None, **record) -> Work:
-    """The op as the log keeps it (control/oplog.py); control does its bookkeeping when it succeeds."""
+    """The op as the log keeps it (control/oplog.py); control does its bookkeeping when it succeeds.
+    An op naming only a model_id is given its run's base model here, which the EngineRouter routes by."""
+    if getattr(op, "base_model", None) == "":
+        op.base_model = base_model_of(run.base_model)
     return Work.of(OpRecord(op_type, op, _payer(st, run, account_id), **record))
 
 
