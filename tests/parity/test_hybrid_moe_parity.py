@@ -45,7 +45,7 @@ def hmoe_dir(hmoe_engine, models_dir):
 
 
 def run(engine, op):
-    (result,) = engine.step([op])
+    (result,) = engine.run_ops([op])
     if isinstance(result, Exception):
         raise result
     return result

@@ -44,7 +44,7 @@ def hybrid_dir(hybrid_engine, models_dir):
 
 
 def run(engine, op):
-    (result,) = engine.step([op])
+    (result,) = engine.run_ops([op])
     if isinstance(result, Exception):
         raise result
     return result
