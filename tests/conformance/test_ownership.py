@@ -17,10 +17,11 @@ from tests.serverproc import API_KEY
 from tinkerd.api import codec
 
 
-def _key(server, account: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "tinkerd.cli.main", "keys", "--data-dir", str(server.data_dir), "create",
+def _key(data_dir, account: str, env: dict | None = None) -> str:
+    """`env`: a PostgreSQL-backed server's (ServerProcess.cli_env), so that the key lands in its store."""
+    out = subprocess.run([sys.executable, "-m", "tinkerd.cli.main", "keys", "--data-dir", str(data_dir), "create",
                           "--name", f"{account}-key", "--account", account], capture_output=True, text=True, check=True,
-                         env=server.cli_env())
+                         env=env)
     return out.stdout.split("TINKER_API_KEY=")[1].split()[0]
 
 
@@ -33,7 +34,7 @@ def world(store_server):
     """A's run with every kind of thing on it; B's own client and key. On SQLite and on PostgreSQL."""
     server = store_server
     a = tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
-    key_b = _key(server, "bob-ownership")
+    key_b = _key(server.data_dir, "bob-ownership", server.cli_env())
     b = tinker.ServiceClient(base_url=server.url, api_key=key_b)
     tc = a.create_lora_training_client(base_model=TINY, rank=4).result()
     fb = tc.forward_backward([_datum()], "cross_entropy")
