@@ -7,8 +7,11 @@ from __future__ import annotations
 import threading
 from datetime import datetime
 
+import pytest
+
 from tinkerd.control.store.db import Store, utcnow
 from tinkerd.control.store.tables import FutureRow, SessionRow
+from tinkerd.errors import UserError
 
 
 def _future(request_id: str, dedupe_key: str | None = None, seq_id: int | None = 0, body: bytes = b"x") -> FutureRow:
@@ -88,3 +91,17 @@ def test_postgresql_runs_writers_side_by_side_and_sqlite_one_at_a_time(db_url):
     other.join()
     assert finished_while_held == db_url.startswith("postgresql")
     assert store.get(FutureRow, "held") and store.get(FutureRow, "other")
+
+
+def test_a_value_postgresql_refuses_is_the_callers_error_not_a_crash(db_url):
+    # A NUL in text: SQLite stores it; PostgreSQL refuses it, which must read as a `user` error (400).
+    store = Store(db_url)
+    at = utcnow()
+    row = SessionRow(session_id="s\x00", account_id="a", created_at=at, last_heartbeat_at=at, tags=[], user_metadata={})
+    if store.sqlite:
+        assert store.add(row) and store.get(SessionRow, "s\x00") is not None
+        return
+    with pytest.raises(UserError, match="cannot contain NUL"):
+        store.add(row)
+    with pytest.raises(UserError, match="cannot contain NUL"):
+        store.get(FutureRow, "r\x00")

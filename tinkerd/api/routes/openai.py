@@ -32,7 +32,6 @@ from tinkerd.api.deps import AppState, AuthError, load_json, read_body, state
 from tinkerd.api.results import wire_result
 from tinkerd.api.routes.sampling import prepare_asample
 from tinkerd.control.runs import parse_tinker_path
-from tinkerd.control.store.tables import FutureRow
 from tinkerd.errors import NotFoundError, ServerError, TinkerdError, UserError
 
 

@@ -18,24 +18,19 @@ from __future__ import annotations
 import sqlite3
 import threading
 from contextlib import contextmanager, nullcontext
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator, TypeVar
 
 from sqlalchemy import create_engine, event, make_url, select
-from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy.exc import DataError, IntegrityError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
+from tinkerd.control.clock import utcnow  # noqa: F401  (imported from here by most of control)
 from tinkerd.control.store.migrations import upgrade
 from tinkerd.control.store.tables import FutureRow
-from tinkerd.errors import StorageUnavailable
+from tinkerd.errors import StorageUnavailable, UserError
 
 T = TypeVar("T")
-
-
-def utcnow() -> datetime:
-    # Stored naive in UTC (SQLite has no time zones); the api layer adds the zone on the wire.
-    return datetime.now(timezone.utc).replace(tzinfo=None)
 
 
 class Store:
@@ -63,6 +58,12 @@ class Store:
     def _faults(self) -> Iterator[None]:
         try:
             yield
+        except DataError as e:
+            # PostgreSQL refuses values SQLite takes: a NUL character in text ("a\x00b" as a session
+            # name or a request id looked up), an integer beyond a column's 32 or 64 bits. Control's
+            # own values are in range, so such a value came from the caller: a `user` 400 naming it.
+            reason = str(e.orig).splitlines()[0] if e.orig is not None else str(e)
+            raise UserError(f"a value in the request cannot be stored or looked up: {reason}") from e
         except OperationalError as e:
             # SQLite's extended code says which call failed ("disk I/O error" alone does not):
             # SQLITE_IOERR_WRITE / _FSYNC for a read-only or failing disk, SQLITE_FULL, SQLITE_BUSY.
@@ -111,8 +112,14 @@ class Store:
                 s.commit()
 
     def query(self, stmt) -> list:
+        """The first column of each result row (whole rows for `select(SomeRow)`)."""
         with self._faults(), self._lock, self._sessions() as s:
             return list(s.scalars(stmt))
+
+    def rows(self, stmt) -> list:
+        """Every column of each result row (named tuples): for selects of several columns or a join."""
+        with self._faults(), self._lock, self._sessions() as s:
+            return list(s.execute(stmt))
 
     def write_probe(self, timeout_s: float = 0.1) -> str | None:
         """Why a write would fail now, or None: for readiness (GET /readyz), so that a store another
@@ -150,10 +157,6 @@ class Store:
         with self._faults(), self._lock, self._sessions() as s:
             yield s
             s.commit()
-
-    def session(self) -> Session:
-        """A raw session for multi-statement work; callers must hold no other store call inside."""
-        return self._sessions()
 
 
 def _sqlite_pragmas(dbapi_conn, _record) -> None:
