@@ -35,9 +35,9 @@ def pg_server(tmp_path_factory, pg_server_url):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
-    srv = start_server(tmp_path_factory.mktemp("tinkerd-pg-data"), [TINY],
-                       ["--threads", "2", "--sample-kv-cache-gb", "0.01", "--db-url", url, "--port", port],
-                       env={"TINKERD_DB_URL": url})
+    args = ["--threads", "2", "--sample-kv-cache-gb", "0.01", "--db-url", url, "--port", port]
+    srv = start_server(tmp_path_factory.mktemp("tinkerd-pg-data"), [TINY], args, env={"TINKERD_DB_URL": url})
+    srv.args = args  # for a restart in place (test_postgres.py)
     yield srv
     srv.stop()
 
