@@ -61,3 +61,30 @@ def tiny_runtime(engine) -> ModelRuntime:
 def tiny_model_dir(tiny_runtime, models_dir):
     """The built tiny model on disk, for loading an independent HF reference copy."""
     return cache_dir_for(TINY_QWEN3, models_dir)
+
+
+@pytest.fixture(scope="session")
+def pg_server_url():
+    """A real PostgreSQL server for the session (tests/postgres.py): $TINKERD_TEST_PG_URL, or a
+    throwaway cluster started here and stopped at the end."""
+    from tests.postgres import Cluster
+
+    if os.environ.get("TINKERD_TEST_PG_URL"):
+        yield os.environ["TINKERD_TEST_PG_URL"]
+        return
+    cluster = Cluster()
+    try:
+        cluster.start()
+        yield cluster.url()
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request, tmp_path):
+    """A fresh, empty store URL on each backend."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'db.sqlite'}"
+    from tests.postgres import fresh_database
+
+    return fresh_database(request.getfixturevalue("pg_server_url"))

@@ -19,6 +19,12 @@ class ServerProcess:
     url: str
     data_dir: Path
     lines: list[str] = field(default_factory=list)
+    # The environment the server got beyond ours ($TINKERD_DB_URL for a PostgreSQL-backed one): the
+    # `tinkerd keys/accounts/usage` commands a test runs beside it need it to find its store.
+    env: dict = field(default_factory=dict)
+
+    def cli_env(self) -> dict:
+        return {**os.environ, **self.env}
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -59,4 +65,4 @@ def start_server(data_dir: Path, base_models: list[str], extra_args: list[str] =
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             raise RuntimeError("tinkerd serve did not start:\n" + "".join(lines[-50:]))
-    return ServerProcess(proc, url_box[0], data_dir, lines)
+    return ServerProcess(proc, url_box[0], data_dir, lines, dict(env or {}))

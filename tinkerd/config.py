@@ -18,6 +18,9 @@ class ServerConfig(BaseModel):
     host: str = "127.0.0.1"
     port: int = 8000
     data_dir: Path = Field(default_factory=lambda: Path(os.environ.get("TINKERD_DATA_DIR", "~/.tinkerd")).expanduser())
+    # The durable store (control/store/db.py): None = SQLite in the data directory (db_path);
+    # `postgresql+psycopg://user:pass@host/db` for a database several processes can share.
+    db_url: str | None = Field(default_factory=lambda: os.environ.get("TINKERD_DB_URL") or None)
     base_models: list[str] = Field(default_factory=lambda: [DEFAULT_BASE_MODEL])
     # A key to register for the local account at start (tests, scripts); None = create one on
     # first start and keep it in the data directory.

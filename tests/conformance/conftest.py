@@ -20,3 +20,29 @@ def server(tmp_path_factory):
 def service_client(server):
     client = tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
     yield client
+
+
+@pytest.fixture(scope="session")
+def pg_server(tmp_path_factory, pg_server_url):
+    """`server` on PostgreSQL (`tinkerd serve --db-url`, a fresh database on the session's cluster,
+    tests/postgres.py), for the tests parametrized over the store with `store_server`. On a fixed
+    port, so that test_postgres.py can kill -9 and restart it in place."""
+    import socket
+
+    from tests.postgres import fresh_database
+
+    url = fresh_database(pg_server_url)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    args = ["--threads", "2", "--sample-kv-cache-gb", "0.01", "--db-url", url, "--port", port]
+    srv = start_server(tmp_path_factory.mktemp("tinkerd-pg-data"), [TINY], args, env={"TINKERD_DB_URL": url})
+    srv.args = args  # for a restart in place (test_postgres.py)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def store_server(request):
+    """The shared server on each store: SQLite (the default) and PostgreSQL."""
+    return request.getfixturevalue("server" if request.param == "sqlite" else "pg_server")

@@ -64,7 +64,10 @@ def test_legacy_load_state_with_optimizer_reproduces_the_next_steps_exactly(serv
     assert _train(tc, 3) == uninterrupted
 
 
-def test_runs_and_checkpoints_through_the_rest_client(service_client, rest, server):
+def test_runs_and_checkpoints_through_the_rest_client(store_server):
+    server = store_server  # on SQLite and on PostgreSQL
+    service_client = tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
+    rest = tinker.RestClient(base_url=server.url, api_key=API_KEY)
     meta = {"renderer_name": "qwen3_instruct", "recipe": "rest-test"}
     older = service_client.create_lora_training_client(base_model=TINY, rank=2).result()
     tc = service_client.create_lora_training_client(base_model=TINY, rank=4, seed=1, train_mlp=False,

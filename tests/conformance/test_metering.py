@@ -29,14 +29,15 @@ def _datum(n_targets: int) -> types.Datum:
     return types.Datum(model_input=types.ModelInput.from_ints(tokens), loss_fn_inputs={"target_tokens": tokens[1:] + [1]})
 
 
-def _tinkerd(data_dir, *args) -> str:
+def _tinkerd(data_dir, *args, env: dict | None = None) -> str:
     return subprocess.run([sys.executable, "-m", "tinkerd.cli.main", *args[:1], "--data-dir", str(data_dir), *args[1:]],
-                          capture_output=True, text=True, check=True).stdout
+                          capture_output=True, text=True, check=True, env=env).stdout
 
 
 @pytest.fixture(scope="module")
-def metered(server):
-    out = _tinkerd(server.data_dir, "keys", "create", "--name", "meter", "--account", ACCOUNT)
+def metered(store_server):
+    server = store_server  # on SQLite and on PostgreSQL
+    out = _tinkerd(server.data_dir, "keys", "create", "--name", "meter", "--account", ACCOUNT, env=server.cli_env())
     key = out.split("TINKER_API_KEY=")[1].split()[0]
     sc = tinker.ServiceClient(base_url=server.url, api_key=key)
     tc = sc.create_lora_training_client(base_model=TINY, rank=4).result()
@@ -48,10 +49,10 @@ def metered(server):
     futures = [tc.forward_backward([_datum(3)], "cross_entropy") for _ in range(QUEUED)]  # 4 x 3 more
     for f in futures:
         f.result()
-    store = Store.sqlite(server.data_dir / "tinkerd.sqlite")
+    store = Store.open(ServerConfig(data_dir=server.data_dir, db_url=server.env.get("TINKERD_DB_URL")))
     account_id = Accounts(store).account_id(ACCOUNT, create=False)
     return dict(key=key, url=server.url, data_dir=server.data_dir, rows=Meter(store).rows(account_id),
-                account_id=account_id)
+                account_id=account_id, env=server.cli_env())
 
 
 TRAINED, PREFILL, SAMPLED = 12 + 3 * QUEUED, 6, 8
@@ -102,11 +103,11 @@ def test_admin_client_billing_usage(metered):
     assert r.status_code == 400 and r.json()["category"] == "user"
 
 
-def test_other_accounts_see_none_of_it(metered, server):
+def test_other_accounts_see_none_of_it(metered):
     from tests.serverproc import API_KEY
 
     start, end = _window()
-    usage = tinker.AdminClient(base_url=server.url, api_key=API_KEY).get_billing_usage(start, end).result()
+    usage = tinker.AdminClient(base_url=metered["url"], api_key=API_KEY).get_billing_usage(start, end).result()
     assert metered["account_id"] not in {e.user_id for e in usage.data}
 
 
@@ -123,7 +124,7 @@ def test_tinker_billing_cli(metered):
 
 
 def test_tinkerd_usage_cli(metered):
-    out = _tinkerd(metered["data_dir"], "usage", "--account", ACCOUNT)
+    out = _tinkerd(metered["data_dir"], "usage", "--account", ACCOUNT, env=metered["env"])
     lines = {line.split()[0]: line.split()[1] for line in out.splitlines()[1:] if line.startswith("  ")}
     assert out.startswith(f"account {ACCOUNT}")
     assert int(lines["trained_tokens"]) == TRAINED and int(lines["prefill_tokens"]) == PREFILL
@@ -131,25 +132,24 @@ def test_tinkerd_usage_cli(metered):
     assert "(not billed)" in out
 
 
-def _usage(data_dir, *args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tinkerd.cli.main", "usage", "--data-dir", str(data_dir), *args],
-                          capture_output=True, text=True)
+def _usage(metered, *args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tinkerd.cli.main", "usage", "--data-dir", str(metered["data_dir"]),
+                           *args], capture_output=True, text=True, env=metered["env"])
 
 
 def test_tinkerd_usage_time_window_and_errors(metered):
-    data_dir = metered["data_dir"]
-    recent = _usage(data_dir, "--account", ACCOUNT, "--since", "2h")
+    recent = _usage(metered, "--account", ACCOUNT, "--since", "2h")
     assert recent.returncode == 0 and recent.stdout.startswith("usage from ")
     lines = {line.split()[0]: line.split()[1] for line in recent.stdout.splitlines() if line.startswith("  ")}
     assert int(lines["trained_tokens"]) == TRAINED
     first = min(r.completed_at for r in metered["rows"])
     # A window that ends before the first op, in ISO form (naive = UTC), holds nothing.
-    before = _usage(data_dir, "--account", ACCOUNT, "--until", (first - timedelta(seconds=1)).isoformat())
+    before = _usage(metered, "--account", ACCOUNT, "--until", (first - timedelta(seconds=1)).isoformat())
     assert before.returncode == 0 and "no usage recorded" in before.stdout
     for args, message in ((["--account", "nobody"], "no account named 'nobody'"),
                           (["--since", "yesterday"], "--since 'yesterday': expected an ISO 8601 time"),
                           (["--since", "1h", "--until", "2h"], "must be after --since")):
-        proc = _usage(data_dir, *args)
+        proc = _usage(metered, *args)
         assert proc.returncode == 1 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 

@@ -17,9 +17,11 @@ from tests.serverproc import API_KEY
 from tinkerd.api import codec
 
 
-def _key(data_dir, account: str) -> str:
+def _key(data_dir, account: str, env: dict | None = None) -> str:
+    """`env`: a PostgreSQL-backed server's (ServerProcess.cli_env), so that the key lands in its store."""
     out = subprocess.run([sys.executable, "-m", "tinkerd.cli.main", "keys", "--data-dir", str(data_dir), "create",
-                          "--name", f"{account}-key", "--account", account], capture_output=True, text=True, check=True)
+                          "--name", f"{account}-key", "--account", account], capture_output=True, text=True, check=True,
+                         env=env)
     return out.stdout.split("TINKER_API_KEY=")[1].split()[0]
 
 
@@ -28,10 +30,11 @@ def _datum() -> types.Datum:
 
 
 @pytest.fixture(scope="module")
-def world(server):
-    """A's run with every kind of thing on it; B's own client and key."""
+def world(store_server):
+    """A's run with every kind of thing on it; B's own client and key. On SQLite and on PostgreSQL."""
+    server = store_server
     a = tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
-    key_b = _key(server.data_dir, "bob-ownership")
+    key_b = _key(server.data_dir, "bob-ownership", server.cli_env())
     b = tinker.ServiceClient(base_url=server.url, api_key=key_b)
     tc = a.create_lora_training_client(base_model=TINY, rank=4).result()
     fb = tc.forward_backward([_datum()], "cross_entropy")

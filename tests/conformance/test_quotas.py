@@ -49,16 +49,16 @@ def minute_server(tmp_path_factory):
     srv.stop()
 
 
-def _tinkerd(data_dir, *args) -> subprocess.CompletedProcess:
+def _tinkerd(data_dir, *args, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "tinkerd.cli.main", args[0], "--data-dir", str(data_dir), *args[1:]],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, env=env)
 
 
 def _key(srv, account: str, *quota: str) -> str:
-    out = _tinkerd(srv.data_dir, "keys", "create", "--name", account, "--account", account)
+    out = _tinkerd(srv.data_dir, "keys", "create", "--name", account, "--account", account, env=srv.cli_env())
     assert out.returncode == 0, out.stderr
     if quota:
-        set_quota = _tinkerd(srv.data_dir, "accounts", "set-quota", account, *quota)
+        set_quota = _tinkerd(srv.data_dir, "accounts", "set-quota", account, *quota, env=srv.cli_env())
         assert set_quota.returncode == 0, set_quota.stderr
         # A running server re-reads limits at most this long after a change (control/quotas.py):
         # without the wait, ops sent at once may still see the account unlimited (CI saw it twice).

@@ -15,7 +15,9 @@ ROOT = Path(tinkerd.__file__).parent
 
 # What each layer must never import (top-level package names). cli wires everything and is free.
 FORBIDDEN = {
-    "api": {"tinkerd.engine", "tinkerd.cli", "torch", "transformers"},
+    # The api reads and writes state through control's repositories and records (control/records.py),
+    # never the store's tables or its queries: so the store can change behind them.
+    "api": {"tinkerd.engine", "tinkerd.cli", "torch", "transformers", "tinkerd.control.store", "sqlalchemy"},
     "control": {"tinkerd.api", "tinkerd.engine", "tinkerd.cli", "torch", "transformers", "fastapi", "starlette",
                 "uvicorn"},
     "engine": {"tinkerd.api", "tinkerd.control", "tinkerd.cli", "tinkerd.config", "fastapi", "starlette",
@@ -59,3 +61,12 @@ def test_the_check_sees_a_violation(tmp_path, monkeypatch):
     (tmp_path / "control" / "bad.py").write_text("def f():\n    import torch.nn\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     assert violations("control") == ["control/bad.py imports torch.nn"]
+
+
+def test_the_check_sees_the_api_reading_the_store(tmp_path, monkeypatch):
+    (tmp_path / "api" / "routes").mkdir(parents=True)
+    (tmp_path / "api" / "routes" / "bad.py").write_text(
+        "from tinkerd.control.store.tables import FutureRow\nfrom sqlalchemy import select\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert sorted(violations("api")) == ["api/routes/bad.py imports sqlalchemy",
+                                         "api/routes/bad.py imports tinkerd.control.store.tables"]

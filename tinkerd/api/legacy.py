@@ -1,6 +1,6 @@
 """One-time upgrade of a data directory written before the op log (op schema v1).
 
-Such a directory's futures hold the raw HTTP bodies of their requests (FutureRow.op_version NULL).
+Such a directory's futures hold the raw HTTP bodies of their requests (op_version NULL).
 On start, before control recovers anything, each one recovery would read is decoded by the same
 prepare_* functions that accepted it and rewritten as its OpRecord (control/oplog.py); from then on
 recovery needs no API. Complete ops are converted as they ran (without the input bounds added since,
@@ -13,14 +13,10 @@ from __future__ import annotations
 
 import logging
 
-from sqlalchemy import select
-
 from tinkerd.api.deps import AppState
 from tinkerd.api.routes import export, sampling, training
 from tinkerd.control import oplog
 from tinkerd.control.recovery import STATE_CHANGING
-from tinkerd.control.store.db import utcnow
-from tinkerd.control.store.tables import FutureRow
 from tinkerd.errors import TinkerdError
 
 log = logging.getLogger(__name__)
@@ -32,11 +28,8 @@ AS_RAN = set(STATE_CHANGING) | {"Forward"}
 
 def convert(st: AppState) -> int:
     """Rewrite the pre-v1 rows recovery reads as op records; returns how many were converted."""
-    store = st.runs.store
-    rows = store.query(select(FutureRow).where(
-        FutureRow.op_version.is_(None), FutureRow.body != b"",
-        (FutureRow.status == "pending") | ((FutureRow.status == "complete") & FutureRow.request_type.in_(STATE_CHANGING)))
-        .order_by(FutureRow.created_at, FutureRow.seq_id))
+    futures = st.control.futures
+    rows = futures.unconverted(STATE_CHANGING)
     converted = 0
     for row in rows:
         prepare = PREPARERS.get(row.request_type)
@@ -51,11 +44,10 @@ def convert(st: AppState) -> int:
             why = e.message if isinstance(e, TinkerdError) else (
                 f"{row.request_type} requests cannot be resumed after a restart; send it again")
             if row.status == "pending":
-                store.update(FutureRow, row.request_id, status="failed", error=why,
-                             error_category=getattr(e, "category", "server"), completed_at=utcnow())
+                futures.fail(row.request_id, why, getattr(e, "category", "server"))
             log.error("cannot convert %s %s of %s to the op log: %s", row.request_type, row.request_id, row.target, why)
             continue
-        store.update(FutureRow, row.request_id, body=oplog.dumps(work.record), op_version=oplog.SCHEMA_VERSION)
+        futures.set_record(row.request_id, oplog.dumps(work.record), oplog.SCHEMA_VERSION)
         converted += 1
     if converted:
         log.warning("converted %d ops stored before the op log (raw request bodies) to op schema v%d",

@@ -21,8 +21,10 @@ def _limit(text: str) -> int | None:
         value = int(text)
     except ValueError:
         value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive whole number, 'unlimited' or 'default', got {text!r}")
+    # At most 2**31 - 1: max_concurrent_runs is a 32-bit column, which PostgreSQL enforces (SQLite does not).
+    if not 1 <= value < 2**31:
+        raise argparse.ArgumentTypeError(f"must be a whole number from 1 to {2**31 - 1}, 'unlimited' or "
+                                         f"'default', got {text!r}")
     return value
 
 
@@ -49,7 +51,7 @@ def run(args) -> int:
     from tinkerd.control.store.db import Store
 
     config = ServerConfig(**({"data_dir": args.data_dir.expanduser().resolve()} if args.data_dir else {}))
-    accounts = Accounts(Store.sqlite(config.db_path))
+    accounts = Accounts(Store.open(config))
     if args.accounts_command == "list":
         print(f"{'account':24s} {'id':18s} {'max_concurrent_runs':>20s} {'max_tokens_per_minute':>22s}")
         for row in accounts.list_accounts():

@@ -25,7 +25,7 @@ def run(args) -> int:
     from tinkerd.control.store.db import Store
 
     config = ServerConfig(**({"data_dir": args.data_dir.expanduser().resolve()} if args.data_dir else {}))
-    accounts = Accounts(Store.sqlite(config.db_path))
+    accounts = Accounts(Store.open(config))
     if args.keys_command == "create":
         new = accounts.create_key(args.name, account=args.account)
         print(f"created {new.key_id} for account {new.account}; this is the only time the key is shown:")

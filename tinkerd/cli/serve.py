@@ -25,6 +25,8 @@ def add_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed in the ready line)")
     p.add_argument("--data-dir", type=Path, default=None, help="default: $TINKERD_DATA_DIR or ~/.tinkerd")
+    p.add_argument("--db-url", default=None, help="the store: postgresql+psycopg://user:pass@host/db "
+                   "(default: $TINKERD_DB_URL, else SQLite in the data directory)")
     p.add_argument("--base-model", action="append", dest="base_models", default=None,
                    help=f"a model to serve; repeatable (default: {DEFAULT_BASE_MODEL})")
     p.add_argument("--api-key", default=None,
@@ -119,6 +121,8 @@ def build_config(args) -> ServerConfig:
     values = {"host": args.host, "port": args.port}
     if args.data_dir is not None:
         values["data_dir"] = args.data_dir.expanduser().resolve()
+    if args.db_url:
+        values["db_url"] = args.db_url
     if args.base_models:
         values["base_models"] = args.base_models
     if args.api_key:
@@ -177,7 +181,7 @@ def build_app(config: ServerConfig, client=None):
     config.data_dir.mkdir(parents=True, exist_ok=True)
     if client is None:
         client = build_engine_client(config)
-    store = Store.sqlite(config.db_path)
+    store = Store.open(config)
     reserve = DiskReserve(config.data_dir, config.min_free_disk_bytes)
     recovery = Recovery(store, config.data_dir / "snapshots", snapshot_interval_s=config.snapshot_interval_s)
     # One audit log for the accounts' events and the checkpoints': only one instance folds failed

@@ -50,9 +50,9 @@ def run(args) -> int:
     until = parse_when("--until", args.until, now) if args.until else None
     if since is not None and until is not None and until <= since:
         raise UserError(f"--until ({until:%Y-%m-%d %H:%M:%S}) must be after --since ({since:%Y-%m-%d %H:%M:%S})")
-    if not config.db_path.exists():
+    if config.db_url is None and not config.db_path.exists():
         raise UserError(f"no tinkerd data in {config.data_dir} (pass --data-dir)")
-    store = Store.sqlite(config.db_path)
+    store = Store.open(config)
     accounts = Accounts(store)
     names = {row.account_id: row.name for row in accounts.list_accounts()}
     account_id = accounts.account_id(args.account, create=False) if args.account else None

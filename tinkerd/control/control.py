@@ -32,6 +32,7 @@ from tinkerd.control.results import ResultStore
 from tinkerd.control.retention import FutureRetention, forgotten
 from tinkerd.control.scheduler import Picked, Scheduler
 from tinkerd.control.store.db import Store, utcnow
+from tinkerd.control.store.futures import FutureRepository
 from tinkerd.control.store.tables import FutureRow
 from tinkerd.errors import EngineCrashed, ServerError, TinkerdError, UserError
 from tinkerd.types import ServedModel, StepBatch, StepOutput
@@ -100,6 +101,8 @@ class Control:
         self.scheduler = Scheduler(self.queue, quotas=quotas, suspects=self._suspects,
                                    engine_of=getattr(engine, "engine_key", None))
         self.hub = FutureHub()
+        # The op log's reads and writes for the api layer (retrieve_future's owner check, the legacy conversion).
+        self.futures = FutureRepository(store)
         self.meter = Meter(store)
         if quotas is not None:
             self.meter.listeners.append(quotas.on_usage)

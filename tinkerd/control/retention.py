@@ -176,8 +176,7 @@ class FutureRetention:
         return n
 
     def _rows(self, stmt) -> list:
-        with self.store.session() as s:
-            return list(s.execute(stmt))
+        return self.store.rows(stmt)
 
     def _needed(self, row, snapshots: dict) -> bool:
         """Whether recovery or the quotas still read this row (and its body)."""

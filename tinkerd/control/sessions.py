@@ -105,5 +105,18 @@ class Sessions:
                        func.coalesce(func.sum(CheckpointRow.size_bytes), 0))
                 .join(CheckpointRow, CheckpointRow.model_id == TrainingRunRow.model_id)
                 .where(TrainingRunRow.session_id.in_(session_ids)).group_by(TrainingRunRow.session_id))
-        with self.store.session() as s:
-            return {sid: (int(n), int(b)) for sid, n, b in s.execute(stmt)}
+        return {sid: (int(n), int(b)) for sid, n, b in self.store.rows(stmt)}
+
+    def by_ids(self, session_ids: set[str]) -> list[SessionRow]:
+        if not session_ids:
+            return []
+        return self.store.query(select(SessionRow).where(SessionRow.session_id.in_(session_ids)))
+
+    def projects_of_runs(self, model_ids: set[str]) -> dict[str, str | None]:
+        """model_id -> the project of its session now (a moved session takes its runs along)."""
+        if not model_ids:
+            return {}
+        stmt = (select(TrainingRunRow.model_id, SessionRow.project_id)
+                .join(SessionRow, SessionRow.session_id == TrainingRunRow.session_id)
+                .where(TrainingRunRow.model_id.in_(model_ids)))
+        return dict(self.store.rows(stmt))

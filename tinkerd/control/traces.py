@@ -50,8 +50,7 @@ def session_trace(store: Store, session_id: str) -> dict:
                    UsageRow.trained_tokens, UsageRow.forward_tokens)
             .outerjoin(UsageRow, UsageRow.request_id == FutureRow.request_id)
             .where(FutureRow.target.in_(targets)).order_by(FutureRow.created_at.desc()).limit(MAX_OPS + 1))
-    with store.session() as s:
-        rows = list(s.execute(stmt))
+    rows = store.rows(stmt)
     now = utcnow()
     for (rid, kind, target, seq_id, status, error, created, completed, compute_s, body_n, result_n,
          queue_wait_s, prefill, sampled, trained, forward) in reversed(rows[:MAX_OPS]):

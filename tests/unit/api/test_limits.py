@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import json
 import math
 
@@ -16,6 +18,7 @@ from tinkerd.config import ServerConfig
 from tinkerd.control.runs import Runs
 from tinkerd.control.recovery import rebuild_work
 from tinkerd.control.store.db import Store, utcnow
+from tinkerd.control.store.futures import FutureRepository
 from tinkerd.control.store.tables import FutureRow
 from tinkerd.errors import UserError
 from tinkerd.types import ServedModel
@@ -27,7 +30,9 @@ TINY = "tinkerd/tiny-qwen3"
 def st(tmp_path) -> AppState:
     runs = Runs(Store.sqlite(tmp_path / "db.sqlite"), tmp_path / "checkpoints")
     served = {TINY: ServedModel(TINY, TINY, 4096, "qwen3")}
-    return AppState(ServerConfig(data_dir=tmp_path), None, runs, served, None)
+    # Of control, the upgrade uses only the op log's repository.
+    control = SimpleNamespace(futures=FutureRepository(runs.store))
+    return AppState(ServerConfig(data_dir=tmp_path), control, runs, served, None)
 
 
 @pytest.fixture

@@ -17,13 +17,13 @@ from fastapi.responses import Response
 from tinkerd.api.deps import account, authenticate, empty, state
 from tinkerd.control.audit import EVENT_TYPES, day_window
 from tinkerd.control.runs import iso
-from tinkerd.control.store.tables import ApiKeyRow
+from tinkerd.control.records import ApiKey
 from tinkerd.errors import UserError
 
 router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
 
 
-def _caller_key(request: Request) -> ApiKeyRow:
+def _caller_key(request: Request) -> ApiKey:
     # authenticate() accepted the key (or a JWT issued for it), so the row exists and is not revoked.
     return state(request).accounts.key_by_id(request.state.key_id)
 

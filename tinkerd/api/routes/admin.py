@@ -12,15 +12,14 @@ from __future__ import annotations
 from datetime import datetime, timedelta, timezone
 
 from fastapi import APIRouter, Depends, Request
-from sqlalchemy import select
 
 from tinkerd.api.deps import account, authenticate, state
 from tinkerd.control.metering import TOKEN_KINDS, bucket_end, hourly_buckets
 from tinkerd.control.runs import iso
 from tinkerd.control.storage import BYTES_PER_GB, STORAGE_KIND, gb_hour_buckets, storage_cost_usd
-from tinkerd.control.store.db import utcnow
+from tinkerd.control.clock import utcnow
 from tinkerd.control import projects
-from tinkerd.control.store.tables import AccountRow, SessionRow, TrainingRunRow
+from tinkerd.control.sessions import Sessions
 from tinkerd.errors import UserError
 
 router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
@@ -52,7 +51,7 @@ async def billing_usage_events(request: Request, starting_on: str, ending_before
         raise UserError("starting_on must not be in the future")
     st = state(request)
     account_id = account(request)
-    names = {a.account_id: a.name for a in st.control.store.query(select(AccountRow).where(AccountRow.account_id == account_id))}
+    names = {account_id: st.accounts.account_name(account_id)}
     data = []
     now = utcnow()
     st.runs.storage.sync(now)
@@ -81,7 +80,7 @@ async def billing_usage_events(request: Request, starting_on: str, ending_before
     session_ids = {e["session_id"] for e in data if e["session_id"]}
     sessions = {}
     if session_ids:
-        for row in st.control.store.query(select(SessionRow).where(SessionRow.session_id.in_(session_ids))):
+        for row in Sessions(st.runs).by_ids(session_ids):
             sessions[row.session_id] = {"user_metadata": {str(k): str(v) for k, v in (row.user_metadata or {}).items()} or None}
             for e in data:
                 if e["session_id"] == row.session_id:
@@ -97,26 +96,17 @@ async def current_checkpoint_storage(request: Request, project_id: str | None = 
     if project_id is not None:
         projects.require(st.control.store, account_id, [project_id])
     rows, _ = st.runs.list_checkpoints(account_id=account_id, project_id=project_id)
-    project_of = _projects_of_runs(st, {r.model_id for r in rows})
+    project_of = Sessions(st.runs).projects_of_runs({r.model_id for r in rows})
     groups: dict[str | None, list] = {}
     for r in rows:
         groups.setdefault(project_of.get(r.model_id), []).append(r)
     rate = st.config.price_storage_usd_per_gb_month
-    name = st.control.store.get(AccountRow, account_id)
+    name = st.accounts.account_name(account_id)
     data = []
     for pid, group in sorted(groups.items(), key=lambda g: (g[0] is not None, g[0] or "")):
         size = sum(r.size_bytes or 0 for r in group)
         data.append({"project_id": pid, "org_user_urn": account_id, "user_email": None,
-                     "user_name": name.name if name else None, "checkpoint_count": len(group), "size_bytes": size,
+                     "user_name": name, "checkpoint_count": len(group), "size_bytes": size,
                      "size_gigabytes": size / BYTES_PER_GB, "estimated_monthly_cost_usd": rate * size / BYTES_PER_GB})
     return {"effective_rate_usd_per_gigabyte_month": rate, "data": data}
 
-
-def _projects_of_runs(st, model_ids: set[str]) -> dict[str, str | None]:
-    if not model_ids:
-        return {}
-    stmt = (select(TrainingRunRow.model_id, SessionRow.project_id)
-            .join(SessionRow, SessionRow.session_id == TrainingRunRow.session_id)
-            .where(TrainingRunRow.model_id.in_(model_ids)))
-    with st.control.store.session() as s:
-        return dict(s.execute(stmt).all())

@@ -13,14 +13,14 @@ from tinkerd.api.deps import account, authenticate, empty, load_json, parse, rea
 from tinkerd.api.results import wire_result
 from tinkerd.control.completions import CLONE_BLOCK, MAX_CURSOR, completions
 from tinkerd.control.quotas import PAUSED
-from tinkerd.control.store.tables import FutureRow
+from tinkerd.control.records import Future
 from tinkerd.errors import NotFoundError, UserError
 
 router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
 
 
-def _owned_future(st, request_id: str, account_id: str) -> FutureRow:
-    row = st.control.store.get(FutureRow, request_id)
+def _owned_future(st, request_id: str, account_id: str) -> Future:
+    row = st.control.futures.get(request_id)
     # Another account's request id answers exactly like an unknown one.
     if row is None or (row.account_id is not None and row.account_id != account_id):
         raise NotFoundError(f"unknown request_id {request_id!r}")

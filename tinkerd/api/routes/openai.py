@@ -31,7 +31,7 @@ from tinkerd.api import openai_text as text
 from tinkerd.api.deps import AppState, AuthError, load_json, read_body, state
 from tinkerd.api.results import wire_result
 from tinkerd.api.routes.sampling import prepare_asample
-from tinkerd.control.store.tables import FutureRow
+from tinkerd.control.runs import parse_tinker_path
 from tinkerd.errors import NotFoundError, ServerError, TinkerdError, UserError
 
 

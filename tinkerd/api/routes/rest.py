@@ -20,7 +20,7 @@ from tinkerd.api import hpcai, limits
 from tinkerd.api.deps import account, authenticate, empty, load_json, read_body, state
 from tinkerd.control import projects
 from tinkerd.control.runs import LOCAL_OWNER, TYPE_SEGMENTS, Runs, TinkerPath, check_name, iso, parse_tinker_path
-from tinkerd.control.store.tables import CheckpointRow, TrainingRunRow
+from tinkerd.control.records import Checkpoint, TrainingRun
 from tinkerd.errors import NotFoundError, UserError
 
 router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
@@ -32,7 +32,7 @@ ACCESS_SCOPES = ("owned", "accessible")
 MAX_PAGE = 10_000
 
 
-def checkpoint_json(row: CheckpointRow, base_model: str | None = None) -> dict:
+def checkpoint_json(row: Checkpoint, base_model: str | None = None) -> dict:
     segment = TYPE_SEGMENTS[row.checkpoint_type]
     return {
         # Not a field of SDK 0.38's Checkpoint (its models ignore extra keys): newer SDKs and the
@@ -51,7 +51,7 @@ def checkpoint_json(row: CheckpointRow, base_model: str | None = None) -> dict:
     }
 
 
-def run_json(runs: Runs, row: TrainingRunRow) -> dict:
+def run_json(runs: Runs, row: TrainingRun) -> dict:
     last = runs.last_checkpoint(row.model_id, "training")
     last_sampler = runs.last_checkpoint(row.model_id, "sampler")
     return {

@@ -16,8 +16,8 @@ from tinkerd.control.control import Work
 from tinkerd.control.copies import is_copy_run, trainable_config
 from tinkerd.control.custom_losses import CustomLosses
 from tinkerd.control.oplog import CreateSampler, OpRecord, OpType, Payer, RegisterCheckpoint
-from tinkerd.control.store.tables import TrainingRunRow
-from tinkerd.control.runs import TinkerPath, check_name, check_ttl
+from tinkerd.control.records import TrainingRun
+from tinkerd.control.runs import TinkerPath, check_name, check_ttl, parse_tinker_path
 from tinkerd.errors import UserError
 from tinkerd.types import (
     AdamParams,
@@ -45,13 +45,13 @@ def _lora_spec(st: AppState, cfg: dict) -> LoraSpec:
     )
 
 
-def _payer(st: AppState, run: TrainingRunRow, account_id: str | None) -> Payer:
+def _payer(st: AppState, run: TrainingRun, account_id: str | None) -> Payer:
     """Training ops are billed to the run's owner (the caller, who must own it)."""
     owner = account_id if account_id is not None else st.runs.account_of(run.session_id)
     return Payer(owner, run.session_id, run.base_model)
 
 
-def _accepted(op_type: OpType, op, st: AppState, run: TrainingRunRow, account_id: str | None, **record) -> Work:
+def _accepted(op_type: OpType, op, st: AppState, run: TrainingRun, account_id: str | None, **record) -> Work:
     """The op as the log keeps it (control/oplog.py); control does its bookkeeping when it succeeds.
     An op naming only a model_id is given its run's base model here, which the EngineRouter routes by."""
     if getattr(op, "base_model", None) == "":
@@ -59,7 +59,7 @@ def _accepted(op_type: OpType, op, st: AppState, run: TrainingRunRow, account_id
     return Work.of(OpRecord(op_type, op, _payer(st, run, account_id), **record))
 
 
-def _trainable(st: AppState, model_id: str, account_id: str | None) -> TrainingRunRow:
+def _trainable(st: AppState, model_id: str, account_id: str | None) -> TrainingRun:
     """The caller's run, refused when copy_weights made it: it holds copies, no adapter to train."""
     run = st.runs.owned_run(model_id, account_id)
     if is_copy_run(run):

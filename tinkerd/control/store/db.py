@@ -1,10 +1,14 @@
-"""The durable store: one SQLAlchemy engine, short transactions, one writer at a time.
+"""The durable store: one SQLAlchemy engine and short transactions, on SQLite or PostgreSQL.
 
-SQLite in WAL mode: readers never block the writer and a commit costs well under a millisecond
-on local disk, so storing every accepted op before answering (the write-ahead rule) is cheap.
+SQLite (the default, a file in the data directory) in WAL mode: readers never block the writer and a
+commit costs well under a millisecond on local disk, so storing every accepted op before answering
+(the write-ahead rule) is cheap. SQLite allows one writer, so calls are serialised by one lock.
+PostgreSQL (`--db-url postgresql+psycopg://...`) takes concurrent writers: no lock, each call is its
+own transaction on a pooled connection, and conflicts surface as IntegrityError (the dedupe race in
+Control.submit) rather than waits. The schema comes from Alembic migrations (store/migrations.py).
 
 A failed write or read (SQLite's "database or disk is full", "disk I/O error", "database is
-locked" after its busy timeout) raises errors.StorageUnavailable, not the driver's
+locked" after its busy timeout; PostgreSQL's lost connection or server shutdown) raises errors.StorageUnavailable, not the driver's
 OperationalError: a request answers 503 naming the cause (the SDK retries it), and the worker
 retries storing a finished op's result until it lands (control/results.py).
 """
@@ -13,46 +17,57 @@ from __future__ import annotations
 
 import sqlite3
 import threading
-from contextlib import contextmanager
-from datetime import datetime, timezone
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Iterator, TypeVar
 
-from sqlalchemy import create_engine, event, inspect, select, text
-from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy import create_engine, event, make_url, select
+from sqlalchemy.exc import DataError, IntegrityError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from tinkerd.control.store.tables import Base, FutureRow
-from tinkerd.errors import StorageUnavailable
+from tinkerd.control.clock import utcnow  # noqa: F401  (imported from here by most of control)
+from tinkerd.control.store.migrations import upgrade
+from tinkerd.control.store.tables import FutureRow
+from tinkerd.errors import StorageUnavailable, UserError
 
 T = TypeVar("T")
 
 
-def utcnow() -> datetime:
-    # Stored naive in UTC (SQLite has no time zones); the api layer adds the zone on the wire.
-    return datetime.now(timezone.utc).replace(tzinfo=None)
-
-
 class Store:
     def __init__(self, url: str):
-        self.engine = create_engine(url, connect_args={"check_same_thread": False} if url.startswith("sqlite") else {})
-        if url.startswith("sqlite"):
+        parsed = make_url(url)
+        self.sqlite = parsed.get_backend_name() == "sqlite"
+        if self.sqlite:
+            self.engine = create_engine(url, connect_args={"check_same_thread": False})
             event.listen(self.engine, "connect", _sqlite_pragmas)
-        Base.metadata.create_all(self.engine)
-        _add_missing_columns(self.engine)
+            # SQLite allows one writer; serialising here avoids "database is locked" retries.
+            self._lock = threading.Lock()
+            self._where = parsed.database or ""
+        else:
+            # pre_ping: a pooled connection a PostgreSQL restart closed is replaced before use, not
+            # handed to a request. The pool (5 + 10 overflow) exceeds the store's concurrent callers
+            # here (the event loop's thread, the worker, the sweeps).
+            self.engine = create_engine(url, pool_pre_ping=True)
+            self._lock = nullcontext()
+            self._where = parsed.render_as_string(hide_password=True)
+        with self._faults():
+            upgrade(self.engine)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
-        # SQLite allows one writer; serialising here avoids "database is locked" retries.
-        self._lock = threading.Lock()
-        self._where = url.split("///", 1)[-1]
 
     @contextmanager
     def _faults(self) -> Iterator[None]:
         try:
             yield
+        except DataError as e:
+            # PostgreSQL refuses values SQLite takes: a NUL character in text ("a\x00b" as a session
+            # name or a request id looked up), an integer beyond a column's 32 or 64 bits. Control's
+            # own values are in range, so such a value came from the caller: a `user` 400 naming it.
+            reason = str(e.orig).splitlines()[0] if e.orig is not None else str(e)
+            raise UserError(f"a value in the request cannot be stored or looked up: {reason}") from e
         except OperationalError as e:
             # SQLite's extended code says which call failed ("disk I/O error" alone does not):
             # SQLITE_IOERR_WRITE / _FSYNC for a read-only or failing disk, SQLITE_FULL, SQLITE_BUSY.
-            code = getattr(e.orig, "sqlite_errorname", None)
+            code = getattr(e.orig, "sqlite_errorname", None) or getattr(e.orig, "sqlstate", None)
             raise StorageUnavailable(f"server storage is failing: {e.orig}{f' [{code}]' if code else ''} "
                                      f"({self._where})") from e
 
@@ -60,6 +75,11 @@ class Store:
     def sqlite(cls, path: Path) -> "Store":
         path.parent.mkdir(parents=True, exist_ok=True)
         return cls(f"sqlite:///{path}")
+
+    @classmethod
+    def open(cls, config) -> "Store":
+        """The server's store: `config.db_url`, or SQLite in the data directory when unset."""
+        return cls(config.db_url) if config.db_url else cls.sqlite(config.db_path)
 
     def get(self, row_type: type[T], key: Any) -> T | None:
         with self._faults(), self._lock, self._sessions() as s:
@@ -92,8 +112,14 @@ class Store:
                 s.commit()
 
     def query(self, stmt) -> list:
+        """The first column of each result row (whole rows for `select(SomeRow)`)."""
         with self._faults(), self._lock, self._sessions() as s:
             return list(s.scalars(stmt))
+
+    def rows(self, stmt) -> list:
+        """Every column of each result row (named tuples): for selects of several columns or a join."""
+        with self._faults(), self._lock, self._sessions() as s:
+            return list(s.execute(stmt))
 
     def write_probe(self, timeout_s: float = 0.1) -> str | None:
         """Why a write would fail now, or None: for readiness (GET /readyz), so that a store another
@@ -131,26 +157,6 @@ class Store:
         with self._faults(), self._lock, self._sessions() as s:
             yield s
             s.commit()
-
-    def session(self) -> Session:
-        """A raw session for multi-statement work; callers must hold no other store call inside."""
-        return self._sessions()
-
-
-def _add_missing_columns(engine) -> None:
-    """create_all makes missing tables but never missing columns: add the nullable columns a newer
-    tinkerd declares to tables an older one created, so an existing data directory keeps working."""
-    inspector = inspect(engine)
-    quote = engine.dialect.identifier_preparer.quote
-    with engine.begin() as conn:
-        for table in Base.metadata.sorted_tables:
-            if not inspector.has_table(table.name):
-                continue
-            have = {c["name"] for c in inspector.get_columns(table.name)}
-            for col in table.columns:
-                if col.name not in have and col.nullable and not col.primary_key:
-                    conn.execute(text(f"ALTER TABLE {quote(table.name)} ADD COLUMN {quote(col.name)} "
-                                      f"{col.type.compile(engine.dialect)}"))
 
 
 def _sqlite_pragmas(dbapi_conn, _record) -> None:

@@ -1,0 +1,35 @@
+"""The futures table (the op log, docs/op-contract.md) behind a repository: the reads and writes
+the api layer and the one-time conversion of pre-op-log rows (api/legacy.py) make, so that neither
+runs queries of its own. Control's own bookkeeping (submit, results, recovery, retention) still
+queries the table in its modules; they move here as they are touched."""
+
+from __future__ import annotations
+
+from sqlalchemy import select
+
+from tinkerd.control.clock import utcnow
+from tinkerd.control.store.db import Store
+from tinkerd.control.store.tables import FutureRow
+
+
+class FutureRepository:
+    def __init__(self, store: Store):
+        self.store = store
+
+    def get(self, request_id: str) -> FutureRow | None:
+        return self.store.get(FutureRow, request_id)
+
+    def unconverted(self, state_changing: tuple[str, ...] | set[str]) -> list[FutureRow]:
+        """Rows an older tinkerd stored as raw HTTP bodies that recovery would read: pending ones, and
+        complete ones of a state-changing type; in the order they were accepted."""
+        return self.store.query(select(FutureRow).where(
+            FutureRow.op_version.is_(None), FutureRow.body != b"",
+            (FutureRow.status == "pending") | ((FutureRow.status == "complete") & FutureRow.request_type.in_(state_changing)))
+            .order_by(FutureRow.created_at, FutureRow.seq_id))
+
+    def fail(self, request_id: str, error: str, category: str) -> None:
+        self.store.update(FutureRow, request_id, status="failed", error=error, error_category=category,
+                          completed_at=utcnow())
+
+    def set_record(self, request_id: str, body: bytes, op_version: int) -> None:
+        self.store.update(FutureRow, request_id, body=body, op_version=op_version)
