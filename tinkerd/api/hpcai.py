@@ -27,12 +27,10 @@ from typing import Any
 
 import numpy as np
 from fastapi import Request
-from sqlalchemy import func, or_, select
 from tinker.proto import tinker_public_pb2 as pb
 
 from tinkerd.api.deps import AppState, load_json
 from tinkerd.control.runs import TinkerPath, parse_tinker_path
-from tinkerd.control.store.tables import FutureRow, SessionRow, TrainingRunRow
 from tinkerd.errors import UserError
 
 # `AsyncHpcAI/Python 0.1.5` (the client every SDK call uses) and `HpcAI/...` (its sync resources).
@@ -110,12 +108,10 @@ def create_model_body(st: AppState, request: Request, body: bytes) -> bytes:
         return body
     key_id = getattr(request.state, "key_id", None) or request.state.account_id
     session_id = f"sess-hpcai-{key_id}"
-    store = st.control.store
-    if store.get(SessionRow, session_id) is None:
+    if not st.runs.session_exists(session_id):
         st.runs.create_session(["hpcai-implicit"], {}, request.headers.get("x-stainless-package-version"),
                                request.state.account_id, session_id=session_id)
-    count = store.query(select(func.count()).select_from(TrainingRunRow).where(TrainingRunRow.session_id == session_id))
-    obj.update(session_id=session_id, model_seq_id=int(count[0]))
+    obj.update(session_id=session_id, model_seq_id=st.runs.run_count(session_id))
     return json.dumps(obj).encode()
 
 
@@ -244,11 +240,7 @@ def check_ordering(st: AppState, model_id: str, seq_id: int | None) -> None:
         mode = _modes.get(model_id)
     if mode is None:
         # The model's first op after its creation decides; read once per process from the log.
-        first = st.control.store.query(
-            select(FutureRow.seq_id)
-            .where(FutureRow.target == model_id, FutureRow.request_type.not_in(("CreateModel", "UnloadModel")),
-                   or_(FutureRow.seq_id.is_(None), FutureRow.seq_id > 0))
-            .order_by(FutureRow.created_at).limit(1))
+        first = st.control.futures.first_training_op(model_id)
         with _modes_lock:
             mode = _modes.setdefault(model_id, (first[0] is not None) if first else wanted)
     if mode != wanted:

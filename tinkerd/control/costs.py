@@ -77,12 +77,11 @@ def run_usage(store: Store, ledger: StorageLedger, account_id: str, start: datet
                     .where(SessionRow.account_id == account_id))
     runs = (select(TrainingRunRow.model_id).join(SessionRow, SessionRow.session_id == TrainingRunRow.session_id)
             .where(SessionRow.account_id == account_id))
-    with store.session() as s:
-        by_target = s.execute(stmt).all()
-        run_ids = set(s.scalars(runs))
-        samplers = {sid: inflight or _run_of_path(path) for sid, path, inflight in s.execute(sampler_runs).all()}
-        storage = s.scalars(select(CheckpointStorageRow).where(
-            CheckpointStorageRow.account_id == account_id, CheckpointStorageRow.start_at < end)).all()
+    by_target = store.rows(stmt)
+    run_ids = set(store.query(runs))
+    samplers = {sid: inflight or _run_of_path(path) for sid, path, inflight in store.rows(sampler_runs)}
+    storage = store.query(select(CheckpointStorageRow).where(
+        CheckpointStorageRow.account_id == account_id, CheckpointStorageRow.start_at < end))
     out: dict[str | None, Costed] = {}
     for target, checkpoints, *tokens in by_target:
         run = target if target in run_ids else samplers.get(target, _run_of_path(target))

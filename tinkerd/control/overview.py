@@ -78,9 +78,8 @@ def run_page(store: Store, account_id: str, limit: int, offset: int) -> tuple[li
     count = (select(func.count()).select_from(TrainingRunRow)
              .join(SessionRow, SessionRow.session_id == TrainingRunRow.session_id)
              .where(SessionRow.account_id == account_id))
-    with store.session() as s:
-        rows = s.execute(stmt).all()
-        total = s.execute(count).scalar_one()
+    rows = store.rows(stmt)
+    total = store.query(count)[0]
     return [summary(run, finished, released, broken) for run, finished, released, broken in rows], total
 
 
@@ -117,8 +116,7 @@ def sampling_activity(store: Store, model_id: str, limit: int = 50) -> list[Samp
             .where(samplers_of_run(model_id))
             .group_by(SamplingSessionRow.sampling_session_id)
             .order_by(SamplingSessionRow.created_at.desc()).limit(limit))
-    with store.session() as s:
-        rows = s.execute(stmt).all()
+    rows = store.rows(stmt)
     return [SamplerActivity(r.sampling_session_id, r.model_path, r.created_at, int(n), int(pre), int(samp), last)
             for r, n, pre, samp, last in rows]
 

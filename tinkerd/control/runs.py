@@ -145,6 +145,14 @@ class Runs:
     def owned_session(self, session_id: str, account_id: str | None) -> SessionRow:
         return self._lookup(SessionRow, session_id, "session_id", account_id)
 
+    def session_exists(self, session_id: str) -> bool:
+        return self.store.get(SessionRow, session_id) is not None
+
+    def run_count(self, session_id: str) -> int:
+        """How many training runs the session has made: the next model_seq_id of an implicit session."""
+        return int(self.store.query(select(func.count()).select_from(TrainingRunRow)
+                                    .where(TrainingRunRow.session_id == session_id))[0])
+
     def account_of(self, session_id: str) -> str | None:
         row = self.store.get(SessionRow, session_id)
         return row.account_id if row is not None else None

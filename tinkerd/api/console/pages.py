@@ -26,7 +26,7 @@ from tinkerd.control.metering import TOKEN_KINDS
 from tinkerd.control.runs import TYPE_SEGMENTS, parse_tinker_path
 from tinkerd.control.stepmetrics import StepMetrics, series
 from tinkerd.control.storage import STORAGE_KIND
-from tinkerd.control.store.db import utcnow
+from tinkerd.control.clock import utcnow
 from tinkerd.errors import NotFoundError, TinkerdError, UserError
 
 HERE = Path(__file__).parent

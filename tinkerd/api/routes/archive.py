@@ -25,7 +25,7 @@ from fastapi.responses import StreamingResponse
 
 from tinkerd.api.deps import account, authenticate, empty, state
 from tinkerd.control.runs import SEGMENT_TYPES, Runs, TinkerPath, check_name
-from tinkerd.control.store.tables import CheckpointRow
+from tinkerd.control.records import Checkpoint as CheckpointRow
 from tinkerd.errors import NotFoundError, UserError
 
 router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])

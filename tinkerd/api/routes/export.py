@@ -30,7 +30,7 @@ from tinkerd.api.deps import AppState, Prepared, account, authenticate, parse, r
 from tinkerd.control.control import Work
 from tinkerd.control.oplog import OpRecord, OpType, Payer, RegisterCheckpoint
 from tinkerd.control.runs import TinkerPath, check_name, check_ttl, iso
-from tinkerd.control.store.tables import CheckpointRow
+from tinkerd.control.records import Checkpoint as CheckpointRow
 from tinkerd.errors import NotFoundError, UserError
 from tinkerd.types import ExportWeightsOp, base_model_of
 

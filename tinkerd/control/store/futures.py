@@ -5,7 +5,7 @@ queries the table in its modules; they move here as they are touched."""
 
 from __future__ import annotations
 
-from sqlalchemy import select
+from sqlalchemy import or_, select
 
 from tinkerd.control.clock import utcnow
 from tinkerd.control.store.db import Store
@@ -33,3 +33,14 @@ class FutureRepository:
 
     def set_record(self, request_id: str, body: bytes, op_version: int) -> None:
         self.store.update(FutureRow, request_id, body=body, op_version=op_version)
+
+    def first_training_op(self, model_id: str) -> tuple[int | None] | None:
+        """The seq_id of the model's first op after its creation, in a 1-tuple (None inside: an op
+        without seq_id), or None when it has had none; which ordering the model's ops follow
+        (api/hpcai.py: check_ordering)."""
+        first = self.store.query(
+            select(FutureRow.seq_id)
+            .where(FutureRow.target == model_id, FutureRow.request_type.not_in(("CreateModel", "UnloadModel")),
+                   or_(FutureRow.seq_id.is_(None), FutureRow.seq_id > 0))
+            .order_by(FutureRow.created_at).limit(1))
+        return (first[0],) if first else None
