@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from tinkerd.engine.precision import lora_delta_add
+
 log = logging.getLogger(__name__)
 
 # HF module names of the layers tinkerd can adapt, grouped as the SDK's LoraConfig flags name them.
@@ -135,7 +137,9 @@ class MultiLoraLinear(nn.Module):
             lw = self.adapters.get(group.slot)
             if lw is None:
                 continue
-            if group.rows is None:
+            if lw.a.dtype != out.dtype:  # bf16 base, fp32 adapter (engine/precision.py)
+                out = _mixed_add(out, x, lw, group.rows)
+            elif group.rows is None:
                 out = out + ((x @ lw.a.t()) @ lw.b.t()) * lw.scaling
             else:
                 delta = ((x[group.rows] @ lw.a.t()) @ lw.b.t()) * lw.scaling
@@ -154,12 +158,25 @@ class MultiLoraLinear(nn.Module):
             lw = self.adapters.get(group.slot)
             if lw is None:
                 continue
-            if group.rows is None:
+            if lw.a.dtype != out.dtype:  # the training path's numbers, so the sampler agrees with it
+                out.copy_(_mixed_add(out, x, lw, group.rows))
+            elif group.rows is None:
                 x2 = x.reshape(-1, x.shape[-1])  # [M, in]: every position of every row
                 out.view(-1, out.shape[-1]).addmm_(x2 @ lw.a.t(), lw.b.t(), alpha=lw.scaling)
             else:  # rows index dim 0 (batch rows), whatever the trailing token dims
                 out.index_add_(0, group.rows, (x[group.rows] @ lw.a.t()) @ lw.b.t(), alpha=lw.scaling)
         return out
+
+
+def _mixed_add(out: torch.Tensor, x: torch.Tensor, lw: LoraWeights, rows: torch.Tensor | None) -> torch.Tensor:
+    """One group's LoRA delta added as PEFT adds fp32 adapters to a bf16 layer (lora_delta_add). For
+    a subset of rows the others pass through fp32 and back unchanged (bf16 -> fp32 is exact), so a
+    row routed with other adapters' rows gets the same numbers as alone."""
+    if rows is None:
+        return lora_delta_add(out, x, lw.a, lw.b, lw.scaling)
+    rows = rows.to(out.device)  # LoraContext builds its row lists on the CPU
+    delta = ((x[rows].to(lw.a.dtype) @ lw.a.t()) @ lw.b.t()) * lw.scaling
+    return out.to(lw.a.dtype).index_add(0, rows, delta).to(out.dtype)
 
 
 # Most rows one 1x1-convolution GEMM takes (module docstring): below the 64 positions at which
