@@ -13,7 +13,6 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from tinkerd.engine.model import families, tiny
