@@ -66,4 +66,4 @@ def lora_delta_add(out: "torch.Tensor", x: "torch.Tensor", a: "torch.Tensor", b:
     (autograd casts the gradient back through both casts).
     """
     delta = ((x.to(a.dtype) @ a.t()) @ b.t()) * scaling
-    return (out.to(a.dtype) + delta).to(out.dtype)
+    return (out + delta).to(out.dtype)  # bf16 + fp32 promotes to fp32 (exactly) without an fp32 copy of out
