@@ -1,8 +1,9 @@
 """The bfloat16 engine (`--dtype bfloat16`) against HF + PEFT with the same mixed-precision recipe.
 
 The reference is the tiny Qwen3 loaded by HF in bf16 with PEFT's fp32 adapters (its default
-`autocast_adapter_dtype=True`), logits upcast to fp32 before the log-softmax, AdamW over the fp32
-adapter: what engine/precision.py implements. bf16 has no exact answer to pin to, so every
+`autocast_adapter_dtype=True`), run under `torch.autocast("cpu", dtype=torch.bfloat16)` (so the LoRA
+branch computes in bf16 from the fp32 masters), logits upcast to fp32 before the log-softmax, AdamW
+over the fp32 adapter: what engine/precision.py implements. bf16 has no exact answer to pin to, so every
 tolerance here is derived from the reference itself, against the same computation in fp64:
 
 - bf16 error, `err(x) = max|x - fp64|` (scaled to the tensor for gradients and weights);
@@ -93,7 +94,9 @@ def reference_pass(model, seqs, weights) -> tuple[list[torch.Tensor], torch.Tens
     dtype = torch.float64 if next(model.parameters()).dtype == torch.float64 else torch.float32
     total, lps = torch.zeros((), dtype=dtype), []
     for s, w in zip(seqs, weights):
-        logits = model(input_ids=torch.from_numpy(s[:-1])[None]).logits[0].to(dtype)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.float32):
+            logits = model(input_ids=torch.from_numpy(s[:-1])[None]).logits[0]
+        logits = logits.to(dtype)
         lp = torch.log_softmax(logits, -1).gather(-1, torch.from_numpy(s[1:])[:, None])[:, 0]
         lps.append(lp.detach())
         total = total - (lp * torch.from_numpy(w).to(dtype)).sum()

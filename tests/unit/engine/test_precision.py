@@ -19,14 +19,26 @@ def test_cuda_without_a_device_is_refused_by_name(models_dir):
         Engine(models_dir, precision=Precision("cuda", "float32")).load_base_models([TINY])
 
 
-def test_lora_sum_rounds_once_like_peft():
+def test_lora_sum_equals_peft_under_autocast():
+    from peft import LoraConfig, get_peft_model
+
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(5, 16, generator=gen).bfloat16()
-    base = torch.randn(5, 8, generator=gen).bfloat16()
     a, b = torch.randn(4, 16, generator=gen), torch.randn(8, 4, generator=gen) * 1e-2
-    # PEFT's lora.Linear: input cast to the adapter's dtype, result + branch * scaling, cast back.
-    peft = (base + (x.to(torch.float32) @ a.t() @ b.t()) * 2.0).to(torch.bfloat16)
-    assert torch.equal(lora_delta_add(base, x, a, b, 2.0), peft)
+    base = torch.nn.Sequential()
+    base.add_module("proj", torch.nn.Linear(16, 8, bias=False))
+    base = base.bfloat16()
+    peft = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["proj"], lora_dropout=0.0))
+    layer = peft.base_model.model.proj
+    with torch.no_grad():
+        layer.lora_A["default"].weight.copy_(a)
+        layer.lora_B["default"].weight.copy_(b)
+    assert layer.lora_A["default"].weight.dtype == torch.float32  # PEFT's fp32 masters on a bf16 model
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want = layer(x)
+    got = lora_delta_add(layer.base_layer(x), x, a, b, 2.0)
+    assert got.dtype == want.dtype == torch.bfloat16
+    assert torch.equal(got, want)
 
 
 def test_bf16_rows_routed_to_two_adapters_equal_each_alone(models_dir):

@@ -137,7 +137,7 @@ class MultiLoraLinear(nn.Module):
             lw = self.adapters.get(group.slot)
             if lw is None:
                 continue
-            if lw.a.dtype != out.dtype:  # bf16 base, fp32 adapter (engine/precision.py)
+            if lw.a.dtype != out.dtype:  # bf16 base, fp32 master adapter (engine/precision.py)
                 out = _mixed_add(out, x, lw, group.rows)
             elif group.rows is None:
                 out = out + ((x @ lw.a.t()) @ lw.b.t()) * lw.scaling
@@ -169,14 +169,14 @@ class MultiLoraLinear(nn.Module):
 
 
 def _mixed_add(out: torch.Tensor, x: torch.Tensor, lw: LoraWeights, rows: torch.Tensor | None) -> torch.Tensor:
-    """One group's LoRA delta added as PEFT adds fp32 adapters to a bf16 layer (lora_delta_add). For
-    a subset of rows the others pass through fp32 and back unchanged (bf16 -> fp32 is exact), so a
-    row routed with other adapters' rows gets the same numbers as alone."""
+    """One group's LoRA delta on a bf16 layer with fp32 master A/B (lora_delta_add). The delta of a
+    subset of rows is computed as for those rows alone, so a row routed with other adapters' rows
+    gets the same numbers as alone."""
     if rows is None:
         return lora_delta_add(out, x, lw.a, lw.b, lw.scaling)
     rows = rows.to(out.device)  # LoraContext builds its row lists on the CPU
-    delta = ((x[rows].to(lw.a.dtype) @ lw.a.t()) @ lw.b.t()) * lw.scaling
-    return out.to(lw.a.dtype).index_add(0, rows, delta).to(out.dtype)
+    delta = ((x[rows] @ lw.a.to(x.dtype).t()) @ lw.b.to(x.dtype).t()) * lw.scaling
+    return out.index_add(0, rows, delta)
 
 
 # Most rows one 1x1-convolution GEMM takes (module docstring): below the 64 positions at which
