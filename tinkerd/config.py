@@ -66,6 +66,11 @@ class ServerConfig(BaseModel):
     # that alone needs more is refused; others wait until rows leave instead of exhausting memory.
     sample_kv_cache_gb: float | None = Field(default=None, gt=0)
     torch_threads: int | None = None
+    # Where the engine computes and in which dtype (engine/precision.py, docs/precision.md). float32 is
+    # the exact path, pinned to HF + PEFT at 1e-5; bfloat16 keeps the base model and activations in
+    # bf16 and the LoRA weights, gradients and AdamW state in fp32, within the stated tolerances.
+    device: Literal["cpu", "cuda"] = "cpu"
+    dtype: Literal["float32", "bfloat16"] = "float32"
     # "process": the engine runs in a child process that is restarted and rebuilt if it dies;
     # "thread": in the server process (no crash isolation, no pipe).
     engine: Literal["process", "thread"] = "process"

@@ -32,6 +32,10 @@ def add_parser(sub) -> None:
     p.add_argument("--api-key", default=None,
                    help="register this tml- key for the local account (default: a random key is created on first start)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="where the engine computes (default cpu)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="base model and activation dtype (default float32, exact); bfloat16 keeps LoRA weights "
+                        "and AdamW state in fp32 (docs/precision.md)")
     p.add_argument("--engine", choices=["process", "thread"], default=None,
                    help="process (default): the engine in its own process, restarted and rebuilt if it dies; "
                         "thread: in the server process")
@@ -134,6 +138,9 @@ def build_config(args) -> ServerConfig:
     for name in ("ray_address", "ray_num_cpus", "ray_num_gpus"):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
+    for name in ("device", "dtype"):
+        if getattr(args, name, None):
+            values[name] = getattr(args, name)
     if args.snapshot_interval_s is not None:
         values["snapshot_interval_s"] = args.snapshot_interval_s
     if args.allow_non_finite:
@@ -228,11 +235,13 @@ def build_engine_client(config: ServerConfig, wait: bool = True):
 
 def _embedded_engine_client(config: ServerConfig, wait: bool):
     if config.engine == "process":
+        from tinkerd.engine.precision import Precision
         from tinkerd.engine.process import EngineSpec, ProcessEngineClient
 
         log.info("starting the engine process for %s", ", ".join(config.base_models))
         return ProcessEngineClient(EngineSpec(config.models_dir, tuple(config.base_models), config.max_lora_rank,
                                               config.torch_threads, config.sample_kv_cache_bytes,
+                                              precision=Precision(config.device, config.dtype),
                                               log_level=logging.getLogger().getEffectiveLevel(), log_format=LOG_FORMAT),
                                    wait=wait)
     import torch
@@ -240,12 +249,14 @@ def _embedded_engine_client(config: ServerConfig, wait: bool):
     from tinkerd.engine.client import InProcessEngineClient
     from tinkerd.engine.engine import Engine
     from tinkerd.engine.malloc import keep_freed_memory
+    from tinkerd.engine.precision import Precision
     from tinkerd.engine.sampler.sample import SamplerConfig
 
     keep_freed_memory()  # as the engine process does (engine/malloc.py)
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
-    engine = Engine(config.models_dir, config.max_lora_rank, SamplerConfig(kv_cache_bytes=config.sample_kv_cache_bytes))
+    engine = Engine(config.models_dir, config.max_lora_rank, SamplerConfig(kv_cache_bytes=config.sample_kv_cache_bytes),
+                    Precision(config.device, config.dtype))
     engine.load_base_models(config.base_models)
     return InProcessEngineClient(engine)
 

@@ -21,6 +21,7 @@ from tinkerd.engine.lora.experts import ExpertsRouting, wrap_experts
 from tinkerd.engine.lora.layers import LoraContext, MultiLoraLinear, wrap_model, targets_for
 from tinkerd.engine.lora.pool import AdapterPool
 from tinkerd.engine.model.registry import LoadedModel, load_model
+from tinkerd.engine.precision import Precision
 from tinkerd.engine.sampler.sample import Sampler, SamplerConfig
 from tinkerd.errors import NotFoundError, ServerError, TinkerdError, UserError
 from tinkerd.types import EngineOp, Resident, StepBatch, StepOutput
@@ -37,6 +38,7 @@ class ModelRuntime:
     layers: dict[str, MultiLoraLinear]  # the Linears only (the sampler packs these); the pool also holds experts
     pool: AdapterPool
     routing: ExpertsRouting = field(default_factory=ExpertsRouting)  # MoE router counts, off unless asked
+    precision: Precision = Precision()  # device and compute dtype (engine/precision.py)
 
     @property
     def name(self) -> str:
@@ -59,8 +61,10 @@ class ModelRuntime:
 
 
 class Engine:
-    def __init__(self, models_dir: Path, max_lora_rank: int = 256, sampler_config: SamplerConfig = SamplerConfig()):
+    def __init__(self, models_dir: Path, max_lora_rank: int = 256, sampler_config: SamplerConfig = SamplerConfig(),
+                 precision: Precision = Precision()):
         self.models_dir = Path(models_dir)
+        self.precision = precision
         self.max_lora_rank = max_lora_rank
         self.sampler_config = sampler_config
         self.runtimes: dict[str, ModelRuntime] = {}
@@ -95,7 +99,8 @@ class Engine:
     def load_base_model(self, name: str) -> ModelRuntime:
         if name in self.runtimes:
             return self.runtimes[name]
-        loaded = load_model(name, self.models_dir)
+        self.precision.check()
+        loaded = load_model(name, self.models_dir, self.precision)
         for p in loaded.model.parameters():
             p.requires_grad_(False)
         loaded.model.eval()
@@ -104,7 +109,8 @@ class Engine:
         # The fused experts first: their own layer (lora/experts.py), not Linears wrap_model finds.
         experts = wrap_experts(loaded.model, ctx, loaded.family.experts_class, routing)
         layers = wrap_model(loaded.model, ctx, targets_for(True, True, True))
-        runtime = ModelRuntime(loaded, ctx, layers, AdapterPool({**layers, **experts}, self.max_lora_rank), routing)
+        pool = AdapterPool({**layers, **experts}, self.max_lora_rank, device=self.precision.torch_device)
+        runtime = ModelRuntime(loaded, ctx, layers, pool, routing, self.precision)
         self.runtimes[name] = runtime
         return runtime
 

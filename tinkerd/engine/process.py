@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tinkerd.engine.malloc import children_use_huge_pages
+from tinkerd.engine.precision import Precision
 from tinkerd.errors import EngineCrashed, TinkerdError
 from tinkerd.types import ServedModel
 
@@ -39,6 +40,7 @@ class EngineSpec:
     # start's model conversion, load times) and print its warnings without the server's format.
     log_level: int = logging.WARNING
     log_format: str | None = None
+    precision: Precision = Precision()  # device and compute dtype (engine/precision.py)
 
 
 class EngineStartFailed(EngineCrashed):
@@ -70,7 +72,8 @@ def _worker_main(conn, spec: EngineSpec) -> None:
     if spec.torch_threads:
         torch.set_num_threads(spec.torch_threads)
     try:
-        engine = Engine(spec.models_dir, spec.max_lora_rank, SamplerConfig(kv_cache_bytes=spec.sample_kv_cache_bytes))
+        engine = Engine(spec.models_dir, spec.max_lora_rank, SamplerConfig(kv_cache_bytes=spec.sample_kv_cache_bytes),
+                        spec.precision)
         engine.load_base_models(spec.base_models)
     except Exception as e:
         reason = getattr(e, "message", None) or f"{type(e).__name__}: {e}"

@@ -25,6 +25,7 @@ import uuid
 from pathlib import Path
 
 from tinkerd.errors import EngineCrashed, TinkerdError, UserError
+from tinkerd.engine.precision import Precision
 from tinkerd.engine.process import EngineSpec, EngineStartFailed
 from tinkerd.types import ServedModel, StepBatch, StepOutput
 
@@ -50,7 +51,8 @@ def build_engine(spec: EngineSpec):
 
     if spec.torch_threads:
         torch.set_num_threads(spec.torch_threads)
-    engine = Engine(spec.models_dir, spec.max_lora_rank, SamplerConfig(kv_cache_bytes=spec.sample_kv_cache_bytes))
+    engine = Engine(spec.models_dir, spec.max_lora_rank, SamplerConfig(kv_cache_bytes=spec.sample_kv_cache_bytes),
+                    spec.precision)
     engine.load_base_models(spec.base_models)
     return engine
 
@@ -197,7 +199,8 @@ def ray_engines(config, log_level: int = logging.WARNING, log_format: str | None
             ray.init(address=config.ray_address, namespace=NAMESPACE, log_to_driver=True)
     threads = config.torch_threads or max(1, int(config.ray_num_cpus))
     clients = [RayEngineClient(EngineSpec(config.models_dir, (base,), config.max_lora_rank, threads,
-                                          config.sample_kv_cache_bytes, log_level=log_level, log_format=log_format),
+                                          config.sample_kv_cache_bytes, precision=Precision(config.device, config.dtype),
+                                          log_level=log_level, log_format=log_format),
                                config.ray_num_cpus, config.ray_num_gpus)
                for base in config.base_models]
     log.info("starting %d engine actors on Ray (%s)", len(clients), config.ray_address)

@@ -204,6 +204,9 @@ def _head_logprobs(rt: "ModelRuntime", hidden: torch.Tensor, targets: torch.Tens
     softcap = getattr(rt.model.config, "final_logit_softcapping", None)
     if softcap:  # Gemma-style models cap logits in their forward; keep parity with it
         logits = torch.tanh(logits / softcap) * softcap
+    # bf16 logits are upcast before the logsumexp, as HF's causal-LM loss does (engine/precision.py):
+    # summed in bf16 over a 49k vocab it is off by up to ~0.03. A no-op in fp32.
+    logits = logits.float()
     lse = torch.logsumexp(logits, dim=-1)  # [C]
     if targets.dim() == 1:
         return logits.gather(-1, targets[:, None])[:, 0] - lse
@@ -292,6 +295,10 @@ def forward_backward(engine: "Engine", op: ForwardBackwardOp) -> ForwardBackward
     inputs = {k: torch.from_numpy(np.concatenate([x[k] for x in per_datum])) for k in per_datum[0]}  # [M] / [M, K]
     # Which datum each position came from, for losses that aggregate per sequence (gspo).
     inputs[DATUM_INDEX] = torch.repeat_interleave(torch.arange(batch), torch.tensor(lengths))  # [M]
+    device = rt.precision.torch_device
+    if device.type != "cpu":  # everything the loss sees lives where the model does
+        input_ids, mask = input_ids.to(device), mask.to(device)
+        inputs = {k: v.to(device) for k, v in inputs.items()}
 
     params = adapter.parameters()
     rt.ctx.set_single(adapter.slot)
@@ -313,7 +320,8 @@ def forward_backward(engine: "Engine", op: ForwardBackwardOp) -> ForwardBackward
             rows = slice(int(offsets[i]), int(offsets[i + 1]))
             if bound is not None:  # a custom loss keeps each datum's own inputs
                 return bound.datum_loss(i, target_logprobs[rows])
-            alone = {k: v[rows] for k, v in inputs.items()} | {DATUM_INDEX: torch.zeros(lengths[i], dtype=torch.long)}
+            alone = {k: v[rows] for k, v in inputs.items()} | {
+                DATUM_INDEX: torch.zeros(lengths[i], dtype=torch.long, device=target_logprobs.device)}
             return loss(target_logprobs[rows], alone, config)[0]
 
         finite.check_forward_backward(adapter, loss_sum, batch, per_datum_loss, params, grads)
@@ -329,7 +337,7 @@ def forward_backward(engine: "Engine", op: ForwardBackwardOp) -> ForwardBackward
                     p.grad.add_(g)
         adapter.pending_grads += 1
 
-    logprobs = target_logprobs.detach().numpy().astype(np.float32, copy=False)
+    logprobs = target_logprobs.detach().cpu().numpy().astype(np.float32, copy=False)
     outputs = [{"logprobs": logprobs[offsets[i] : offsets[i + 1]].copy()} for i in range(batch)]
     log.debug(
         "forward_backward model=%s datums=%d tokens=%d forward_only=%s %.1f ms",

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from tinkerd.engine.lora import deltanet
+from tinkerd.engine.precision import lora_delta_add
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +160,9 @@ class MultiLoraLinear(nn.Module):
             lw = self.adapters.get(group.slot)
             if lw is None:
                 continue
-            if group.rows is None:
+            if lw.a.dtype != out.dtype:  # bf16 base, fp32 master adapter (engine/precision.py)
+                out = _mixed_add(out, x, lw, group.rows)
+            elif group.rows is None:
                 out = out + ((x @ lw.a.t()) @ lw.b.t()) * lw.scaling
             else:
                 rows = group.token_rows(x)
@@ -179,13 +182,26 @@ class MultiLoraLinear(nn.Module):
             lw = self.adapters.get(group.slot)
             if lw is None:
                 continue
-            if group.rows is None:
+            if lw.a.dtype != out.dtype:  # the training path's numbers, so the sampler agrees with it
+                out.copy_(_mixed_add(out, x, lw, group.rows))
+            elif group.rows is None:
                 x2 = x.reshape(-1, x.shape[-1])  # [M, in]: every position of every row
                 out.view(-1, out.shape[-1]).addmm_(x2 @ lw.a.t(), lw.b.t(), alpha=lw.scaling)
             else:  # rows index dim 0 (batch rows), whatever the trailing token dims
                 rows = group.token_rows(x)
                 out.index_add_(0, rows, (x[rows] @ lw.a.t()) @ lw.b.t(), alpha=lw.scaling)
         return out
+
+
+def _mixed_add(out: torch.Tensor, x: torch.Tensor, lw: LoraWeights, rows: torch.Tensor | None) -> torch.Tensor:
+    """One group's LoRA delta on a bf16 layer with fp32 master A/B (lora_delta_add). The delta of a
+    subset of rows is computed as for those rows alone, so a row routed with other adapters' rows
+    gets the same numbers as alone."""
+    if rows is None:
+        return lora_delta_add(out, x, lw.a, lw.b, lw.scaling)
+    rows = rows.to(out.device)  # LoraContext builds its row lists on the CPU
+    delta = ((x[rows] @ lw.a.to(x.dtype).t()) @ lw.b.to(x.dtype).t()) * lw.scaling
+    return out.index_add(0, rows, delta)
 
 
 # Most rows one 1x1-convolution GEMM takes (module docstring): below the 64 positions at which

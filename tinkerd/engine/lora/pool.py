@@ -51,8 +51,11 @@ class Adapter:
 
 
 class AdapterPool:
-    def __init__(self, layers: dict[str, "MultiLoraLinear | ExpertsParam"], max_rank: int):
+    def __init__(self, layers: dict[str, "MultiLoraLinear | ExpertsParam"], max_rank: int,
+                 device: torch.device = torch.device("cpu")):
         self.layers = layers
+        # Adapters are fp32 whatever the base model's dtype (engine/precision.py), on its device.
+        self.device = device
         self.max_rank = max_rank
         self.adapters: dict[str, Adapter] = {}
         self._next_slot = 0
@@ -89,8 +92,9 @@ class AdapterPool:
             layer = self.layers[name]
             a_shape, b_shape = layer.lora_shapes(spec.rank)
             a = torch.empty(a_shape, dtype=torch.float32)
-            layer.init_a(a, gen)
-            b = torch.zeros(b_shape, dtype=torch.float32)
+            layer.init_a(a, gen)  # on the CPU: the seeded generator is a CPU one, so every device gets the same A
+            a = a.to(self.device)
+            b = torch.zeros(b_shape, dtype=torch.float32, device=self.device)
             weights[name] = (a.requires_grad_(trainable), b.requires_grad_(trainable))
         return self._attach(key, spec, weights, trainable)
 
@@ -107,7 +111,8 @@ class AdapterPool:
             if tuple(a.shape) != a_shape or tuple(b.shape) != b_shape:
                 raise UserError(f"checkpoint LoRA shapes for {name} do not fit this base model")
         weights = {
-            n: (a.detach().float().clone().requires_grad_(trainable), b.detach().float().clone().requires_grad_(trainable))
+            n: (a.detach().float().to(self.device, copy=True).requires_grad_(trainable),
+                b.detach().float().to(self.device, copy=True).requires_grad_(trainable))
             for n, (a, b) in weights.items()
         }
         return self._attach(key, spec, weights, trainable)

@@ -13,10 +13,10 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from tinkerd.engine.model import families, tiny
+from tinkerd.engine.precision import Precision
 from tinkerd.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class LoadedModel:
     name: str
-    model: PreTrainedModel  # fp32 on CPU, eval mode
+    model: PreTrainedModel  # in the engine's dtype, on its device (engine/precision.py), eval mode
     # What the server's own `AutoTokenizer.from_pretrained` loads: a directory or a hub name.
     tokenizer_dir: str
     max_context_length: int
@@ -79,9 +79,9 @@ def _detect(name: str, config: dict) -> families.Family:
     return family
 
 
-def _load_dir(name: str, path: Path, tokenizer_id: str | None = None) -> LoadedModel:
+def _load_dir(name: str, path: Path, precision: Precision, tokenizer_id: str | None = None) -> LoadedModel:
     family = _detect(name, _saved_config(name, path))
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = _place(AutoModelForCausalLM.from_pretrained(path, dtype=precision.torch_dtype), precision)
     return _finish(name, model, str(path), tokenizer_id, family)
 
 
@@ -105,11 +105,16 @@ def context_length(cfg: PretrainedConfig) -> int:
     return int(getattr(cfg.get_text_config(), "max_position_embeddings", None) or 2048)
 
 
-def load_model(name: str, models_dir: Path) -> LoadedModel:
+def _place(model: PreTrainedModel, precision: Precision) -> PreTrainedModel:
+    # Loaded in the compute dtype directly (a bf16 load never holds an fp32 copy), then moved.
+    return model if precision.device == "cpu" else model.to(precision.torch_device)
+
+
+def load_model(name: str, models_dir: Path, precision: Precision = Precision()) -> LoadedModel:
     if name in tiny.TINY_MODELS:
-        return _load_dir(name, _build_once(name, models_dir, tiny.build_tiny))
+        return _load_dir(name, _build_once(name, models_dir, tiny.build_tiny), precision)
     if os.path.isdir(name) and os.path.exists(os.path.join(name, "config.json")):
-        return _load_dir(name, Path(name))
+        return _load_dir(name, Path(name), precision)
     from tinkerd.engine.model import hub_alias, offline
 
     offline_error: UserError | None = None
@@ -122,10 +127,10 @@ def load_model(name: str, models_dir: Path) -> LoadedModel:
         if path is not None:
             # Converted here: its hub name resolves on this machine once the alias is in the cache.
             published = hub_alias.publish(name, path, offline.OFFLINE_SOURCES[name].sha256[:40])
-            return _load_dir(name, path, tokenizer_id=name if published else None)
+            return _load_dir(name, path, precision, tokenizer_id=name if published else None)
     try:
         family = _detect(name, PretrainedConfig.get_config_dict(name)[0])
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)
+        model = _place(AutoModelForCausalLM.from_pretrained(name, dtype=precision.torch_dtype), precision)
     except (OSError, ValueError) as e:
         hint = f" (offline source: {offline_error.message})" if offline_error else ""
         raise UserError(f"cannot load base model {name!r}: {e}{hint}") from e

@@ -262,7 +262,8 @@ class Sampler:
         # (temperature 1, no top-k/top-p truncation): exactly what the trainer's forward computes
         # for that token, so RL importance ratios exp(learner - sampler) start at 1 and
         # kl_sample_train measures only real policy drift. The rules only decide which token.
-        tokens = choose_tokens(logits, self.rules)  # [B]
+        # The rules keep their per-row state (generators, top-k, uniforms) on the CPU; no-ops there.
+        tokens = choose_tokens(logits.cpu(), self.rules).to(logits.device)  # [B]
         # log_softmax is logit - logsumexp in one pass: ~0.2 ms at 8 x 49k on one thread, where
         # logsumexp alone took ~0.4-0.6 (its exp runs as a separate, slower kernel).
         logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
