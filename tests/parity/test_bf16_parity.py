@@ -38,7 +38,7 @@ STEPS = 3
 
 
 def run(engine, op):
-    (result,) = engine.step([op])
+    (result,) = engine.run_ops([op])
     if isinstance(result, Exception):
         raise result
     return result
