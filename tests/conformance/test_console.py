@@ -247,6 +247,12 @@ def test_usage_equals_get_billing_usage(world, browser, shots):
 def test_queue_shows_a_paused_op_and_the_quotas(world, browser, shots):
     accounts, url = world["accounts"], world["url"]
     accounts.set_quota("alice-console", max_concurrent_runs=1)
+
+    def limit_in_force(d):  # the server reads overrides every ~2 s; a create sent before would not wait
+        d.get(f"{url}/console/queue")
+        rows = d.find_elements(By.CSS_SELECTOR, "#quotas tr[data-quota='concurrent training runs']")
+        return rows and rows[0].get_attribute("data-limit") == "1"
+    WebDriverWait(browser, WAIT_S, poll_frequency=0.5).until(limit_in_force)
     made = []
     creating = threading.Thread(target=lambda: made.append(
         world["sdk"].create_lora_training_client(base_model=TINY, rank=2).result()), daemon=True)
