@@ -15,7 +15,7 @@ API_KEY = "tml-tinkerd-test"
 # The models directory start_server links a new data dir's `models/` to (tests/conftest.py sets it
 # for the test session). Without it every server builds its tiny models again: for each, ~86 MB of
 # random init and safetensors, the same bytes every time, and ~17% of a start on this machine
-# (8.7 of 52 s at load 21); CI starts ~50 such servers. tests/e2e/test_faults.py did this by hand.
+# (8.7 of 52 s at load 21); CI starts ~30 such servers. tests/e2e/test_faults.py did this by hand.
 _shared_models_dir: Path | None = None
 
 
