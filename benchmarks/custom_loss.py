@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -36,7 +36,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from benchmarks.training import cpu_jiffies, proc_jiffies, tree_jiffies  # noqa: E402
+from benchmarks.training import interleave  # noqa: E402
 from tests.serverproc import API_KEY, start_server  # noqa: E402
 
 
@@ -91,37 +91,17 @@ def main() -> None:
             opt.result()
             return value
 
-        for tc, loss in sides.values():
-            step(tc, loss)  # warm-up
-        times: dict[str, list[float]] = {k: [] for k in sides}
-        losses: dict[str, list[float]] = {k: [] for k in sides}
-        busy0, total0 = cpu_jiffies()
-        own0 = proc_jiffies(os.getpid()) + tree_jiffies(server.proc.pid)
-        for _ in range(args.rounds):
-            for name, (tc, loss) in sides.items():
-                for _ in range(args.steps):
-                    t0 = time.perf_counter()
-                    losses[name].append(step(tc, loss))
-                    times[name].append(time.perf_counter() - t0)
-        busy1, total1 = cpu_jiffies()
-        own1 = proc_jiffies(os.getpid()) + tree_jiffies(server.proc.pid)
+        run = interleave({name: functools.partial(step, tc, loss) for name, (tc, loss) in sides.items()},
+                         args.rounds, args.steps, server.proc.pid)
     finally:
         server.stop()
 
-    tokens = args.rows * args.tokens
-    wall_s = (total1 - total0) / os.cpu_count() / os.sysconf("SC_CLK_TCK")
-    other_cpu_s = max(0, (busy1 - busy0) - (own1 - own0)) / os.sysconf("SC_CLK_TCK")
     print(f"model={args.model} batch={args.rows}x{args.tokens} rank={args.rank} threads={args.threads} "
           f"steps/side={args.rounds * args.steps} cpus={os.cpu_count()}")
-    print(f"CPU used by other processes during the run: {other_cpu_s:.1f} s over {wall_s:.1f} s wall")
-    a, b = (losses[k] for k in sides)
+    print(f"CPU used by other processes during the run: {run.other_cpu_s:.1f} s over {run.wall_s:.1f} s wall")
+    a, b = run.results.values()
     print(f"same losses on both sides: max |diff| {max(abs(x - y) for x, y in zip(a, b)):.2e}")
-    rates = {}
-    for name, ts in times.items():
-        med = float(np.median(ts))
-        rates[name] = tokens / med
-        print(f"{name:30s} median step {med * 1e3:8.1f} ms   {rates[name]:8.1f} tokens/s")
-    server_rate, client_rate = rates.values()
+    server_rate, client_rate = run.print_rates(args.rows * args.tokens, 30).values()
     print(f"speed-up server-side / client-side: {server_rate / client_rate:.2f}x")
 
 

@@ -14,6 +14,8 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -45,6 +47,48 @@ def tree_jiffies(pid: int) -> int:
         for child in open(f"/proc/{pid}/task/{tid}/children").read().split():
             total += tree_jiffies(int(child))
     return total
+
+
+@dataclass
+class Interleaved:
+    """An A B A B run: each side's step times and step results, and the CPU that other processes
+    used meanwhile (the machine is shared, so absolute times are inflated by that much)."""
+
+    times: dict[str, list[float]]
+    results: dict[str, list]
+    other_cpu_s: float
+    wall_s: float
+
+    def print_rates(self, tokens: int, width: int) -> dict[str, float]:
+        """Prints each side's median step and tokens/s; returns the tokens/s."""
+        rates = {}
+        for name, ts in self.times.items():
+            med = float(np.median(ts))
+            rates[name] = tokens / med
+            print(f"{name:{width}s} median step {med * 1e3:8.1f} ms   {rates[name]:8.1f} tokens/s")
+        return rates
+
+
+def interleave(sides: dict[str, Callable[[], object]], rounds: int, steps: int, server_pid: int) -> Interleaved:
+    """One warm-up step of each side (first-step allocations, lazy inits), then `rounds` rounds in
+    which each side runs `steps` steps in turn, so machine noise hits both alike."""
+    for step in sides.values():
+        step()
+    times: dict[str, list[float]] = {k: [] for k in sides}
+    results: dict[str, list] = {k: [] for k in sides}
+    busy0, total0 = cpu_jiffies()
+    own0 = proc_jiffies(os.getpid()) + tree_jiffies(server_pid)
+    for _ in range(rounds):
+        for name, step in sides.items():
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                results[name].append(step())
+                times[name].append(time.perf_counter() - t0)
+    busy1, total1 = cpu_jiffies()
+    own1 = proc_jiffies(os.getpid()) + tree_jiffies(server_pid)
+    wall_s = (total1 - total0) / os.cpu_count() / os.sysconf("SC_CLK_TCK")
+    other_cpu_s = max(0, (busy1 - busy0) - (own1 - own0)) / os.sysconf("SC_CLK_TCK")
+    return Interleaved(times, results, other_cpu_s, wall_s)
 
 
 def make_batch(vocab: int, rows: int, tokens: int, seed: int = 0) -> np.ndarray:
@@ -120,34 +164,14 @@ def main() -> None:
         batch = make_batch(vocab, args.rows, args.tokens)
         sides = {"tinkerd (SDK->HTTP->engine)": TinkerdSDK(server.url, args.model, args.rank, batch),
                  "HF+PEFT in-process": HFPeft(model_dir, args.rank, batch)}
-        for side in sides.values():  # warm-up: first-step allocations and lazy inits
-            side.step()
-        times: dict[str, list[float]] = {k: [] for k in sides}
-        busy0, total0 = cpu_jiffies()
-        own0 = proc_jiffies(os.getpid()) + tree_jiffies(server.proc.pid)
-        for _ in range(args.rounds):
-            for name, side in sides.items():
-                for _ in range(args.steps):
-                    t0 = time.perf_counter()
-                    side.step()
-                    times[name].append(time.perf_counter() - t0)
-        busy1, total1 = cpu_jiffies()
-        own1 = proc_jiffies(os.getpid()) + tree_jiffies(server.proc.pid)
+        run = interleave({name: side.step for name, side in sides.items()}, args.rounds, args.steps, server.proc.pid)
     finally:
         server.stop()
 
-    tokens = args.rows * args.tokens
-    wall_s = (total1 - total0) / os.cpu_count() / os.sysconf("SC_CLK_TCK")
-    other_cpu_s = max(0, (busy1 - busy0) - (own1 - own0)) / os.sysconf("SC_CLK_TCK")
     print(f"model={args.model} engine={args.engine} batch={args.rows}x{args.tokens} rank={args.rank} threads={args.threads} "
           f"steps/side={args.rounds * args.steps} cpus={os.cpu_count()}")
-    print(f"CPU used by other processes during the run: {other_cpu_s:.1f} s over {wall_s:.1f} s wall")
-    rates = {}
-    for name, ts in times.items():
-        med = float(np.median(ts))
-        rates[name] = tokens / med
-        print(f"{name:32s} median step {med * 1e3:8.1f} ms   {rates[name]:8.1f} tokens/s")
-    a, b = rates.values()
+    print(f"CPU used by other processes during the run: {run.other_cpu_s:.1f} s over {run.wall_s:.1f} s wall")
+    a, b = run.print_rates(args.rows * args.tokens, 32).values()
     print(f"ratio tinkerd / HF+PEFT: {a / b:.3f}")
 
 

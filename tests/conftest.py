@@ -17,6 +17,7 @@ atexit.register(shutil.rmtree, os.environ["HF_HOME"], ignore_errors=True)
 import pytest
 import torch
 
+from tests import serverproc
 from tinkerd.engine.engine import Engine, ModelRuntime
 from tinkerd.engine.model.registry import cache_dir_for
 
@@ -42,6 +43,14 @@ def quiet_sdk_after_the_tests():
 @pytest.fixture(scope="session")
 def models_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def servers_share_models(models_dir):
+    """Every server the tests start links its data dir's models/ to the session's (serverproc.py)."""
+    serverproc.share_models(models_dir)
+    yield
+    serverproc.share_models(None)
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,17 @@ from pathlib import Path
 
 API_KEY = "tml-tinkerd-test"
 
+# The models directory start_server links a new data dir's `models/` to (tests/conftest.py sets it
+# for the test session). Without it every server builds its tiny models again: for each, ~86 MB of
+# random init and safetensors, the same bytes every time, and ~17% of a start on this machine
+# (8.7 of 52 s at load 21); CI starts ~30 such servers. tests/e2e/test_faults.py did this by hand.
+_shared_models_dir: Path | None = None
+
+
+def share_models(models_dir: Path | None) -> None:
+    global _shared_models_dir
+    _shared_models_dir = models_dir
+
 
 @dataclass
 class ServerProcess:
@@ -38,9 +49,14 @@ class ServerProcess:
 
 def start_server(data_dir: Path, base_models: list[str], extra_args: list[str] = (), timeout_s: float = 300,
                  env: dict | None = None, api_key: str | None = API_KEY, launcher: list[str] = (),
-                 log_level: str = "WARNING") -> ServerProcess:
+                 log_level: str = "WARNING", own_models: bool = False) -> ServerProcess:
     """`launcher`: a command the server command line is appended to (one that execs it, so the PID
-    is the server's)."""
+    is the server's). `own_models`: build the models into the data dir instead of linking the shared
+    ones (for a server of other code, whose models may differ)."""
+    models = Path(data_dir) / "models"
+    if _shared_models_dir is not None and not own_models and not models.exists() and not models.is_symlink():
+        models.parent.mkdir(parents=True, exist_ok=True)
+        models.symlink_to(_shared_models_dir, target_is_directory=True)
     cmd = [*launcher, sys.executable, "-m", "tinkerd.cli.main", "--log-level", log_level, "serve", "--port", "0",
            "--data-dir", str(data_dir), *(["--api-key", api_key] if api_key else []), *extra_args]
     for m in base_models:

@@ -46,3 +46,27 @@ def pg_server(tmp_path_factory, pg_server_url):
 def store_server(request):
     """The shared server on each store: SQLite (the default) and PostgreSQL."""
     return request.getfixturevalue("server" if request.param == "sqlite" else "pg_server")
+
+
+@pytest.fixture(scope="module")
+def sc(server):
+    """One ServiceClient (one server session) per test module, on the module's `server`."""
+    return tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
+
+
+# Timers that are long by default, short on one shared server for the tests of what they do
+# (test_quotas' minute-window tests, test_openai's quota test, test_stable_reinforce's expiry,
+# test_checkpoints_rest's sweeper): one start instead of four (~10-15 s each). Every test on it
+# uses its own account or session.
+RECORDED_SEQUENCE_TTL_S = 6.0
+
+
+@pytest.fixture(scope="session")
+def timers_server(tmp_path_factory):
+    """--threads 1; a 1 s long-poll hold (so a paused op is seen on the wire within a second),
+    recorded sequences kept RECORDED_SEQUENCE_TTL_S, the checkpoint sweeper every 0.2 s."""
+    srv = start_server(tmp_path_factory.mktemp("timers-data"), [TINY], [
+        "--threads", "1", "--retrieve-future-timeout-s", "1", "--recorded-sequence-ttl-s", str(RECORDED_SEQUENCE_TTL_S),
+        "--checkpoint-sweep-interval-s", "0.2"])
+    yield srv
+    srv.stop()

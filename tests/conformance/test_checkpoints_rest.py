@@ -22,7 +22,8 @@ import tinker
 from tinker import types
 
 from tests.conformance.conftest import TINY
-from tests.serverproc import API_KEY, start_server
+from tests.conformance.test_ownership import _key
+from tests.serverproc import API_KEY
 
 HEADERS = {"X-API-Key": API_KEY}
 TOKENS = list(range(1000, 1024))
@@ -277,34 +278,33 @@ def test_bad_paths_and_values_are_clear_4xx_and_change_nothing(service_client, r
     assert sorted(os.listdir(server.data_dir / "checkpoints" / mid / "external_weights")) == ["x"]
 
 
-def test_expired_checkpoints_leave_listings_and_disk(tmp_path):
-    # Its own server, with the sweeper running every 0.2 s instead of every minute.
-    srv = start_server(tmp_path / "data", [TINY], ["--threads", "1", "--checkpoint-sweep-interval-s", "0.2"])
-    try:
-        sc = tinker.ServiceClient(base_url=srv.url, api_key=API_KEY)
-        rest = tinker.RestClient(base_url=srv.url, api_key=API_KEY)
-        tc = sc.create_lora_training_client(base_model=TINY, rank=2, seed=1).result()
-        keep = tc.save_state("keep", ttl_seconds=3600).result().path
-        gone = tc.save_state("gone").result().path
-        gone_s = tc.save_weights_for_sampler("gone-s").result().path
-        for p in (gone, gone_s):
-            rest.set_checkpoint_ttl_from_tinker_path(p, 1).result()  # the SDK has no 3600 s floor; nor has tinkerd
-        deadline = time.monotonic() + 15
-        # No requests while waiting: the sweeper alone must delete the files.
-        while any(_ckpt_dir(srv, p).exists() for p in (gone, gone_s)) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not _ckpt_dir(srv, gone).exists() and not _ckpt_dir(srv, gone_s).exists()
-        assert _ckpt_dir(srv, keep).is_dir()
-        assert [c.tinker_path for c in rest.list_checkpoints(tc.model_id).result().checkpoints] == [keep]
-        assert [c.tinker_path for c in rest.list_user_checkpoints().result().checkpoints] == [keep]
-        run = rest.get_training_run(tc.model_id).result()
-        assert run.last_checkpoint.tinker_path == keep and run.last_sampler_checkpoint is None
-        with pytest.raises(tinker.NotFoundError):
-            rest.get_weights_info_by_tinker_path(gone).result()
-        with pytest.raises(tinker.NotFoundError):
-            sc.create_training_client_from_state(gone).result()
-    finally:
-        srv.stop()
+def test_expired_checkpoints_leave_listings_and_disk(timers_server):
+    # On the shared timers server (conftest.py), whose sweeper runs every 0.2 s instead of every
+    # minute; an account of its own, so the user's listing holds only this test's checkpoints.
+    srv = timers_server
+    key = _key(srv.data_dir, "erin-expiry")
+    sc = tinker.ServiceClient(base_url=srv.url, api_key=key)
+    rest = tinker.RestClient(base_url=srv.url, api_key=key)
+    tc = sc.create_lora_training_client(base_model=TINY, rank=2, seed=1).result()
+    keep = tc.save_state("keep", ttl_seconds=3600).result().path
+    gone = tc.save_state("gone").result().path
+    gone_s = tc.save_weights_for_sampler("gone-s").result().path
+    for p in (gone, gone_s):
+        rest.set_checkpoint_ttl_from_tinker_path(p, 1).result()  # the SDK has no 3600 s floor; nor has tinkerd
+    deadline = time.monotonic() + 15
+    # No requests while waiting: the sweeper alone must delete the files.
+    while any(_ckpt_dir(srv, p).exists() for p in (gone, gone_s)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _ckpt_dir(srv, gone).exists() and not _ckpt_dir(srv, gone_s).exists()
+    assert _ckpt_dir(srv, keep).is_dir()
+    assert [c.tinker_path for c in rest.list_checkpoints(tc.model_id).result().checkpoints] == [keep]
+    assert [c.tinker_path for c in rest.list_user_checkpoints().result().checkpoints] == [keep]
+    run = rest.get_training_run(tc.model_id).result()
+    assert run.last_checkpoint.tinker_path == keep and run.last_sampler_checkpoint is None
+    with pytest.raises(tinker.NotFoundError):
+        rest.get_weights_info_by_tinker_path(gone).result()
+    with pytest.raises(tinker.NotFoundError):
+        sc.create_training_client_from_state(gone).result()
 
 
 def _cli(server, *args: str) -> subprocess.CompletedProcess:

@@ -9,6 +9,7 @@ import torch
 from tinker import types
 
 from tests.conformance.conftest import TINY
+from tests.conformance.sft import train_on
 from tests.serverproc import API_KEY
 
 weights = pytest.importorskip("tinker_cookbook.weights")
@@ -32,11 +33,7 @@ def _logprobs(model, tokens: list[int]) -> torch.Tensor:
 def trained(server):
     sc = tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
     tc = sc.create_lora_training_client(base_model=TINY, rank=4, seed=9).result()
-    datum = types.Datum(model_input=types.ModelInput.from_ints(TOKENS[:-1]),
-                        loss_fn_inputs={"target_tokens": TOKENS[1:], "weights": [1.0] * (len(TOKENS) - 1)})
-    for _ in range(3):
-        tc.forward_backward([datum], "cross_entropy")
-        tc.optim_step(types.AdamParams(learning_rate=2e-2))
+    train_on(tc, TOKENS, 3, learning_rate=2e-2)
     state = tc.save_state("final").result().path
     sampler_path = tc.save_weights_for_sampler("final").result().path
     sampler = sc.create_sampling_client(model_path=sampler_path).result()

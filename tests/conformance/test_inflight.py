@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import httpx
 import numpy as np
-import pytest
-import tinker
 from tinker import types
 
 from tests.conformance.conftest import TINY
+from tests.conformance.sft import train_on
 from tests.serverproc import API_KEY
 
 PROMPT = [9707, 11, 1879, 0, 220, 3555, 13, 1416, 2585, 525, 498, 30]
@@ -23,15 +22,8 @@ GREEDY = types.SamplingParams(max_tokens=8, temperature=0.0, stop=[])
 SEEDED = types.SamplingParams(max_tokens=8, temperature=1.0, seed=7, stop=[])
 
 
-def _datum(tokens: list[int]) -> types.Datum:
-    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                       loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
-
-
 def _train(tc, text: list[int], steps: int) -> None:
-    for _ in range(steps):
-        tc.forward_backward([_datum(text)], "cross_entropy")
-        tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    train_on(tc, text, steps, learning_rate=5e-2)
 
 
 def _out(client) -> tuple:
@@ -42,11 +34,6 @@ def _out(client) -> tuple:
 
 def _same(a, b) -> bool:
     return a[0] == b[0] and all(np.allclose(x, y, atol=1e-5) for x, y in zip(a[1], b[1]))
-
-
-@pytest.fixture(scope="module")
-def sc(server) -> tinker.ServiceClient:
-    return tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
 
 
 def test_inflight_clients_sample_the_runs_latest_inflight_save(sc):

@@ -8,6 +8,7 @@ import tinker
 from tinker import types
 
 from tests.conformance.conftest import TINY
+from tests.conformance.refusals import refused
 from tests.conformance.test_op_log import ARGS, _client, _kill, _port, _train
 from tests.serverproc import API_KEY, start_server
 
@@ -28,16 +29,6 @@ def _prompt(n: int) -> types.ModelInput:
     return types.ModelInput.from_ints([(11 * i) % 1000 + 1 for i in range(n)])
 
 
-def _refused(call, *words) -> None:
-    """A 400 in the `user` category naming the problem (the SDK does not retry it)."""
-    with pytest.raises(tinker.BadRequestError) as info:
-        call()
-    body = info.value.body if isinstance(info.value.body, dict) else {}
-    assert body.get("category") == "user", info.value
-    for w in words:
-        assert w in str(info.value), info.value
-
-
 def test_capabilities_list_each_model_with_its_context_length(server):
     rest = tinker.RestClient(base_url=server.url, api_key=API_KEY)
     models = {m.model_name: m for m in rest.get_server_capabilities().result().supported_models}
@@ -45,8 +36,7 @@ def test_capabilities_list_each_model_with_its_context_length(server):
     assert all(m.trainable and m.sampleable for m in models.values())
 
 
-def test_long_context_id_trains_within_its_limit_and_refuses_past_it(server):
-    sc = tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
+def test_long_context_id_trains_within_its_limit_and_refuses_past_it(sc):
     tc = sc.create_lora_training_client(base_model=VARIANT, rank=4, seed=3).result()
     info = tc.get_info()
     # The name as asked (the SDK strips the suffix itself for the tokenizer), the base's architecture.
@@ -60,28 +50,27 @@ def test_long_context_id_trains_within_its_limit_and_refuses_past_it(server):
     loss = tc.forward(at_limit, "cross_entropy").result().metrics["loss:sum"]
     assert loss == base.forward(at_limit, "cross_entropy").result().metrics["loss:sum"]
 
-    _refused(lambda: tc.forward_backward([_datum(SHORT + 1)], "cross_entropy").result(),
-             f"{SHORT + 1} tokens exceed the model's context length of {SHORT}")
+    refused(lambda: tc.forward_backward([_datum(SHORT + 1)], "cross_entropy").result(),
+            f"{SHORT + 1} tokens exceed the model's context length of {SHORT}")
     # The base itself keeps its own limit.
     base.forward([_datum(SHORT + 1)], "cross_entropy").result()
 
     # Its sampler (save_weights_and_get_sampling_client carries get_info's model_name) has the limit too.
     sampler = tc.save_weights_and_get_sampling_client().result()
     assert len(sampler.sample(_prompt(SHORT - 1), 1, GREEDY_1).result().sequences[0].tokens) == 1
-    _refused(lambda: sampler.sample(_prompt(SHORT), 1, GREEDY_1).result(),
-             f"prompt ({SHORT} tokens) + max_tokens (1) exceeds the model's context length of {SHORT}")
+    refused(lambda: sampler.sample(_prompt(SHORT), 1, GREEDY_1).result(),
+            f"prompt ({SHORT} tokens) + max_tokens (1) exceeds the model's context length of {SHORT}")
 
 
-def test_long_context_id_samples_within_its_limit(server):
-    sc = tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
+def test_long_context_id_samples_within_its_limit(sc):
     variant = sc.create_sampling_client(base_model=VARIANT).result()
     base = sc.create_sampling_client(base_model=TINY).result()
     params = types.SamplingParams(max_tokens=4, temperature=0.0)
     got = variant.sample(_prompt(SHORT - 4), 1, params).result().sequences[0]
     assert got.tokens == base.sample(_prompt(SHORT - 4), 1, params).result().sequences[0].tokens
-    _refused(lambda: variant.sample(_prompt(SHORT - 3), 1, params).result(), "context length of 64")
-    _refused(lambda: variant.sample(_prompt(4), 1, types.SamplingParams(max_tokens=SHORT + 1)).result(),
-             "max_tokens must be between 1 and the model's context length of 64")
+    refused(lambda: variant.sample(_prompt(SHORT - 3), 1, params).result(), "context length of 64")
+    refused(lambda: variant.sample(_prompt(4), 1, types.SamplingParams(max_tokens=SHORT + 1)).result(),
+            "max_tokens must be between 1 and the model's context length of 64")
     base.sample(_prompt(SHORT - 3), 1, params).result()  # the base's limit is its own
 
 
@@ -93,15 +82,13 @@ def test_long_context_id_samples_within_its_limit(server):
     (f"{TINY}:peft:", ["malformed"]),
     ("tinkerd/no-such-model:peft:64", ["not served here"]),
 ])
-def test_bad_long_context_ids_are_user_errors(server, name, words):
-    sc = tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
-    _refused(lambda: sc.create_lora_training_client(base_model=name, rank=4).result(), *words)
-    _refused(lambda: sc.create_sampling_client(base_model=name).result().sample(_prompt(3), 1, GREEDY_1).result(),
-             *words)
+def test_bad_long_context_ids_are_user_errors(sc, name, words):
+    refused(lambda: sc.create_lora_training_client(base_model=name, rank=4).result(), *words)
+    refused(lambda: sc.create_sampling_client(base_model=name).result().sample(_prompt(3), 1, GREEDY_1).result(),
+            *words)
 
 
-def test_a_variant_at_the_base_limit_is_the_base(server):
-    sc = tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
+def test_a_variant_at_the_base_limit_is_the_base(sc):
     full = sc.create_sampling_client(base_model=f"{TINY}:peft:{OWN_CONTEXT}").result()
     assert len(full.sample(_prompt(3), 1, GREEDY_1).result().sequences[0].tokens) == 1
 
@@ -118,7 +105,7 @@ def test_a_long_context_run_recovers_exactly_after_a_restart_with_its_limit(tmp_
         _kill(srv)
         srv = start_server(tmp_path, [TINY], args)
         rest = _train(tc, range(3, 6))  # the same client: its seq_ids go on
-        _refused(lambda: tc.forward([_datum(SHORT + 1)], "cross_entropy").result(), f"context length of {SHORT}")
+        refused(lambda: tc.forward([_datum(SHORT + 1)], "cross_entropy").result(), f"context length of {SHORT}")
     finally:
         srv.stop()
     assert first + rest == reference

@@ -113,7 +113,7 @@ def test_a_data_dir_written_before_the_op_log_recovers_after_the_upgrade(tmp_pat
     assert (old_checkout / "tinkerd" / "api" / "replay.py").is_file()  # the raw-body log's code
     # The old code, run from its own checkout (python -m finds the cwd's tinkerd first).
     args = ARGS + _port()
-    old = start_server(tmp_path, [TINY], args, launcher=["env", "-C", str(old_checkout)])
+    old = start_server(tmp_path, [TINY], args, launcher=["env", "-C", str(old_checkout)], own_models=True)
     try:
         sc = _client(old)
         reference = _train(sc.create_lora_training_client(base_model=TINY, rank=8, seed=7).result(), range(6))

@@ -21,8 +21,9 @@ from tinker import types
 from transformers import AutoTokenizer
 
 from tests.conformance.conftest import TINY
+from tests.conformance.sft import train_on
 from tests.conformance.test_ownership import _key
-from tests.serverproc import API_KEY, start_server
+from tests.serverproc import API_KEY
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
 TEXT = [9707, 11, 1879, 0, 220, 3555, 13, 1416, 2585, 525, 498, 30]
@@ -32,11 +33,7 @@ TEXT = [9707, 11, 1879, 0, 220, 3555, 13, 1416, 2585, 525, 498, 30]
 def world(server):
     sc = tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
     tc = sc.create_lora_training_client(base_model=TINY, rank=8, seed=3).result()
-    datum = types.Datum(model_input=types.ModelInput.from_ints(TEXT[:-1]),
-                        loss_fn_inputs={"target_tokens": TEXT[1:], "weights": [1.0] * (len(TEXT) - 1)})
-    for _ in range(3):
-        tc.forward_backward([datum], "cross_entropy")
-        tc.optim_step(types.AdamParams(learning_rate=2e-2))
+    train_on(tc, TEXT, 3, learning_rate=2e-2)
     path = tc.save_weights_for_sampler("oai").result().path
     info = tc.get_info()
     tok = AutoTokenizer.from_pretrained(info.model_data.tokenizer_id)
@@ -204,41 +201,40 @@ def test_a_multi_turn_chat_loop_equals_sample_on_the_whole_history(world):
         history += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": user_turn}]
 
 
-def test_a_v1_request_waits_on_its_accounts_quota_like_asample(tmp_path):
+def test_a_v1_request_waits_on_its_accounts_quota_like_asample(timers_server):
     """The same quotas as asample: over its tokens per minute, an account's /v1 request is queued and
     paused (retrieve_future says paused_rate_limit for its future), never failed; lifting the quota
-    lets it run."""
+    lets it run. On the shared timers server (conftest.py: a 1 s long-poll hold)."""
     from sqlalchemy import select
 
     from tests.conformance.test_quotas import _key as quota_key
     from tests.conformance.test_quotas import _tinkerd
     from tinkerd.control.store.db import Store
-    from tinkerd.control.store.tables import FutureRow
+    from tinkerd.control.store.tables import AccountRow, FutureRow
 
-    srv = start_server(tmp_path, [TINY], ["--threads", "1", "--retrieve-future-timeout-s", "1"])
-    try:
-        key = quota_key(srv, "oai-tpm", "--max-tokens-per-minute", "40")
-        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=key, max_retries=0, timeout=300)
-        kw = dict(model=TINY, prompt=list(range(1, 21)), max_tokens=8, temperature=0.0)  # 28 tokens charged
-        first = client.completions.create(**kw)
-        assert first.choices[0].text is not None
-        box: list = []
-        waiter = threading.Thread(target=lambda: box.append(client.completions.create(**kw)))
-        waiter.start()
-        store = Store.sqlite(srv.data_dir / "tinkerd.sqlite")
-        for _ in range(600):  # bounded wait for the second request's future to be stored
-            pending = store.query(select(FutureRow).where(FutureRow.status == "pending"))
-            if pending:
-                break
-            time.sleep(0.05)
-        [row] = pending
-        r = httpx.post(f"{srv.url}/api/v1/retrieve_future", json={"request_id": row.request_id},
-                       headers={"X-API-Key": key}, timeout=30)
-        assert r.status_code == 408 and r.json()["queue_state"] == "paused_rate_limit", r.text
-        assert waiter.is_alive() and not box
-        lifted = _tinkerd(srv.data_dir, "accounts", "set-quota", "oai-tpm", "--max-tokens-per-minute", "unlimited")
-        assert lifted.returncode == 0
-        waiter.join(timeout=300)
-        assert box and box[0].choices[0].text == first.choices[0].text
-    finally:
-        srv.stop()
+    srv = timers_server
+    key = quota_key(srv, "oai-tpm", "--max-tokens-per-minute", "40")
+    client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=key, max_retries=0, timeout=300)
+    kw = dict(model=TINY, prompt=list(range(1, 21)), max_tokens=8, temperature=0.0)  # 28 tokens charged
+    first = client.completions.create(**kw)
+    assert first.choices[0].text is not None
+    box: list = []
+    waiter = threading.Thread(target=lambda: box.append(client.completions.create(**kw)))
+    waiter.start()
+    store = Store.sqlite(srv.data_dir / "tinkerd.sqlite")
+    [account] = store.query(select(AccountRow).where(AccountRow.name == "oai-tpm"))
+    mine = select(FutureRow).where(FutureRow.status == "pending", FutureRow.account_id == account.account_id)
+    for _ in range(600):  # bounded wait for the second request's future to be stored
+        pending = store.query(mine)
+        if pending:
+            break
+        time.sleep(0.05)
+    [row] = pending
+    r = httpx.post(f"{srv.url}/api/v1/retrieve_future", json={"request_id": row.request_id},
+                   headers={"X-API-Key": key}, timeout=30)
+    assert r.status_code == 408 and r.json()["queue_state"] == "paused_rate_limit", r.text
+    assert waiter.is_alive() and not box
+    lifted = _tinkerd(srv.data_dir, "accounts", "set-quota", "oai-tpm", "--max-tokens-per-minute", "unlimited")
+    assert lifted.returncode == 0
+    waiter.join(timeout=300)
+    assert box and box[0].choices[0].text == first.choices[0].text

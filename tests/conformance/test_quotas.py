@@ -2,8 +2,8 @@
 minute or its concurrent runs waits (no client error) while other accounts proceed, and the wire
 says why: retrieve_future answers try_again with queue_state "paused_rate_limit".
 
-Two servers, both with a 1 s long-poll hold: one with a 4 s quota window (budget = limit * 4 / 60),
-where a paused op resumes by itself in seconds; one with the real 60 s window, where a pause lasts
+Two servers, both with a 1 s long-poll hold: one of its own with a 4 s quota window (budget = limit * 4 / 60),
+where a paused op resumes by itself in seconds; the shared timers server (conftest.py) with the real 60 s window, where a pause lasts
 far longer than any check of it, and ends when the operator lifts the quota or a session ends.
 Ordering is asserted from the server's own completion records, never from timings.
 """
@@ -42,11 +42,9 @@ def quota_server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def minute_server(tmp_path_factory):
-    srv = start_server(tmp_path_factory.mktemp("quota-minute-data"), [TINY],
-                       ["--threads", "1", "--retrieve-future-timeout-s", "1"])
-    yield srv
-    srv.stop()
+def minute_server(timers_server):
+    """The real 60 s window and a 1 s hold: the shared timers server (conftest.py)."""
+    return timers_server
 
 
 def _tinkerd(data_dir, *args, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -15,19 +15,12 @@ import torch
 from tinker import types
 
 from tests.conformance.conftest import TINY
+from tests.conformance.refusals import failed_as_user
 from tests.serverproc import API_KEY
 
 # Adam with eps=1: the first update is lr·g/(|g|+1) ≈ lr·g, so it depends on the gradient's size
 # and not only its sign — two paths whose gradients differ show up in the weights.
 SMOOTH_ADAM = types.AdamParams(learning_rate=1e-2, eps=1.0)
-
-
-def _user_failure(future, *words) -> None:
-    with pytest.raises(tinker.RequestFailedError) as info:
-        future.result()
-    assert info.value.category == "user", info.value
-    for w in words:
-        assert w in info.value.message, info.value.message
 
 
 # --- GRPO with importance_sampling on a verifiable toy task ---------------------------------------
@@ -160,8 +153,8 @@ def test_loss_by_name_matches_its_formula(rl_batch, name, config):
 def test_refused_losses_are_user_errors_naming_the_supported_ones(rl_batch):
     tc, raw = rl_batch
     data = [types.Datum(model_input=d["model_input"], loss_fn_inputs={k: d[k] for k in ("target_tokens", "logprobs", "advantages")}) for d in raw]
-    _user_failure(tc.forward_backward(data, "gspo"), "sequence_ratio_mask")
-    _user_failure(tc.forward_backward(data, "dro"), "beta")
+    failed_as_user(tc.forward_backward(data, "gspo"), "sequence_ratio_mask")
+    failed_as_user(tc.forward_backward(data, "dro"), "beta")
 
 
 def test_capabilities_list_the_losses(server):

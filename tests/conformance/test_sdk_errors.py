@@ -11,6 +11,7 @@ from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
 
 from tests.conformance.conftest import TINY
+from tests.conformance.refusals import failed_as_user
 from tests.serverproc import API_KEY
 
 HEADERS = {"X-API-Key": API_KEY}
@@ -30,24 +31,16 @@ def clients(server):
     return sc, victim, attacker
 
 
-def _assert_user_failure(future, *words):
-    with pytest.raises(tinker.RequestFailedError) as info:
-        future.result()
-    assert info.value.category == "user", info.value
-    for w in words:
-        assert w in info.value.message, info.value.message
-
-
 def test_bad_datums_fail_their_own_future_only(clients):
     _, victim, attacker = clients
     good = [_datum([1, 2, 3, 4])]
     victim_before = victim.forward(good, "cross_entropy").result().metrics["loss:sum"]
     attacker_before = attacker.forward(good, "cross_entropy").result().metrics["loss:sum"]
 
-    _assert_user_failure(attacker.forward_backward([_datum([1, 2, 10**9])], "cross_entropy"), "vocab")
-    _assert_user_failure(attacker.forward_backward([_datum([1, 2, 3], targets=[2, 3])], "cross_entropy"), "target_tokens")
-    _assert_user_failure(attacker.forward_backward([_datum([1, 2, 3], weights=[1.0, 1.0])], "cross_entropy"), "weights")
-    _assert_user_failure(attacker.forward_backward([_datum([1, 2, 3], targets=[2, 3, -5])], "cross_entropy"), "vocab")
+    failed_as_user(attacker.forward_backward([_datum([1, 2, 10**9])], "cross_entropy"), "vocab")
+    failed_as_user(attacker.forward_backward([_datum([1, 2, 3], targets=[2, 3])], "cross_entropy"), "target_tokens")
+    failed_as_user(attacker.forward_backward([_datum([1, 2, 3], weights=[1.0, 1.0])], "cross_entropy"), "weights")
+    failed_as_user(attacker.forward_backward([_datum([1, 2, 3], targets=[2, 3, -5])], "cross_entropy"), "vocab")
 
     # The failed requests left no gradient behind: a step now changes nothing (zero grads, no weight
     # decay), and both adapters still compute exactly what they did before.

@@ -39,11 +39,6 @@ def _rows(server, target: str) -> list[FutureRow]:
 
 
 @pytest.fixture(scope="module")
-def sc(server):
-    return tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
-
-
-@pytest.fixture(scope="module")
 def sampler(sc):
     return sc.create_sampling_client(base_model=TINY).result()
 

@@ -19,11 +19,6 @@ ONE = types.SamplingParams(max_tokens=1, temperature=0.0)
 
 
 @pytest.fixture(scope="module")
-def sc(server):
-    return tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
-
-
-@pytest.fixture(scope="module")
 def base(sc):
     return sc.create_sampling_client(base_model=TINY).result()
 

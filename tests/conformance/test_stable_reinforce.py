@@ -16,8 +16,8 @@ import pytest
 import tinker
 from tinker import types
 
-from tests.conformance.conftest import TINY
-from tests.serverproc import API_KEY, start_server
+from tests.conformance.conftest import RECORDED_SEQUENCE_TTL_S, TINY
+from tests.serverproc import API_KEY
 
 
 def _datum(prompt: list[int], seq: types.SampledSequence, advantage: float, client_logprob: float = -5.0) -> types.Datum:
@@ -203,15 +203,13 @@ def test_record_stability_info_without_a_session_is_refused(server):
 
 # --- expiry: a server whose records live 6 s ------------------------------------------------------
 
-TTL_S = 6.0
+TTL_S = RECORDED_SEQUENCE_TTL_S
 
 
 @pytest.fixture(scope="module")
-def short_ttl_server(tmp_path_factory):
-    srv = start_server(tmp_path_factory.mktemp("tinkerd-sr-ttl"), [TINY], ["--threads", "1",
-                       "--recorded-sequence-ttl-s", str(TTL_S)])
-    yield srv
-    srv.stop()
+def short_ttl_server(timers_server):
+    """Recorded sequences kept TTL_S: the shared timers server (conftest.py)."""
+    return timers_server
 
 
 def test_a_sequence_expires_a_ttl_after_its_last_use(short_ttl_server):

@@ -22,10 +22,11 @@ from tinker import types
 from tinker.lib.public_interfaces.custom_loss import encode_graph, run_loss_handle, trace_loss
 from torch.fx.node import _get_qualified_name
 
+from tests.unit.engine.reference_grads import assert_grads_close, create_model, step, take_grads, weighted_cross_entropy_grads
 from tinkerd import lossgraph
 from tinkerd.engine.losses import DATUM_INDEX, custom
 from tinkerd.errors import UserError
-from tinkerd.types import CreateModelOp, CustomLoss, Datum, ForwardBackwardOp, LoraSpec
+from tinkerd.types import CustomLoss, Datum, ForwardBackwardOp
 
 
 def dpo(logprobs, weights, ref_logprobs, beta):
@@ -134,25 +135,7 @@ def test_interpreted_graph_equals_the_sdk_client_side_runner(case):
 
 @pytest.fixture(scope="module")
 def custom_model(engine):
-    (result,) = engine.run_ops([CreateModelOp("custom-model", "tinkerd/tiny-qwen3", LoraSpec(rank=4, alpha=8.0, seed=5))])
-    assert not isinstance(result, Exception)
-    return "custom-model"
-
-
-def _step(engine, op):
-    (result,) = engine.run_ops([op])
-    if isinstance(result, Exception):
-        raise result
-    return result
-
-
-def _take_grads(engine, model_id):
-    adapter = engine.runtime_of(model_id).pool.get(model_id)
-    grads = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in adapter.parameters()]
-    for p in adapter.parameters():
-        p.grad = None
-    adapter.pending_grads = 0
-    return grads
+    return create_model(engine, "custom-model", seed=5)
 
 
 def test_the_engine_applies_exactly_the_interpreted_gradient(engine, custom_model):
@@ -167,11 +150,11 @@ def test_the_engine_applies_exactly_the_interpreted_gradient(engine, custom_mode
         d.loss_fn_inputs["target_tokens"] = rng.integers(0, 150_000, len(t))
     ce = [Datum(tokens=d.tokens, loss_fn_inputs={"target_tokens": d.loss_fn_inputs["target_tokens"]}) for d in data]
     lps = [torch.from_numpy(o["logprobs"]) for o in
-           _step(engine, ForwardBackwardOp(custom_model, ce, "cross_entropy", forward_only=True)).loss_fn_outputs]
+           step(engine, ForwardBackwardOp(custom_model, ce, "cross_entropy", forward_only=True)).loss_fn_outputs]
 
     op = ForwardBackwardOp(custom_model, copy.deepcopy(data), "custom", {"loss_id": spec.loss_id}, custom_loss=spec)
-    result = _step(engine, op)
-    got = _take_grads(engine, custom_model)
+    result = step(engine, op)
+    got = take_grads(engine, custom_model)
 
     client_lps = [lp.clone().requires_grad_(True) for lp in lps]
     ref_loss, ref_metrics = run_loss_handle(handle, sdk_data, client_lps)
@@ -179,13 +162,10 @@ def test_the_engine_applies_exactly_the_interpreted_gradient(engine, custom_mode
     assert result.metrics == pytest.approx({**ref_metrics, "loss:sum": ref_loss.item()}, rel=1e-6)
     for o, lp in zip(result.loss_fn_outputs, lps):
         np.testing.assert_array_equal(o["logprobs"], lp.numpy())
-    weighted = [Datum(tokens=d.tokens, loss_fn_inputs={"target_tokens": d.loss_fn_inputs["target_tokens"],
-                                                       "weights": -lp.grad.numpy()}) for d, lp in zip(data, client_lps)]
-    _step(engine, ForwardBackwardOp(custom_model, weighted, "cross_entropy"))
-    expected = _take_grads(engine, custom_model)
-    assert any(e.abs().max() > 0 for e in expected)
-    for a, b in zip(got, expected):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    expected = weighted_cross_entropy_grads(engine, custom_model, [d.tokens for d in data],
+                                            [d.loss_fn_inputs["target_tokens"] for d in data],
+                                            [lp.grad for lp in client_lps])
+    assert_grads_close(got, expected)
 
 
 # --- hostile graphs: refused at creation (static) ----------------------------------------------

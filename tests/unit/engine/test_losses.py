@@ -14,9 +14,17 @@ import numpy as np
 import pytest
 import torch
 
+from tests.unit.engine.reference_grads import (
+    assert_grads_close,
+    create_model,
+    split,
+    step,
+    take_grads,
+    weighted_cross_entropy_grads,
+)
 from tinkerd.engine.losses import DATUM_INDEX, get_loss, supported_losses
 from tinkerd.errors import UserError
-from tinkerd.types import CreateModelOp, Datum, ForwardBackwardOp, LoraSpec
+from tinkerd.types import Datum, ForwardBackwardOp
 
 E5, EM5 = math.exp(0.5), math.exp(-0.5)
 LP = [-1.0, -0.5, -2.0, -2.0, -0.5]
@@ -160,26 +168,7 @@ def test_config_errors_are_the_callers():
 
 @pytest.fixture(scope="module")
 def loss_model(engine):
-    (result,) = engine.run_ops([CreateModelOp("loss-model", "tinkerd/tiny-qwen3", LoraSpec(rank=4, alpha=8.0, seed=9))])
-    assert not isinstance(result, Exception)
-    return "loss-model"
-
-
-def _step(engine, op):
-    (result,) = engine.run_ops([op])
-    if isinstance(result, Exception):
-        raise result
-    return result
-
-
-def _take_grads(engine, model_id: str) -> list[torch.Tensor]:
-    """The adapter's accumulated grads, then cleared, so the next op starts from none."""
-    adapter = engine.runtime_of(model_id).pool.get(model_id)
-    grads = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in adapter.parameters()]
-    for p in adapter.parameters():
-        p.grad = None
-    adapter.pending_grads = 0
-    return grads
+    return create_model(engine, "loss-model", seed=9)
 
 
 @pytest.mark.parametrize("name", ["importance_sampling", "ppo", "cispo", "dro", "gspo"])
@@ -191,7 +180,7 @@ def test_engine_applies_exactly_the_loss_gradient(engine, loss_model, name):
     tokens = [rng.integers(0, 150_000, n) for n in (7, 4)]
     targets = [rng.integers(0, 150_000, len(t)) for t in tokens]
     ce = [Datum(tokens=t, loss_fn_inputs={"target_tokens": tt}) for t, tt in zip(tokens, targets)]
-    fwd = _step(engine, ForwardBackwardOp(loss_model, ce, "cross_entropy", forward_only=True))
+    fwd = step(engine, ForwardBackwardOp(loss_model, ce, "cross_entropy", forward_only=True))
     lps = [o["logprobs"] for o in fwd.loss_fn_outputs]
 
     data = []
@@ -207,8 +196,8 @@ def test_engine_applies_exactly_the_loss_gradient(engine, loss_model, name):
         data.append(Datum(tokens=t, loss_fn_inputs=inputs))
     config = {"beta": 0.2} if name == "dro" else {}
 
-    result = _step(engine, ForwardBackwardOp(loss_model, data, name, loss_fn_config=config))
-    got = _take_grads(engine, loss_model)
+    result = step(engine, ForwardBackwardOp(loss_model, data, name, loss_fn_config=config))
+    got = take_grads(engine, loss_model)
     for o, lp in zip(result.loss_fn_outputs, lps):
         np.testing.assert_array_equal(o["logprobs"], lp)  # the forward's logprobs, one per target
 
@@ -223,13 +212,4 @@ def test_engine_applies_exactly_the_loss_gradient(engine, loss_model, name):
     if name in ("ppo", "gspo"):
         assert metrics["clipped_tokens:sum"] > 0  # the clip really removed some gradient here
 
-    splits = np.cumsum([0, 7, 4])
-    weighted = [
-        Datum(tokens=t, loss_fn_inputs={"target_tokens": tt, "weights": -g[splits[i] : splits[i + 1]].numpy()})
-        for i, (t, tt) in enumerate(zip(tokens, targets))
-    ]
-    _step(engine, ForwardBackwardOp(loss_model, weighted, "cross_entropy"))
-    expected = _take_grads(engine, loss_model)
-    assert any(e.abs().max() > 0 for e in expected)
-    for a, b in zip(got, expected):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert_grads_close(got, weighted_cross_entropy_grads(engine, loss_model, tokens, targets, split(g, [7, 4])))

@@ -13,15 +13,17 @@ import numpy as np
 import pytest
 import torch
 
+from tests.unit.engine.reference_grads import (
+    assert_grads_close,
+    create_model,
+    split,
+    step,
+    take_grads,
+    weighted_cross_entropy_grads,
+)
 from tinkerd.engine.losses import DATUM_INDEX, get_loss, supported_losses
 from tinkerd.errors import UserError
-from tinkerd.types import (
-    CreateModelOp,
-    Datum,
-    ForwardBackwardOp,
-    LoraSpec,
-    StableReinforceConfig,
-)
+from tinkerd.types import Datum, ForwardBackwardOp, StableReinforceConfig
 
 E, E5 = math.e, math.exp(0.5)
 NAN = float("nan")
@@ -105,26 +107,9 @@ def test_config_is_checked_naming_the_key():
 # --- through the engine ----------------------------------------------------------------------------
 
 
-def _step(engine, op):
-    (result,) = engine.run_ops([op])
-    if isinstance(result, Exception):
-        raise result
-    return result
-
-
-def _take_grads(engine, model_id):
-    adapter = engine.runtime_of(model_id).pool.get(model_id)
-    grads = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in adapter.parameters()]
-    for p in adapter.parameters():
-        p.grad = None
-    adapter.pending_grads = 0
-    return grads
-
-
 @pytest.fixture(scope="module")
 def sr_model(engine):
-    _step(engine, CreateModelOp("sr-model", "tinkerd/tiny-qwen3", LoraSpec(rank=4, alpha=8.0, seed=11)))
-    return "sr-model"
+    return create_model(engine, "sr-model", seed=11)
 
 
 def test_engine_applies_exactly_the_loss_gradient_from_the_recorded_logprobs(engine, sr_model):
@@ -133,7 +118,7 @@ def test_engine_applies_exactly_the_loss_gradient_from_the_recorded_logprobs(eng
     rng = np.random.default_rng(4)
     tokens = [rng.integers(0, 150_000, n) for n in (7, 5)]
     targets = [rng.integers(0, 150_000, len(t)) for t in tokens]
-    fwd = _step(engine, ForwardBackwardOp(sr_model, [Datum(tokens=t, loss_fn_inputs={"target_tokens": tt})
+    fwd = step(engine, ForwardBackwardOp(sr_model, [Datum(tokens=t, loss_fn_inputs={"target_tokens": tt})
                                                       for t, tt in zip(tokens, targets)], "cross_entropy", forward_only=True))
     lps = [o["logprobs"] for o in fwd.loss_fn_outputs]  # fp32, as the engine computes the loss
     data, qs, advs = [], [], []
@@ -149,8 +134,8 @@ def test_engine_applies_exactly_the_loss_gradient_from_the_recorded_logprobs(eng
                                                     "logprobs": np.full(len(lp), -50.0, np.float32)},
                           sampler_logprobs=q))
     config = {"kl_coeff": 0.2}
-    result = _step(engine, ForwardBackwardOp(sr_model, data, "stable_reinforce", loss_fn_config=config))
-    got = _take_grads(engine, sr_model)
+    result = step(engine, ForwardBackwardOp(sr_model, data, "stable_reinforce", loss_fn_config=config))
+    got = take_grads(engine, sr_model)
 
     lp_t = torch.from_numpy(np.concatenate(lps)).requires_grad_(True)
     q, adv = torch.from_numpy(np.concatenate(qs)), torch.from_numpy(np.concatenate(advs))
@@ -162,22 +147,16 @@ def test_engine_applies_exactly_the_loss_gradient_from_the_recorded_logprobs(eng
     assert result.metrics["loss:sum"] == pytest.approx(reference.item(), rel=1e-5)
     assert 0 < result.metrics["masked_tokens:sum"] < result.metrics["sampled_tokens:sum"] == 8.0
 
-    splits = np.cumsum([0, 7, 5])
-    weighted = [Datum(tokens=t, loss_fn_inputs={"target_tokens": tt, "weights": -g[splits[i]:splits[i + 1]].numpy()})
-                for i, (t, tt) in enumerate(zip(tokens, targets))]
-    _step(engine, ForwardBackwardOp(sr_model, weighted, "cross_entropy"))
-    expected = _take_grads(engine, sr_model)
-    assert any(e.abs().max() > 0 for e in expected)
+    expected = weighted_cross_entropy_grads(engine, sr_model, tokens, targets, split(g, [7, 5]))
     scale = max(float(e.abs().max()) for e in expected)  # ~18 here: fp32 sums round at ~1e-6 of it
-    for a, b in zip(got, expected):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * scale)
+    assert_grads_close(got, expected, atol=1e-6 * scale)
 
 
 def test_engine_refuses_a_datum_without_the_record_and_a_client_sent_record(engine, sr_model):
     datum = Datum(tokens=np.arange(4), loss_fn_inputs={"target_tokens": np.arange(1, 5), "advantages": np.ones(4, np.float32)})
     with pytest.raises(UserError, match="datum 0: loss_fn stable_reinforce needs provenance"):
-        _step(engine, ForwardBackwardOp(sr_model, [datum], "stable_reinforce"))
+        step(engine, ForwardBackwardOp(sr_model, [datum], "stable_reinforce"))
     datum.loss_fn_inputs["sampler_logprobs"] = np.zeros(4, np.float32)
     datum.sampler_logprobs = np.zeros(4, np.float32)
     with pytest.raises(UserError, match=r"loss_fn_inputs \['sampler_logprobs'\] are not used by stable_reinforce"):
-        _step(engine, ForwardBackwardOp(sr_model, [datum], "stable_reinforce"))
+        step(engine, ForwardBackwardOp(sr_model, [datum], "stable_reinforce"))
