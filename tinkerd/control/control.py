@@ -362,6 +362,8 @@ class Control:
         self.scheduler.charge(picked, now - t0)
         if self.residency is not None and out.resident is not None:
             self.residency.resident = out.resident
+        for request_id, deltas in out.partial:  # before `done`: a stream's last tokens precede its end
+            self.hub.publish(request_id, deltas)
         for request_id, result in out.done:
             entry = self._inflight.pop(request_id, None)
             if entry is None:  # failed above when the engine broke, finished by it later
