@@ -24,7 +24,7 @@ from transformers import AutoTokenizer
 from tests.conformance.conftest import TINY
 from tests.conformance.sft import train_on
 from tests.conformance.test_ownership import _key
-from tests.serverproc import API_KEY
+from tests.serverproc import API_KEY, start_server
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
 TEXT = [9707, 11, 1879, 0, 220, 3555, 13, 1416, 2585, 525, 498, 30]
