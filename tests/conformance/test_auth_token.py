@@ -115,6 +115,7 @@ def test_rotating_the_token_secret_refuses_earlier_tokens_and_the_sdk_carries_on
     assert r.status_code == 401 and r.json()["category"] == "user", r.text
     assert 'error="invalid_token"' in r.headers["www-authenticate"]
     assert _me(server, key).status_code == 200  # API keys are not signed by the secret
-    # The SDK's next call is refused on its old JWT, exchanges its key again and succeeds on the new one.
+    # The SDK's next call is refused on its old JWT, exchanges its key again and succeeds on the new one
+    # (at least once: its background refresh may exchange too; 1 and 2 extra exchanges were both seen).
     rest.list_training_runs().result()
-    assert len(fetched) == len(before) + 1 and _me(server, fetched[-1]).status_code == 200
+    assert len(fetched) > len(before) and _me(server, fetched[-1]).status_code == 200
