@@ -233,6 +233,25 @@ class SampleOp:
     # The request's CSR layout of those ids (crow, col), kept for the answer; the engine ignores it.
     target_prompt_csr: tuple[np.ndarray, np.ndarray] | None = None
     prompt_alt_tokens_k: int = 0
+    # OpenAI's `stream: true` (api/routes/openai.py): the engine reports this request's new tokens
+    # with every step (StepOutput.partial), so they reach the client as they are decoded rather than
+    # when the last row ends. Set on the queued op only, never logged: after a server restart no
+    # reader is left. It changes nothing the sampler computes.
+    stream: bool = False
+
+
+@dataclass
+class TokenDelta:
+    """The tokens one row of a streaming request (SampleOp.stream) generated in one step."""
+
+    row: int  # the sample's index in the request
+    # Index of tokens[0] in the row's sequence. A request re-run after an engine restart starts
+    # again at 0, so the reader can tell a repeat from new tokens.
+    start: int
+    tokens: list[int]
+    logprobs: list[float]
+    # ([n, K] ids, [n, K] logprobs) best-first, when topk_sample_logprobs > 0.
+    topk: tuple[np.ndarray, np.ndarray] | None = None
 
 
 @dataclass
@@ -292,6 +311,9 @@ class StepOutput:
     active_rows: int
     # The adapters the engine holds after this step, so control releases only what is loaded.
     resident: "Resident | None" = field(default=None, compare=False)
+    # (ticket, one TokenDelta per row that generated a token) of streaming requests (SampleOp.stream)
+    # in flight in this step, those finishing in it included; empty when no request streams.
+    partial: list[tuple[str, list[TokenDelta]]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -168,7 +168,8 @@ def test_live_curve_equals_the_sdk_losses(world, browser, shots):
     points = _points(browser, "loss:sum")
     assert [v for _, v in points] == losses  # the same floats, in step order
     assert [s for s, _ in points] == sorted(s for s, _ in points) and len({s for s, _ in points}) == STEPS
-    assert losses[-1] < losses[0]  # it trained
+    # No "it trained" check: each step trains on other datums from a random adapter init at lr 1e-2, so
+    # the last loss is not always below the first (CI once saw 207.5 -> 223.8); the curve is the point.
     sampler = tc.save_weights_for_sampler("console-s").result().path
     sc = world["sdk"].create_sampling_client(model_path=sampler).result()
     for _ in range(2):

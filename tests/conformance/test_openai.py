@@ -3,8 +3,9 @@
 Pinned against the tinker SDK's own `sample` on the same server: a trained adapter's sampler path
 answers /v1/chat/completions and /v1/completions with exactly the tokens (and logprobs) `sample`
 gives for the same prompt tokens, seed and settings, greedy and seeded; a stream carries the same
-tokens and text; stop strings cut the text where OpenAI does; usage is metered like asample's;
-another account's checkpoint is a 404 and bad parameters are 400s, both in OpenAI's error shape.
+tokens and text, sent as they are decoded (also across an engine restart); stop strings cut the
+text where OpenAI does; usage is metered like asample's; another account's checkpoint is a 404 and
+bad parameters are 400s, both in OpenAI's error shape.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from transformers import AutoTokenizer
 from tests.conformance.conftest import TINY
 from tests.conformance.sft import train_on
 from tests.conformance.test_ownership import _key
-from tests.serverproc import API_KEY
+from tests.serverproc import API_KEY, start_server
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
 TEXT = [9707, 11, 1879, 0, 220, 3555, 13, 1416, 2585, 525, 498, 30]
@@ -90,6 +91,39 @@ def test_chat_stream_yields_the_same_tokens(world):
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finishes == [full.choices[0].finish_reason]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want.tokens)
+
+
+def test_chat_stream_sends_tokens_while_decoding(world):
+    """A live stream: its first content chunk reaches the client before the server has finished the
+    request (the future's completed_at, as stored), and the streamed text and tokens equal the
+    non-streamed greedy answer and the SDK's `sample`, token for token."""
+    from sqlalchemy import select
+
+    from tinkerd.control.store.db import Store, utcnow
+    from tinkerd.control.store.tables import FutureRow
+
+    kw = dict(model=world["path"], messages=[{"role": "user", "content": "Count on and on."}],
+              temperature=0.0, logprobs=True, extra_body={"return_tokens_as_token_ids": True})
+    kw["max_tokens"] = 48
+    full = world["client"].chat.completions.create(**kw)
+    prompt = list(world["tok"].apply_chat_template(kw["messages"], add_generation_prompt=True, tokenize=True,
+                                                   return_dict=False))
+    want = _sdk(world, prompt, 1, max_tokens=48, temperature=0.0)[0]
+    # The answer is long (47 decode steps after the first token): room for the stream to be early.
+    assert full.usage.completion_tokens == len(want.tokens) == 48
+    arrivals, chunks = [], []
+    for c in world["client"].chat.completions.create(stream=True, **kw):
+        arrivals.append(utcnow())
+        chunks.append(c)
+    store = Store.sqlite(world["data_dir"] / "tinkerd.sqlite")
+    [row] = store.query(select(FutureRow).where(FutureRow.request_type == "Sample")
+                        .order_by(FutureRow.created_at.desc()).limit(1))
+    assert row.status == "complete"
+    first = next(i for i, c in enumerate(chunks) if c.choices and c.choices[0].logprobs)
+    assert arrivals[first] < row.completed_at  # without live streaming every chunk comes after this
+    tokens = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert _ids(tokens) == list(want.tokens) == _ids(full.choices[0].logprobs.content)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full.choices[0].message.content
 
 
 def test_completions_equal_sdk_sample(world):
@@ -238,3 +272,32 @@ def test_a_v1_request_waits_on_its_accounts_quota_like_asample(timers_server):
     assert lifted.returncode == 0
     waiter.join(timeout=300)
     assert box and box[0].choices[0].text == first.choices[0].text
+
+
+def test_a_stream_goes_on_across_an_engine_restart(tmp_path):
+    """The engine process is SIGKILLed after the stream's first token: control restarts it and runs
+    the request again from its first token; greedy repeats the tokens already sent, so the stream
+    skips them and goes on, and its text equals the non-streamed answer."""
+    import os
+    import signal
+
+    from tests.chaos import engine_pid
+
+    srv = start_server(tmp_path, [TINY], ["--threads", "1"])
+    try:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
+        kw = dict(model=TINY, messages=[{"role": "user", "content": "Count on and on."}], max_tokens=48,
+                  temperature=0.0)
+        full = client.chat.completions.create(**kw)
+        assert full.usage.completion_tokens == 48
+        text, killed = "", False
+        for c in client.chat.completions.create(stream=True, **kw):
+            if c.choices and c.choices[0].delta.content and not killed:
+                os.kill(engine_pid(srv.proc.pid), signal.SIGKILL)
+                killed = True
+            text += (c.choices[0].delta.content or "") if c.choices else ""
+        assert killed and text == full.choices[0].message.content
+        # The engine did restart with the request in flight (control logs what it re-queued).
+        assert any("engine recovered" in line and "re-queued 1" in line for line in srv.lines), srv.lines[-20:]
+    finally:
+        srv.stop()

@@ -134,6 +134,21 @@ def test_join_is_owned_and_checked(server, sc):
     assert r.status_code == 400 and r.json()["category"] == "user"
 
 
+def test_a_held_poll_answers_with_the_completion_that_woke_it(server, sc):
+    sid = sc.create_sampling_client(base_model=TINY).result()._sampling_session_id
+    body = {"target": {"sampling_session_id": sid, "cloned_sampler_id": 5}, "prev_cursor": 0}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        held = pool.submit(_post, server.url, "/retrieve_futures", body)  # nothing yet: it holds
+        time.sleep(1.0)  # orders the sample after the poll's first read (no time is asserted)
+        r = _post(server.url, "/asample", {"sampling_session_id": sid, "seq_id": 5 * 10**9, "num_samples": 1,
+                                           "prompt": {"chunks": [{"type": "encoded_text", "tokens": PROMPT}]},
+                                           "sampling_params": {"max_tokens": 2}})
+        assert r.status_code == 200, r.text
+        answer = held.result(timeout=120)
+    assert answer.status_code == 200, answer.text
+    assert [c["request_id"] for c in answer.json()["completions"]] == [r.json()["request_id"]]
+
+
 def test_an_abandoned_sample_is_cancelled_in_the_engine(server, sc, sampler):
     slow = sampler.sample(types.ModelInput.from_ints(PROMPT), 4, types.SamplingParams(max_tokens=3000, stop=[]))
     with pytest.raises((TimeoutError, concurrent.futures.TimeoutError)):

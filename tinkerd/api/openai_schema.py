@@ -41,11 +41,15 @@ def error_response(status_code: int, message: str, param: str | None = None, cod
                    headers: dict | None = None) -> JSONResponse:
     """{"error": {"message", "type", "param", "code"}}: what the `openai` client turns into its
     BadRequestError / NotFoundError / AuthenticationError / InternalServerError."""
+    return JSONResponse(error_body(status_code, message, param, code), status_code=status_code, headers=headers)
+
+
+def error_body(status_code: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    """The error object alone: also what a stream sends when it fails after its first chunk."""
     kind = _TYPES.get(status_code, "server_error" if status_code >= 500 else "invalid_request_error")
     if code is None:
         code = {401: "invalid_api_key", 404: "model_not_found"}.get(status_code)
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
-                        status_code=status_code, headers=headers)
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 class _Request(BaseModel):

@@ -1,5 +1,5 @@
 """From a finished Sample future to OpenAI choices: detokenized text, finish_reason, logprobs, and the
-per-token text deltas a stream sends.
+per-token text deltas a live stream sends (TextStream).
 
 The tokenizer is the server's own for the base model (`AppState.tokenizers`, wired by cli/serve.py:
 the api layer never imports transformers). Text is decoded without special tokens (an EOS such as
@@ -72,22 +72,42 @@ def render(tok: TextTokenizer, seq: Sequence, stops: list[str]) -> Rendered:
     return Rendered(text, finish, seq.tokens, seq.logprobs, seq.topk)
 
 
-def deltas(tok: TextTokenizer, r: Rendered) -> list[str]:
-    """The text each token adds, for a stream: ''.join(deltas) == r.text exactly. A token that ends
-    inside a multi-byte character (the decoder shows U+FFFD) adds nothing until the character is
-    complete, and nothing past a stop string is sent."""
-    out, sent = [], 0
-    for i in range(len(r.tokens)):
-        prefix = tok.decode(r.tokens[:i + 1])
-        if prefix.endswith("\ufffd") and i + 1 < len(r.tokens):
-            out.append("")
-            continue
-        upto = min(len(prefix), len(r.text))
-        out.append(r.text[sent:upto] if upto > sent else "")
-        sent = max(sent, upto)
-    if out:
-        out[-1] += r.text[sent:]  # whatever decoding a longer prefix changed before it
-    return out
+class TextStream:
+    """One choice's text as its tokens arrive (a live stream): `push` returns the text a token adds.
+    The joined deltas plus `rest(final text)` equal `render`'s text: a token that ends inside a
+    multi-byte character adds nothing until the character is complete, and text that may be the
+    start of a stop string is held until a later token shows it is not (nothing past a stop string
+    is ever sent)."""
+
+    def __init__(self, tok: TextTokenizer, stops: list[str]):
+        self.tok, self.stops = tok, stops
+        self.tokens: list[int] = []
+        self.text = ""  # sent so far
+
+    def push(self, token: int) -> str:
+        self.tokens.append(token)
+        text = self.tok.decode(self.tokens)
+        if text.endswith("\ufffd"):
+            return ""
+        cuts = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if cuts:
+            text = text[:min(cuts)]
+        else:
+            text = text[:len(text) - _held(text, self.stops)]
+        if len(text) <= len(self.text) or not text.startswith(self.text):
+            return ""  # a longer prefix decoded differently: `rest` settles it against the final text
+        delta, self.text = text[len(self.text):], text
+        return delta
+
+    def rest(self, final_text: str) -> str | None:
+        """The final text's part not sent yet; None when what was sent is not its prefix."""
+        return final_text[len(self.text):] if final_text.startswith(self.text) else None
+
+
+def _held(text: str, stops: list[str]) -> int:
+    """The length of the longest end of `text` that begins some stop string."""
+    return max((k for s in stops for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])),
+               default=0)
 
 
 def _token_name(tok: TextTokenizer, token_id: int, as_ids: bool) -> str:

@@ -1,7 +1,9 @@
-"""`tinkerd keys`: create, list and revoke API keys in a data directory's store."""
+"""`tinkerd keys`: create, list and revoke API keys in a data directory's store; rotate the secret
+that signs its tokens (control/tokens.py)."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from tinkerd.config import ServerConfig
@@ -17,6 +19,9 @@ def add_parser(sub) -> None:
     keys.add_parser("list", help="list keys (never the keys themselves)")
     r = keys.add_parser("revoke", help="revoke a key by its id")
     r.add_argument("key_id")
+    keys.add_parser("rotate-token-secret",
+                    help="replace the secret that signs tokens (SDK JWTs, console sign-ins, trace links): every "
+                         "token issued before is refused at once, also by a running server; API keys keep working")
     p.set_defaults(func=run)
 
 
@@ -25,6 +30,8 @@ def run(args) -> int:
     from tinkerd.control.store.db import Store
 
     config = ServerConfig(**({"data_dir": args.data_dir.expanduser().resolve()} if args.data_dir else {}))
+    if args.keys_command == "rotate-token-secret":
+        return _rotate_token_secret(config.data_dir)
     accounts = Accounts(Store.open(config))
     if args.keys_command == "create":
         new = accounts.create_key(args.name, account=args.account)
@@ -37,4 +44,16 @@ def run(args) -> int:
     else:
         accounts.revoke(args.key_id)
         print(f"revoked {args.key_id}")
+    return 0
+
+
+def _rotate_token_secret(data_dir: Path) -> int:
+    from tinkerd.control.tokens import Tokens
+
+    if not data_dir.is_dir():
+        print(f"no data directory at {data_dir}", file=sys.stderr)
+        return 2
+    path = Tokens.rotate(data_dir)
+    print(f"replaced the token signing secret {path}: every token issued before is refused from now on, also by "
+          f"a server running on this directory; API keys keep working, and the SDK exchanges its key for a new token")
     return 0

@@ -289,16 +289,16 @@ class Control:
 
     def cancel(self, row: FutureRow) -> None:
         """Stop a pending sampling request whose client gave up on it (cancel_future). Still queued:
-        taken out and failed now. Otherwise (in the engine, or about to be) its ticket goes to the
-        engine with the next step, which drops its rows and returns it failed. Nothing is billed:
-        only completed ops record usage. A finished request is left as it is."""
+        taken out, and the worker stores it failed at its next turn (_run), through the same
+        ResultStore retries as every outcome; this thread stores nothing. Otherwise (in the engine, or
+        about to be) its ticket goes to the engine with the next step, which drops its rows and
+        returns it failed. Nothing is billed: only completed ops record usage. A finished request is
+        left as it is."""
         if row.status != "pending":
             return
         if row.request_type != "Sample":
             raise UserError(f"only sampling requests can be cancelled; {row.request_id} is a {row.request_type}")
-        q = self.queue.remove(row.request_id)
-        if q is not None:
-            self._complete(q, UserError("cancelled by the client (cancel_future) before it started"), 0.0)
+        if self.queue.withdraw(row.request_id):
             return
         with self._cancels_lock:
             self._cancels.add(row.request_id)
@@ -321,10 +321,18 @@ class Control:
         active_rows = 0
         while (picked := self.scheduler.next(active_rows)) is not None:
             try:
+                self._store_withdrawn()
                 active_rows = self._execute(picked)
             except Exception:  # the worker must outlive any bug: log it, keep serving
                 log.exception("engine worker step failed")
                 active_rows = 0
+        self._store_withdrawn()  # stopping: cancels that came in last are still stored, not re-run after a restart
+
+    def _store_withdrawn(self) -> None:
+        """Fail the queued samples their clients cancelled (Control.cancel), on this thread like every
+        other outcome, so a storage fault is retried (results.py) instead of failing the API call."""
+        for q in self.queue.take_withdrawn():
+            self._complete(q, UserError("cancelled by the client (cancel_future) before it started"), 0.0)
 
     def _execute(self, picked: Picked) -> int:
         """One engine step; completes what finished in it. Returns the sampling rows still in flight."""
@@ -336,6 +344,9 @@ class Control:
         with self._cancels_lock:  # drained once this step's ops are in flight: a cancel meanwhile goes with them
             cancels, self._cancels = self._cancels, set()
         picked.batch.cancel = [rid for rid in cancels if rid in self._inflight]
+        batch = picked.batch
+        if not (batch.run or batch.admit or batch.decode or batch.cancel):
+            return 0  # woken only to store withdrawn ops (cancel_future): nothing for the engine
         try:
             if self.residency is not None:
                 for q in picked.ops:
@@ -351,6 +362,8 @@ class Control:
         self.scheduler.charge(picked, now - t0)
         if self.residency is not None and out.resident is not None:
             self.residency.resident = out.resident
+        for request_id, deltas in out.partial:  # before `done`: a stream's last tokens precede its end
+            self.hub.publish(request_id, deltas)
         for request_id, result in out.done:
             entry = self._inflight.pop(request_id, None)
             if entry is None:  # failed above when the engine broke, finished by it later

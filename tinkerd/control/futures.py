@@ -3,6 +3,9 @@
 Results are written by the engine worker thread; pollers wait on asyncio events in the server's
 event loop. The hub bridges the two with call_soon_threadsafe, so a poller wakes within a loop
 tick of completion instead of polling the store.
+
+A streaming reader (OpenAI's `stream: true`) subscribes a queue to its request: it gets each step's
+new tokens as the worker publishes them, then `None` once the result is stored.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ class FutureHub:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._events: dict[str, asyncio.Event] = {}
         self._lock = threading.Lock()
+        # request_id -> the reader's queue; touched on the loop only (delivery is scheduled there).
+        self._streams: dict[str, asyncio.Queue] = {}
 
     def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -35,6 +40,27 @@ class FutureHub:
         except asyncio.TimeoutError:
             return is_done()
 
+    def subscribe(self, request_id: str, queue: asyncio.Queue) -> None:
+        """Put (request_id, item) on `queue` for every publish, then (request_id, None) when the result
+        is stored. Must run on the bound loop, in the same tick as the submit that made request_id:
+        deliveries are scheduled on the loop, so none can run before this does."""
+        self._streams[request_id] = queue
+
+    def unsubscribe(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    def publish(self, request_id: str, item: object) -> None:
+        """From the worker: hand `item` to the request's subscriber, if it has one."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._deliver, request_id, item)
+
+    def _deliver(self, request_id: str, item: object) -> None:
+        queue = self._streams.get(request_id)
+        if queue is not None:
+            queue.put_nowait((request_id, item))
+            if item is None:
+                del self._streams[request_id]
+
     def notify(self, request_id: str, target: str | None = None) -> None:
         """Called from any thread once the result is stored; also wakes `wait`s on its target
         (retrieve_futures long-polls a sampling session, keyed "target:<id>")."""
@@ -45,3 +71,4 @@ class FutureHub:
         for event in events:
             if event is not None and self._loop is not None:
                 self._loop.call_soon_threadsafe(event.set)
+        self.publish(request_id, None)

@@ -74,7 +74,9 @@ class OpQueue:
         self._queued: dict[str, tuple[str, str]] = {}
         self._cond = threading.Condition()
         self._arrival = itertools.count()
-        # Bumped by every put: a waiter that saw nothing to start sleeps until it changes.
+        # Ops taken out by `withdraw` (cancel_future), waiting for the worker to store their outcome.
+        self._withdrawn: list[QueuedOp] = []
+        # Bumped by every put and withdraw: a waiter that saw nothing to start sleeps until it changes.
         self.puts = 0
         self._closed = False
 
@@ -92,7 +94,8 @@ class OpQueue:
             self._cond.notify_all()
 
     def wait(self, timeout_s: float | None = None) -> bool:
-        """Block until some lane holds an op; False when closed (or on timeout with nothing queued)."""
+        """Block until some lane holds an op or a withdrawn op waits for the worker; False when closed
+        (or on timeout with neither)."""
         with self._cond:
             while not self._closed and not self._any():
                 if not self._cond.wait(timeout_s):
@@ -130,12 +133,13 @@ class OpQueue:
                 targets[target] = heap
             return item
 
-    def remove(self, request_id: str) -> QueuedOp | None:
-        """Take a still-queued op out of its target's queue (cancel_future); None once it was popped."""
+    def withdraw(self, request_id: str) -> bool:
+        """Take a still-queued op out of its target's queue (cancel_future) and wake the worker, which
+        stores its outcome (`take_withdrawn`) like any other op's; False once it was popped."""
         with self._cond:
             where = self._queued.pop(request_id, None)
             if where is None:
-                return None
+                return False
             lane, target = where
             heap = self._lanes[lane][target]
             item = next(q for q in heap if q.request_id == request_id)
@@ -143,7 +147,20 @@ class OpQueue:
             heapq.heapify(heap)
             if not heap:
                 del self._lanes[lane][target]
-            return item
+            self._withdrawn.append(item)
+            self.puts += 1
+            self._cond.notify_all()
+            return True
+
+    def take_withdrawn(self) -> list[QueuedOp]:
+        """The ops withdrawn since the last call (the worker's, which fails each as cancelled)."""
+        with self._cond:
+            taken, self._withdrawn = self._withdrawn, []
+            return taken
+
+    def has_withdrawn(self) -> bool:
+        with self._cond:
+            return bool(self._withdrawn)
 
     def has(self, lane: str, eligible: Callable[[QueuedOp], bool] | None = None) -> bool:
         """Whether `lane` holds an op that may start (with `eligible`: a target's head that passes)."""
@@ -184,4 +201,4 @@ class OpQueue:
             self._cond.notify_all()
 
     def _any(self) -> bool:
-        return any(self._lanes.values())
+        return any(self._lanes.values()) or bool(self._withdrawn)

@@ -24,6 +24,9 @@ one); a sampling suspect that died twice runs alone. A death of a suspect alone 
 Quotas (control/quotas.py): an op whose account is over a quota is passed over, not failed (and
 retrieve_future asks `pause_reason` for its queue_state). When every queued op is paused and no
 rows decode, the scheduler sleeps until a token leaves a window (or a recheck, or new work).
+
+Withdrawn ops (a queued sample cancelled by its client, queue.py) wake an idle scheduler: it then
+picks an empty step, so the worker stores their outcome (control.py) with nothing for the engine.
 """
 
 from __future__ import annotations
@@ -88,6 +91,8 @@ class Scheduler:
             sample = active_rows > 0 or self.queue.has(LANE_SAMPLE, eligible)
             if train or sample:
                 break
+            if self.queue.has_withdrawn():  # only cancelled ops to store: a step with no engine work
+                return Picked(StepBatch(), [], LANE_SAMPLE)
             # Everything queued is paused by a quota: sleep until budget may have come back.
             self.queue.wait_for_put(seen, self.quotas.recheck_s())
         if self.suspects and (picked := self._isolated(active_rows, eligible)) is not None:

@@ -152,7 +152,8 @@ class Engine:
         if batch.decode:
             for sampler in self.samplers.values():
                 done.extend(sampler.step())
-        return StepOutput(done, active_rows=sum(s.active_rows for s in self.samplers.values()), resident=self.resident())
+        return StepOutput(done, active_rows=sum(s.active_rows for s in self.samplers.values()), resident=self.resident(),
+                          partial=[p for s in self.samplers.values() for p in s.take_streamed()])
 
     def resident(self) -> Resident:
         """The adapters held now: training ones counted, sampler ones by key."""

@@ -28,11 +28,18 @@ def _seq(s: str, eos: bool = True) -> text.Sequence:
     return text.Sequence(ids, [-0.5] * len(ids), "stop" if eos else "length", None)
 
 
+def _stream(tok, seq: text.Sequence, stops: list[str]) -> tuple[list[str], str]:
+    """Each token's delta as a live stream sends it, and what the finished answer adds after them."""
+    ts = text.TextStream(tok, stops)
+    deltas = [ts.push(t) for t in seq.tokens]
+    return deltas, ts.rest(text.render(tok, seq, stops).text)
+
+
 def test_deltas_join_to_the_text_and_hold_split_characters():
     tok = ByteTokenizer()
     r = text.render(tok, _seq("añb€"), [])
-    d = text.deltas(tok, r)
-    assert r.text == "añb€" and "".join(d) == r.text and len(d) == len(r.tokens)
+    d, rest = _stream(tok, _seq("añb€"), [])
+    assert r.text == "añb€" and "".join(d) == r.text and rest == "" and len(d) == len(r.tokens)
     # ñ is 2 bytes and € is 3: the first bytes of each add nothing; the completing byte adds the char.
     assert d == ["a", "", "ñ", "b", "", "", "€", ""]
 
@@ -41,7 +48,12 @@ def test_stop_string_cuts_text_not_tokens():
     tok = ByteTokenizer()
     r = text.render(tok, _seq("hello world", eos=False), ["lo w", "xyz"])
     assert r.text == "hel" and r.finish_reason == "stop" and len(r.tokens) == len("hello world")
-    assert "".join(text.deltas(tok, r)) == "hel"
+    d, rest = _stream(tok, _seq("hello world", eos=False), ["lo w", "xyz"])
+    # "l" and "lo" might begin "lo w": held until "lo w" shows up; nothing of it or past it is sent.
+    assert d == ["h", "e", "", "l", "", "", "", "", "", "", ""] and rest == ""
+    # A held start that turns out not to be a stop is sent with the token that shows it.
+    d, rest = _stream(tok, _seq("lox"), ["lo w"])
+    assert d == ["", "", "lox", ""] and rest == ""
 
 
 def test_stored_sample_response_reads_back():

@@ -1,5 +1,6 @@
 """control/tokens.py: the signing secret is made once per data directory (0600) and kept across
-restarts; tokens carry the identity claims and expire."""
+restarts; tokens carry the identity claims and expire; a rotation refuses every earlier token at
+the next check of a running server's Tokens."""
 
 from __future__ import annotations
 
@@ -29,3 +30,19 @@ def test_claims_and_expiry(tmp_path):
     with pytest.raises(InvalidToken, match="expired"):
         tokens.verify(expired)
     assert looks_like_jwt(expired) and not looks_like_jwt("tml-abc.def.ghi")
+
+
+def test_a_rotated_secret_refuses_earlier_tokens_at_the_next_check(tmp_path):
+    running = Tokens.in_dir(tmp_path)  # a server's, made at its start
+    before = running.issue("acct-3", "carl", "key-3")
+    link = running.sign_url_token("trace", {"session": "s"}, 60)
+    assert running.verify(before)["org_id"] == "acct-3"
+    Tokens.rotate(tmp_path)  # what `tinkerd keys rotate-token-secret` does, from another process
+    with pytest.raises(InvalidToken, match="invalid"):
+        running.verify(before)
+    with pytest.raises(InvalidToken, match="invalid"):
+        running.verify_url_token(link, "trace")
+    after = running.issue("acct-3", "carl", "key-3")
+    assert running.verify(after)["org_id"] == "acct-3" and Tokens.in_dir(tmp_path).verify(after)
+    assert stat.S_IMODE((tmp_path / "jwt_signing_key").stat().st_mode) == 0o600
+    assert not list(tmp_path.glob(".*tmp"))

@@ -71,15 +71,12 @@ async def retrieve_futures(request: Request) -> dict:
     clone, cursor = req.target.cloned_sampler_id, req.prev_cursor
     found, next_cursor = completions(st.control.store, target, clone, cursor)
     if not found and hold > 0:
-        box: list = []
-
-        def is_done() -> bool:
-            box[:] = [completions(st.control.store, target, clone, cursor)]
-            return bool(box[0][0])
-
-        await st.control.hub.wait(f"target:{target}", hold, is_done)
-        if box:
-            found, next_cursor = box[0]
+        await st.control.hub.wait(f"target:{target}", hold,
+                                  lambda: bool(completions(st.control.store, target, clone, cursor)[0]))
+        # Read again: a wake-up means a completion of the session was stored after the last check
+        # (answering from that check's empty read sent the client back with nothing, a round trip
+        # lost; test_sdk_futures' clone-3 poll failed so under load).
+        found, next_cursor = completions(st.control.store, target, clone, cursor)
     return {
         "completions": [
             {"state": "finished", "request_id": c.request_id, "response_payload_uncompressed_size": c.payload_bytes}

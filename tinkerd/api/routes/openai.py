@@ -6,10 +6,8 @@ checkpoint is a 404), the same continuous-batching sampler, queue lane, quotas a
 the same write-ahead log entry (so recovery can rebuild it like any sample). The handler then waits
 on the future and renders the stored SampleResponse as OpenAI choices.
 
-Streaming (`stream: true`) answers in OpenAI's server-sent-event chunk format, one chunk per token,
-ending with `data: [DONE]`. The engine hands a request's tokens back when the request finishes
-(StepOutput.done), so the chunks go out together once it is done: the stream carries exactly the
-tokens of the non-streamed answer, but not earlier.
+Streaming (`stream: true`) answers in OpenAI's server-sent-event chunk format, one chunk per token
+as the engine decodes it, ending with `data: [DONE]` (api/openai_stream.py).
 
 Auth: `Authorization: Bearer <tinker API key>` (what the `openai` client sends), or `X-API-Key`.
 """
@@ -17,10 +15,10 @@ Auth: `Authorization: Bearer <tinker API key>` (what the `openai` client sends),
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from datetime import timezone
-from typing import AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -28,6 +26,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from tinkerd.api import codec, hpcai
 from tinkerd.api import openai_schema as schema
 from tinkerd.api import openai_text as text
+from tinkerd.api.openai_stream import LiveStream
 from tinkerd.api.deps import AppState, AuthError, load_json, read_body, state
 from tinkerd.api.results import wire_result
 from tinkerd.api.routes.sampling import prepare_asample
@@ -110,8 +109,13 @@ async def _sample(st: AppState, body: bytes, account_id: str) -> list[text.Seque
     prepared = prepare_asample(st, body, account_id)
     accepted = st.control.submit(prepared.request_type, prepared.target, prepared.seq_id, body, prepared.work,
                                  account_id=account_id)
+    return await _outcome(st, accepted.request_id)
+
+
+async def _outcome(st: AppState, request_id: str) -> list[text.Sequence]:
+    """The request's sequences once it is done; its error (a UserError is a 400) if it failed."""
     while True:  # each wait is one long-poll hold; a queued or quota-paused request keeps waiting
-        row = await st.control.retrieve(accepted.request_id, st.config.retrieve_future_timeout_s)
+        row = await st.control.retrieve(request_id, st.config.retrieve_future_timeout_s)
         if row is None:
             raise ServerError("the request's record disappeared")
         if row.status != "pending":
@@ -145,6 +149,8 @@ async def chat_completions(request: Request):
     base = _resolve(st, req.model, request.state.account_id)
     tok = await _tokenizer(st, base)
     prompt = await asyncio.to_thread(tok.chat, req.chat())
+    if req.stream:
+        return await _stream(st, "chat", req, tok, [prompt], request.state.account_id)
     seqs = await _sample(st, _sample_body(req, req.model, prompt, st), request.state.account_id)
     return await _answer(st, "chat", req, tok, [(prompt, seqs)])
 
@@ -156,6 +162,8 @@ async def completions(request: Request):
     base = _resolve(st, req.model, request.state.account_id)
     tok = await _tokenizer(st, base)
     prompts = [p if isinstance(p, list) else await asyncio.to_thread(tok.encode, p) for p in req.prompts()]
+    if req.stream:
+        return await _stream(st, "text", req, tok, prompts, request.state.account_id)
     # Every prompt is its own sample request; they queue together and share decode steps.
     results = await asyncio.gather(*[_sample(st, _sample_body(req, req.model, p, st), request.state.account_id)
                                      for p in prompts])
@@ -169,14 +177,40 @@ async def _answer(st: AppState, kind: str, req, tok: text.TextTokenizer,
     usage = {"prompt_tokens": sum(len(p) for p, _ in results),
              "completion_tokens": sum(len(r.tokens) for r in rendered)}
     usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-    meta = {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{time.time_ns():x}", "created": int(time.time()),
-            "model": req.model}
-    if req.stream:
-        chunks = await asyncio.to_thread(_stream_chunks, kind, req, tok, rendered, meta, usage)
-        return StreamingResponse(_sse(chunks), media_type="text/event-stream")
     choices = await asyncio.to_thread(_choices, kind, req, tok, rendered)
     obj = "chat.completion" if kind == "chat" else "text_completion"
-    return JSONResponse({**meta, "object": obj, "choices": choices, "usage": usage})
+    return JSONResponse({**_meta(kind, req), "object": obj, "choices": choices, "usage": usage})
+
+
+def _meta(kind: str, req) -> dict:
+    return {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{time.time_ns():x}", "created": int(time.time()),
+            "model": req.model}
+
+
+async def _stream(st: AppState, kind: str, req, tok: text.TextTokenizer, prompts: list[list[int]], account_id: str):
+    """Submit each prompt's request with SampleOp.stream set, one queue subscribed to them all; the
+    headers go out with the first event, so an error before any token (a prompt over the context,
+    say) is still an ordinary 400, and a queued or quota-paused request holds the call as it does
+    unstreamed."""
+    bodies = [_sample_body(req, req.model, p, st) for p in prompts]
+    prepared = [prepare_asample(st, b, account_id) for b in bodies]  # all checked before any runs
+    queue: asyncio.Queue = asyncio.Queue()
+    request_ids = []
+    for body, p in zip(bodies, prepared):
+        work = dataclasses.replace(p.work, op=dataclasses.replace(p.work.op, stream=True))
+        accepted = st.control.submit(p.request_type, p.target, p.seq_id, body, work, account_id=account_id)
+        st.control.hub.subscribe(accepted.request_id, queue)  # same loop tick as submit: nothing is missed
+        request_ids.append(accepted.request_id)
+    try:
+        first = await queue.get()
+        if first[1] is None:
+            await _outcome(st, first[0])  # raises the failure as an HTTP error
+    except BaseException:
+        for rid in request_ids:
+            st.control.hub.unsubscribe(rid)
+        raise
+    live = LiveStream(kind, req, tok, prompts, request_ids, _meta(kind, req), lambda rid: _outcome(st, rid))
+    return StreamingResponse(live.events(queue, first), media_type="text/event-stream")
 
 
 def _choices(kind: str, req, tok: text.TextTokenizer, rendered: list[text.Rendered]) -> list[dict]:
@@ -193,41 +227,3 @@ def _choices(kind: str, req, tok: text.TextTokenizer, rendered: list[text.Render
         else:
             choices.append({"index": i, "text": r.text, "logprobs": lp, "finish_reason": r.finish_reason})
     return choices
-
-
-def _stream_chunks(kind: str, req, tok: text.TextTokenizer, rendered: list[text.Rendered], meta: dict,
-                   usage: dict) -> list[dict]:
-    """OpenAI's chunk sequence: (chat) a role delta, one chunk per token, a finish chunk per choice;
-    then a usage chunk when stream_options.include_usage asks; `[DONE]` follows (_sse)."""
-    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-    extra = {"usage": None} if req.include_usage else {}
-
-    def chunk(index: int, payload: dict, finish: str | None = None, lp: dict | None = None) -> dict:
-        if kind == "chat":
-            choice = {"index": index, "delta": payload, "logprobs": lp, "finish_reason": finish}
-        else:
-            choice = {"index": index, "text": payload.get("content", ""), "logprobs": lp, "finish_reason": finish}
-        return {**meta, "object": obj, "choices": [choice], **extra}
-
-    out = []
-    for i, r in enumerate(rendered):
-        if kind == "chat":
-            out.append(chunk(i, {"role": "assistant", "content": ""}))
-        offset = 0
-        for j, delta in enumerate(text.deltas(tok, r)):
-            lp = None
-            if req.topk() is not None:
-                lp = (text.chat_logprobs(tok, r, range(j, j + 1), req.return_tokens_as_token_ids) if kind == "chat"
-                      else text.completion_logprobs(tok, r, range(j, j + 1), req.return_tokens_as_token_ids, offset))
-            offset += len(delta)
-            out.append(chunk(i, {"content": delta}, lp=lp))
-        out.append(chunk(i, {}, finish=r.finish_reason))
-    if req.include_usage:
-        out.append({**meta, "object": obj, "choices": [], "usage": usage})
-    return out
-
-
-async def _sse(chunks: list[dict]) -> AsyncIterator[bytes]:
-    for c in chunks:
-        yield f"data: {json.dumps(c)}\n\n".encode()
-    yield b"data: [DONE]\n\n"

@@ -13,7 +13,7 @@ import numpy as np
 
 from tinkerd.engine.sampler.prefill import Prefill
 from tinkerd.engine.sampler.rules import RowRules, StopRule
-from tinkerd.types import SampledSequence, SampleOp, SampleResult
+from tinkerd.types import SampledSequence, SampleOp, SampleResult, TokenDelta
 
 if TYPE_CHECKING:
     from tinkerd.engine.lora.pool import Adapter
@@ -35,6 +35,7 @@ class Row:
     topk_ids: list[np.ndarray] = field(default_factory=list)  # each [K]
     topk_logprobs: list[np.ndarray] = field(default_factory=list)  # each [K]
     stop_reason: Literal["stop", "length"] | None = None
+    index: int = 0  # the sample's place in its request (TokenDelta.row)
 
     def append(self, token: int, logprob: float) -> bool:
         """Record a generated token; True when the row is finished (the token stays included)."""
@@ -45,6 +46,12 @@ class Row:
         elif len(self.tokens) >= self.max_tokens:
             self.stop_reason = "length"
         return self.stop_reason is not None
+
+    def last_token(self) -> TokenDelta:
+        """The token appended last, for a streaming request (SampleOp.stream): one per step."""
+        n = len(self.tokens) - 1
+        topk = (self.topk_ids[n][None], self.topk_logprobs[n][None]) if self.topk else None
+        return TokenDelta(self.index, n, self.tokens[n:], self.logprobs[n:], topk)
 
     def result(self) -> SampledSequence:
         assert self.stop_reason is not None

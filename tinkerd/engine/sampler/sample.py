@@ -33,7 +33,7 @@ from tinkerd.engine.sampler.prefill import Prefill, advance_packed
 from tinkerd.engine.sampler.rows import BASE_SLOT, Request, Row
 from tinkerd.engine.sampler.rules import RowRules, StopRule, choose_tokens, row_generators, validate
 from tinkerd.errors import NotFoundError, ServerError, TinkerdError, UserError
-from tinkerd.types import SampleOp, SampleResult
+from tinkerd.types import SampleOp, SampleResult, TokenDelta
 
 if TYPE_CHECKING:
     from tinkerd.engine.engine import Engine, ModelRuntime
@@ -80,6 +80,8 @@ class Sampler:
         self.hidden: torch.Tensor | None = None  # [B, H] each row's last hidden state, awaiting the head
         self.cache = new_batch_cache(runtime.model.config, len(self.body.layers))
         self._routing: tuple[tuple[int, ...], list] | None = None  # (slots, ctx.groups) memo
+        # Streaming requests' tokens of the steps since the last take_streamed (SampleOp.stream).
+        self.streamed: dict[str, list[TokenDelta]] = {}
         dtype = next(runtime.model.parameters()).dtype
         self.kv_token_bytes = kv_bytes_per_token(runtime.model.config, dtype)
         # A hybrid model's linear-attention states, per row whatever its length (sampler/hybrid.py).
@@ -131,7 +133,8 @@ class Sampler:
                 strings=p.stop_strings,
                 decode=_decoder(self.rt) if p.stop_strings else None,
             )
-            req.rows = [Row(req, req.slot, p.max_tokens, stop, op.topk_sample_logprobs) for _ in range(op.num_samples)]
+            req.rows = [Row(req, req.slot, p.max_tokens, stop, op.topk_sample_logprobs, index=i)
+                        for i in range(op.num_samples)]
             req.rules = RowRules.repeat(p.temperature, p.top_k, p.top_p, row_generators(p.seed, op.num_samples))
             req.unfinished = op.num_samples
         except BaseException:
@@ -271,7 +274,10 @@ class Sampler:
         self._record_topk(rows, logprobs)
         still = []  # batch positions of rows that go on
         for b, (row, token) in enumerate(zip(rows, tokens.tolist())):
-            if not row.append(token, token_lp[b]):
+            finished = row.append(token, token_lp[b])
+            if row.request.op.stream:
+                self.streamed.setdefault(row.request.ticket, []).append(row.last_token())
+            if not finished:
                 still.append(b)
             else:
                 row.request.unfinished -= 1
@@ -311,6 +317,11 @@ class Sampler:
             kk = rows[b].topk
             rows[b].topk_ids.append(ids[j, :kk])
             rows[b].topk_logprobs.append(vals[j, :kk])
+
+    def take_streamed(self) -> list[tuple[str, list[TokenDelta]]]:
+        """The streaming requests' tokens since the last call (StepOutput.partial), and forget them."""
+        out, self.streamed = list(self.streamed.items()), {}
+        return out
 
     # -- cancellation ----------------------------------------------------------------------------
 
