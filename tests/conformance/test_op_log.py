@@ -10,7 +10,6 @@ import os
 import signal
 import socket
 import sqlite3
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ from tests.conformance.test_retention import (  # the same SDK loop and data
     _batch,
     _train,
 )
+from tests.history import checkout_of
 from tests.serverproc import API_KEY, start_server
 
 LLAMA = "tinkerd/tiny-llama"
@@ -32,20 +32,11 @@ REFUSED = (tinker.BadRequestError, tinker.RequestFailedError)
 # The last commit before the op log, to write an old-form data directory with; unpacked from this
 # repository's history (TINKERD_PRE_OPLOG_CHECKOUT: a checkout of it elsewhere).
 PRE_OPLOG_COMMIT = "bc8f09fd255d6dba2f774a3ee6faa6bbd3b9d624"
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def old_checkout(tmp_path_factory) -> Path:
-    if os.environ.get("TINKERD_PRE_OPLOG_CHECKOUT"):
-        return Path(os.environ["TINKERD_PRE_OPLOG_CHECKOUT"])
-    out = tmp_path_factory.mktemp("pre-oplog")
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", PRE_OPLOG_COMMIT], capture_output=True)
-    if archive.returncode != 0:
-        pytest.skip(f"needs the pre-op-log commit {PRE_OPLOG_COMMIT[:7]} in this checkout's git history "
-                    f"(a shallow clone lacks it): {archive.stderr.decode().strip()}")
-    subprocess.run(["tar", "-x", "-C", str(out)], input=archive.stdout, check=True)
-    return out
+    return checkout_of(PRE_OPLOG_COMMIT, "pre-op-log", "TINKERD_PRE_OPLOG_CHECKOUT", tmp_path_factory)
 
 
 def _port() -> list[str]:

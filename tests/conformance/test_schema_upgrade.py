@@ -6,8 +6,6 @@ repository's history, as in test_op_log.py."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,7 @@ from alembic.script import ScriptDirectory
 from tests.conformance.conftest import TINY
 from tests.conformance.test_op_log import ARGS, _client, _kill, _port
 from tests.conformance.test_retention import ADAM, _batch, _train
+from tests.history import checkout_of
 from tests.serverproc import start_server
 from tinkerd.config import ServerConfig
 from tinkerd.control.store.db import Store
@@ -23,20 +22,11 @@ from tinkerd.control.store.migrations import SCRIPTS, current
 
 # The last commit before migrations (TINKERD_PRE_MIGRATIONS_CHECKOUT: a checkout of it elsewhere).
 PRE_MIGRATIONS_COMMIT = "a7d511c7da5e525ab4b219e819f0d4539892a9b7"
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def old_checkout(tmp_path_factory) -> Path:
-    if os.environ.get("TINKERD_PRE_MIGRATIONS_CHECKOUT"):
-        return Path(os.environ["TINKERD_PRE_MIGRATIONS_CHECKOUT"])
-    out = tmp_path_factory.mktemp("pre-migrations")
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", PRE_MIGRATIONS_COMMIT], capture_output=True)
-    if archive.returncode != 0:
-        pytest.skip(f"needs the pre-migrations commit {PRE_MIGRATIONS_COMMIT[:7]} in this checkout's git "
-                    f"history (a shallow clone lacks it): {archive.stderr.decode().strip()}")
-    subprocess.run(["tar", "-x", "-C", str(out)], input=archive.stdout, check=True)
-    return out
+    return checkout_of(PRE_MIGRATIONS_COMMIT, "pre-migrations", "TINKERD_PRE_MIGRATIONS_CHECKOUT", tmp_path_factory)
 
 
 def test_a_data_dir_from_before_migrations_upgrades_and_recovers_exactly(tmp_path, old_checkout):
