@@ -24,7 +24,12 @@ wall time, not steps); the retention period is the longest time anything lives b
 Exit 1 if anything meant to be bounded is not, or the loop saw an error. `--json F` keeps the
 samples; `--report F` judges kept samples again without running.
 
-    python benchmarks/soak.py                      # 2000 steps (~25-40 min on 2 shared cores)
+With `--step-interval-s S` each step starts S seconds after the one before (or at once when late),
+so the step rate is the same in every window however the machine's load moves; the verdict is
+given only when the windows' rates are within `--max-rate-ratio` (1.5x) of each other, since what
+the server holds scales with the rate (soak_verdict.py).
+
+    python benchmarks/soak.py --step-interval-s 1.5  # 2000 steps at a steady rate, ~50 min
     python benchmarks/soak.py --steps 300 --every 20 --ttl-s 30 --grace-s 10 --tombstone-s 10
 """
 
@@ -47,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import tinker  # noqa: E402
 from tinker import types  # noqa: E402
 
-from benchmarks.soak_verdict import judge  # noqa: E402
+from benchmarks.soak_verdict import judge, steady_rate  # noqa: E402
 from tests.chaos import TINY, engine_pid  # noqa: E402
 from tests.serverproc import API_KEY, start_server  # noqa: E402
 
@@ -129,7 +134,12 @@ def soak(args) -> int:
             keep(args, samples, errors, os.getloadavg())
 
         record(0)
+        started = time.monotonic() - args.step_interval_s
         for step in range(1, args.steps + 1):
+            # S after the last step's start, never catching up on a late one: a catch-up burst would
+            # raise the rate the verdict needs steady.
+            time.sleep(max(0.0, started + args.step_interval_s - time.monotonic()))
+            started = time.monotonic()
             toks = [[rng.randrange(1, 5000) for _ in range(rng.randrange(12, 40))] for _ in range(2)]
             data = [types.Datum(model_input=types.ModelInput.from_ints(t[:-1]), loss_fn_inputs={"target_tokens": t[1:]})
                     for t in toks]
@@ -195,6 +205,9 @@ def report(samples: list[Sample], errors: list[str], args, load: tuple[float, fl
     times = [s.elapsed_s for s in samples]
     print(f"\nwindows of {window_s:.0f} s ({args.windows_of:g} retention periods of {retention_period_s(args):.0f} s); "
           f"the first is warm-up")
+    steady, rates = steady_rate(times, [s.step for s in samples], window_s, args.max_rate_ratio)
+    print("steps/s per window: " + " ".join("-" if r is None else f"{r:.2f}" for r in rates)
+          + ("" if steady else f"  NOT steady (over {args.max_rate_ratio:g}x): no verdict on what is held"))
     anon = all(s.engine_anon for s in samples)  # samples kept before RssAnon was recorded have none
     for name, values, judged_on in (
             ("server RSS", [s.server_rss for s in samples], not anon),
@@ -227,6 +240,9 @@ def report(samples: list[Sample], errors: list[str], args, load: tuple[float, fl
         print(f"  {e}")
     if any(v.bounded is None for v in judged):
         print("verdict: none yet, the run is too short or too sparse for its windows (see above)")
+    elif not steady:
+        print("verdict: none, the step rate was not steady (see above); pace it with --step-interval-s")
+        return 1
     else:
         print("verdict: " + ("bounded" if ok else "NOT bounded (see above)"))
     return 0 if ok else 1
@@ -243,6 +259,8 @@ def main() -> int:
     p.add_argument("--grace-s", type=float, default=15.0, help="--future-retrieved-grace-s of the server")
     p.add_argument("--tombstone-s", type=float, default=15.0, help="--future-tombstone-s of the server")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--step-interval-s", type=float, default=0.0, help="start a step every S seconds (0: at once)")
+    p.add_argument("--max-rate-ratio", type=float, default=1.5, help="windows' step rates must agree within this")
     p.add_argument("--seed", type=int, default=3)
     p.add_argument("--tolerance", type=float, default=0.25)
     p.add_argument("--rss-tolerance", type=float, default=0.10)
@@ -255,7 +273,7 @@ def main() -> int:
     if args.report:
         kept = json.loads(args.report.read_text())
         for k, v in kept["args"].items():
-            if k not in ("report", "json", "tolerance", "rss_tolerance", "rss_growth_per_hour", "windows_of"):
+            if k not in ("report", "json", "max_rate_ratio", "tolerance", "rss_tolerance", "rss_growth_per_hour", "windows_of"):
                 setattr(args, k, v)
         return report([Sample(**x) for x in kept["samples"]], kept["errors"], args, tuple(kept["load"]))
     return soak(args)

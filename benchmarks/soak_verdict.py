@@ -14,6 +14,12 @@ The first window is warm-up (TTLs and windows fill up). The windows after it are
   `tolerance`) of the first peak, plus `slack`, an hour. A leak moves the two halves' peaks by
   only half the run's growth (+55% over a half hour showed as 21% between the halves), so the
   trend is what catches it; a bounded sawtooth has none.
+
+What is held is bounded by retention time x step rate (a 60 s TTL keeps 60 s worth of checkpoints),
+so the verdict holds only while the step rate is steady: the last soak's rate rose 50x with the
+machine's load and the data dir's peak rose with it (65.6 MiB in the slow windows, 123-139 MiB in
+the fast). `steady_rate` checks that first; the soak paces its steps (`--step-interval-s`) so that
+a loaded machine can still hold the rate.
 """
 
 from __future__ import annotations
@@ -69,6 +75,26 @@ def growth_per_hour(peaks: list[float | None], window_s: float) -> float:
     """rise_per_hour relative to the first peak."""
     first = next(p for p in peaks if p is not None)
     return rise_per_hour(peaks, window_s) / first if first else 0.0
+
+
+def window_rates(times: list[float], steps: list[int], window_s: float) -> list[float | None]:
+    """Steps per second in each of window_peaks' windows (None: under two samples in it)."""
+    n = int(times[-1] // window_s) if times else 0
+    first: list[tuple[float, int] | None] = [None] * n
+    last: list[tuple[float, int] | None] = [None] * n
+    for t, k in zip(times, steps):
+        if n:
+            i = min(int(t // window_s), n - 1)
+            first[i] = first[i] or (t, k)
+            last[i] = (t, k)
+    return [(b[1] - a[1]) / (b[0] - a[0]) if a and b and b[0] > a[0] else None for a, b in zip(first, last)]
+
+
+def steady_rate(times: list[float], steps: list[int], window_s: float, max_ratio: float = 1.5) -> tuple[bool, list[float | None]]:
+    """Whether the judged windows' (all but the warm-up) step rates stay within max_ratio of each other."""
+    rates = window_rates(times, steps, window_s)
+    judged = [r for r in rates[1:] if r]
+    return bool(judged) and max(judged) <= max_ratio * min(judged), rates
 
 
 def judge(times: list[float], values: list[float], window_s: float, tolerance: float, slack: float = 0.0,

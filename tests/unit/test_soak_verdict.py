@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import random
 
-from benchmarks.soak_verdict import growth_per_hour, judge, window_peaks
+from benchmarks.soak_verdict import growth_per_hour, judge, steady_rate, window_peaks
 
 PERIOD_S = 70.0  # the soak's default retention period: a 60 s TTL + a 10 s sweep
 WINDOW_S = 3 * PERIOD_S
@@ -95,3 +95,18 @@ def test_window_peaks_fold_the_tail_into_the_last_window():
 
 def test_growth_per_hour_skips_empty_windows():
     assert math.isclose(growth_per_hour([1.0, None, 3.0], 1800), 2.0)  # +2 in 3600 s, relative to 1
+
+
+def test_steady_rate_refuses_a_run_whose_step_rate_moved():
+    """What is held is retention time x step rate: the last soak's 50x rate jump raised the data
+    dir's peak 2x and the verdict said NOT bounded for a process that was bounded at each rate. A
+    rate that moved over max_ratio between the judged windows gives no verdict; a steady one does,
+    whatever the warm-up window did."""
+    times = [10.0 * i for i in range(100)]  # 990 s, windows of 210 s: 4 (the tail joins the last)
+    steady_steps = [0] + [5 + 4 * i for i in range(1, 100)]  # slow first step (warm-up), then 0.4/s
+    ok, rates = steady_rate(times, steady_steps, WINDOW_S)
+    assert ok and all(abs(r - 0.4) < 1e-9 for r in rates[1:])
+    jump = [int(0.4 * t) if t < 600 else int(240 + 20 * (t - 600)) for t in times]  # 0.4/s, then 20/s
+    ok, rates = steady_rate(times, jump, WINDOW_S)
+    assert not ok and max(r for r in rates[1:] if r) > 10 * min(r for r in rates[1:] if r)
+    assert steady_rate(times, jump, WINDOW_S, max_ratio=100.0)[0]
