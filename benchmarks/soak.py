@@ -19,8 +19,8 @@ wall time, not steps); the retention period is the longest time anything lives b
   peaks' trend under `--rss-growth-per-hour` (5%);
 - data dir and rows bounded: the later half's peak within `--tolerance` (25%, plus a small absolute
   slack) of the earlier half's. Ledger tables grow by design, one row per op or per checkpoint:
-  usage (billing), checkpoint_storage (GB-hour billing), audit_log; their growth per step is
-  printed instead.
+  usage (billing), checkpoint_storage (GB-hour billing), audit_log, step_metrics (the console's
+  curves); their growth per step is printed instead.
 Exit 1 if anything meant to be bounded is not, or the loop saw an error. `--json F` keeps the
 samples; `--report F` judges kept samples again without running.
 
@@ -56,7 +56,10 @@ from benchmarks.soak_verdict import judge, steady_rate  # noqa: E402
 from tests.chaos import TINY, engine_pid  # noqa: E402
 from tests.serverproc import API_KEY, start_server  # noqa: E402
 
-LEDGERS = ("usage", "checkpoint_storage", "audit_log")
+# Tables that grow by design, one row per op or per checkpoint: billing, GB-hour billing, the audit
+# trail, and step_metrics, each run's metric history that the console draws (one small row per
+# training op; a page sends only the newest 2,000 points of it).
+LEDGERS = ("usage", "checkpoint_storage", "audit_log", "step_metrics")
 MIB = 2**20
 SWEEP_INTERVAL_S = 10.0  # the server's --checkpoint-sweep-interval-s here
 
