@@ -23,6 +23,7 @@ from tinker import types
 from tests.conformance.conftest import TINY
 from tests.conformance.test_quotas import _key
 from tests.conformance.test_retention import ADAM, _batch, _train
+from tests import serverproc
 from tests.serverproc import API_KEY, ServerProcess, start_server
 
 
@@ -70,6 +71,7 @@ class Topology:
     replica_args: list[list[str]]
     haproxy: subprocess.Popen
     stats_url: str
+    cluster: object  # tests/postgres.py: Cluster
     env: dict = field(default_factory=dict)
 
     def requests_per_replica(self) -> dict[str, int]:
@@ -80,12 +82,17 @@ class Topology:
 
 
 @pytest.fixture(scope="module")
-def topology(tmp_path_factory, pg_server_url):
-    from tests.postgres import fresh_database
+def topology(tmp_path_factory):
+    from tests.postgres import Cluster, fresh_database
 
-    db_url = fresh_database(pg_server_url)
+    # A cluster of the module's own, not the session's: one test restarts it.
+    cluster = Cluster()
+    cluster.start()
+    db_url = fresh_database(cluster.url())
     env = {"TINKERD_DB_URL": db_url}
     data = tmp_path_factory.mktemp("replicas-data")  # one data directory: checkpoints are files
+    if serverproc._shared_models_dir is not None:  # linked once here, not by three starts at once
+        (data / "models").symlink_to(serverproc._shared_models_dir, target_is_directory=True)
     started: list[ServerProcess] = []
     haproxy = None
     try:
@@ -112,13 +119,15 @@ def topology(tmp_path_factory, pg_server_url):
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
-        yield Topology(url, db_url, worker, started[1:], args, haproxy, f"http://127.0.0.1:{stats_port}/stats", env)
+        yield Topology(url, db_url, worker, started[1:], args, haproxy, f"http://127.0.0.1:{stats_port}/stats",
+                       cluster, env)
     finally:
         if haproxy is not None:
             haproxy.terminate()
             haproxy.wait(timeout=10)
         for srv in started:
             srv.stop()
+        cluster.stop()
 
 
 def _sc(url: str, key: str = API_KEY) -> tinker.ServiceClient:
@@ -168,9 +177,32 @@ def test_one_seq_id_sent_to_both_replicas_runs_once(topology):
     assert ids[0] == ids[1]
 
 
-def test_a_replica_killed_mid_loop_loses_nothing(server, topology):
+@pytest.fixture(scope="module")
+def reference(server) -> list[float]:
+    """The faults' loop, uninterrupted, on the embedded SQLite server."""
+    return _train(_sc(server.url).create_lora_training_client(base_model=TINY, rank=8, seed=5).result(), range(6))
+
+
+def test_a_postgresql_restart_mid_loop_loses_nothing(reference, topology):
+    tc = _sc(topology.url).create_lora_training_client(base_model=TINY, rank=8, seed=5).result()
+    first = _train(tc, range(2))
+    # Pipelined: the restart aborts every session (the replicas' pools and listeners, the driver's)
+    # while ops are being sent, held in long-polls and stored; the SDK retries the 503s meanwhile.
+    pending = []
+    for step in range(2, 6):
+        pending.append(tc.forward_backward(_batch(step), "cross_entropy"))
+        last = tc.optim_step(ADAM)
+        if step == 3:
+            topology.cluster.restart()
+    last.result()
+    assert first + [fb.result().metrics["loss:sum"] for fb in pending] == reference
+    # The restart reached the processes: each replica's and the driver's listener came back.
+    for srv in [topology.worker, *topology.replicas]:
+        assert any("listening on PostgreSQL again" in line for line in srv.lines), srv.lines[-20:]
+
+
+def test_a_replica_killed_mid_loop_loses_nothing(reference, topology):
     # Last in the module: it kills replica 0 (and starts it again, for whatever runs after).
-    reference = _train(_sc(server.url).create_lora_training_client(base_model=TINY, rank=8, seed=5).result(), range(6))
     tc = _sc(topology.url).create_lora_training_client(base_model=TINY, rank=8, seed=5).result()
     first = _train(tc, range(2))
     # Pipelined: the kill lands while ops are being sent and their long-polls are held on both replicas.

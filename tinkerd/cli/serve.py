@@ -279,7 +279,13 @@ def local_key(config: ServerConfig, accounts) -> str | None:
     path = config.data_dir / "local_api_key"
     if config.api_key:
         if accounts.verify(config.api_key) is None:
-            accounts.create_key("serve --api-key", key=config.api_key)
+            from tinkerd.errors import UserError
+
+            try:
+                accounts.create_key("serve --api-key", key=config.api_key)
+            except UserError:  # replicas starting together on one database: another registered it
+                if accounts.verify(config.api_key) is None:
+                    raise
         return config.api_key
     if not accounts.has_keys():
         key = accounts.create_key("local").key
