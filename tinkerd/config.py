@@ -74,6 +74,11 @@ class ServerConfig(BaseModel):
     # "process": the engine runs in a child process that is restarted and rebuilt if it dies;
     # "thread": in the server process (no crash isolation, no pipe).
     engine: Literal["process", "thread"] = "process"
+    # Which part of the server this process is (docs/deployment.md). "all": API, control and engine
+    # in one process (the embedded default). On one shared PostgreSQL (db_url): "api", a stateless
+    # replica that stores ops and answers from the database, no engine; "worker", the one engine
+    # driver, which claims the ops api replicas stored, runs them and stores their results.
+    role: Literal["all", "api", "worker"] = "all"
     # Ray placement (engine/ray_engine.py): each base model's engine a Ray actor of the cluster at
     # this address ("local": a private Ray on this machine, sized to the actors); None: `engine` above.
     ray_address: str | None = None

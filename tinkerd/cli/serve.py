@@ -39,6 +39,9 @@ def add_parser(sub) -> None:
     p.add_argument("--engine", choices=["process", "thread"], default=None,
                    help="process (default): the engine in its own process, restarted and rebuilt if it dies; "
                         "thread: in the server process")
+    p.add_argument("--role", choices=["all", "api", "worker"], default=None,
+                   help="all (default): the whole server in one process; on a shared PostgreSQL (--db-url): api, a "
+                        "stateless replica for a load balancer, or worker, the one engine driver (docs/deployment.md)")
     p.add_argument("--ray-address", default=None,
                    help="run each base model's engine as a Ray actor on this Ray cluster (an address, 'auto', or "
                         "'local' for a private Ray on this machine); default: the embedded engine (--engine)")
@@ -135,6 +138,8 @@ def build_config(args) -> ServerConfig:
         values["torch_threads"] = args.threads
     if args.engine:
         values["engine"] = args.engine
+    if getattr(args, "role", None):
+        values["role"] = args.role
     for name in ("ray_address", "ray_num_cpus", "ray_num_gpus"):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
@@ -185,10 +190,14 @@ def build_app(config: ServerConfig, client=None):
     from tinkerd.control.store.db import Store
     from tinkerd.control.tokens import Tokens
 
+    from tinkerd.control import replicas
+
     config.data_dir.mkdir(parents=True, exist_ok=True)
-    if client is None:
+    if client is None and config.role != "api":  # an api replica has no engine (docs/deployment.md)
         client = build_engine_client(config)
     store = Store.open(config)
+    replicas.check(config.role, store)
+    worker_id = replicas.worker_id(config.role)
     reserve = DiskReserve(config.data_dir, config.min_free_disk_bytes)
     recovery = Recovery(store, config.data_dir / "snapshots", snapshot_interval_s=config.snapshot_interval_s)
     # One audit log for the accounts' events and the checkpoints': only one instance folds failed
@@ -200,7 +209,10 @@ def build_app(config: ServerConfig, client=None):
                       residency=Residency(store, recovery, config.session_expiry_s),
                       retention=FutureRetention(store, recovery, config.future_retrieved_grace_s,
                                                 config.future_max_age_s, config.future_tombstone_s),
-                      reserve=reserve, runs=runs, ephemeral_samplers_kept=config.ephemeral_samplers_kept)
+                      reserve=reserve, runs=runs, ephemeral_samplers_kept=config.ephemeral_samplers_kept,
+                      worker_id=worker_id)
+    if config.role != "all":
+        replicas.use_database_notifier(control, store)
     if not config.metrics:
         control.metrics.disable()
     if config.otlp_endpoint:
@@ -209,7 +221,7 @@ def build_app(config: ServerConfig, client=None):
         control.metrics.tracer = OpTracer.otlp(config.otlp_endpoint)
     # Crash debris of checkpoint saves, swept with the snapshots' at start and after engine restarts.
     recovery.sweeps.append(lambda: runs.sweep_stale_temp(older_than_s=0))
-    served = {m.name: m for m in client.models()}  # a process engine: waits here until its child is ready
+    served = {m.name: m for m in replicas.served_models(config.role, store, client, worker_id)}
     accounts = Accounts(store, audit)
     records = StabilityRecords(store, config.recorded_sequence_ttl_s)
     control.results.recorders.append(records.record)
@@ -267,7 +279,13 @@ def local_key(config: ServerConfig, accounts) -> str | None:
     path = config.data_dir / "local_api_key"
     if config.api_key:
         if accounts.verify(config.api_key) is None:
-            accounts.create_key("serve --api-key", key=config.api_key)
+            from tinkerd.errors import UserError
+
+            try:
+                accounts.create_key("serve --api-key", key=config.api_key)
+            except UserError:  # replicas starting together on one database: another registered it
+                if accounts.verify(config.api_key) is None:
+                    raise
         return config.api_key
     if not accounts.has_keys():
         key = accounts.create_key("local").key
@@ -344,7 +362,7 @@ def run(args) -> int:
     API imports, store, key and hub check run meanwhile on a thread; then the engine's first use
     waits for its child, and recovery replays. Ready (the ready line) is when the app serves."""
     config = build_config(args)
-    client = build_engine_client(config, wait=False)
+    client = build_engine_client(config, wait=False) if config.role != "api" else None
     if config.engine == "process":
         import_sdk_types_without_torch()
     from tinkerd.api.gate import StartupGate
@@ -366,12 +384,14 @@ def run(args) -> int:
         app, control = build_app(config, client)
         state["control"] = control
         runs = app.state.tinkerd.runs
-        state["sweeper"] = CheckpointSweeper(runs, args.checkpoint_sweep_interval_s)
+        if config.role != "api":  # one process deletes expired checkpoints' files: the driver
+            state["sweeper"] = CheckpointSweeper(runs, args.checkpoint_sweep_interval_s)
         state["key"] = local_key(config, app.state.tinkerd.accounts)
         # A resolver can take seconds to fail: asked here, off the loop, while the engine starts.
         state["offline_env"] = " HF_HUB_OFFLINE=1" if hub_unreachable() else ""
         control.start()  # recovery: rebuilds adapters, queues pending ops again
-        state["sweeper"].start()
+        if "sweeper" in state:
+            state["sweeper"].start()
         state["app"] = app
 
     async def main() -> None:
@@ -410,7 +430,7 @@ def run(args) -> int:
                 state["sweeper"].stop()
             if "control" in state:
                 state["control"].stop()
-            else:
+            elif client is not None:
                 client.close()
 
     try:

@@ -20,10 +20,12 @@ from typing import Any, Protocol
 
 from tinkerd.control import oplog
 from tinkerd.control.bookkeeping import Bookkeeper
+from tinkerd.control.claims import Claimer
 from tinkerd.control.diskspace import DiskReserve
 from tinkerd.control.futures import FutureHub
 from tinkerd.control.metering import Meter
 from tinkerd.control.metrics import Metrics
+from tinkerd.control.notify import LocalNotifier, Notifier
 from tinkerd.control.queue import Finalize, OpQueue, QueuedOp, Work
 from tinkerd.control.quotas import Quotas
 from tinkerd.control.recovery import Recovery, UnrecoverableRun
@@ -77,8 +79,12 @@ class Control:
     def __init__(self, store: Store, engine: EngineClient, recovery: Recovery | None = None,
                  quotas: Quotas | None = None, residency: Residency | None = None,
                  retention: FutureRetention | None = None, reserve: DiskReserve | None = None,
-                 runs=None, ephemeral_samplers_kept: int = 2):
+                 runs=None, ephemeral_samplers_kept: int = 2, worker_id: str | None = None):
         self.store = store
+        # Replicas on one PostgreSQL (docs/deployment.md): `engine` None is an api replica, which
+        # stores ops for the driver and runs none; `worker_id` names the driver, which claims what
+        # api replicas stored (claims.py). Both None: the embedded server, one process.
+        self.worker_id = worker_id
         # What an accepted op's success does (registers checkpoints, creates samplers) in the runs
         # (control/runs.py); without runs (unit tests) only ops without such effects can run.
         self.bookkeeper = Bookkeeper(runs, ephemeral_samplers_kept, self.busy)
@@ -101,8 +107,11 @@ class Control:
         self.scheduler = Scheduler(self.queue, quotas=quotas, suspects=self._suspects,
                                    engine_of=getattr(engine, "engine_key", None))
         self.hub = FutureHub()
+        # Wakes this process's waiters, or every replica's (use_notifier; control/notify.py).
+        self.notifier: Notifier = LocalNotifier(self.hub)
         # The op log's reads and writes for the api layer (retrieve_future's owner check, the legacy conversion).
         self.futures = FutureRepository(store)
+        self.claimer = Claimer(self.futures, worker_id, self._take) if worker_id else None
         self.meter = Meter(store)
         if quotas is not None:
             self.meter.listeners.append(quotas.on_usage)
@@ -125,12 +134,26 @@ class Control:
 
     # -- lifecycle -------------------------------------------------------------------------------
 
+    def use_notifier(self, notifier: Notifier) -> None:
+        """Before start: wake-ups, work and cancels go through `notifier` (store/listen.py on PostgreSQL)."""
+        self.notifier = notifier
+        self.results.hub = notifier  # ResultStore calls its notify() once an outcome is stored
+
     def start(self) -> None:
         """Recover what a previous server process left (adapters, pending ops), then serve."""
+        self.notifier.start()
+        if self.engine is None:
+            return  # an api replica: the driver recovers and runs the ops
+        if self.worker_id is not None:
+            # Every pending op is this driver's now, a previous driver's claims included; ops api
+            # replicas store from here on are left unclaimed for the claimer, which starts after recovery.
+            self.futures.claim_all_pending(self.worker_id)
         if self.recovery is not None:
             self._recover_from_store()
         self._worker = threading.Thread(target=self._run, name="tinkerd-engine", daemon=True)
         self._worker.start()
+        if self.claimer is not None:
+            self.claimer.start()
         if self.residency is not None:
             self.residency.start(self._enqueue_internal, self.busy)
         if self.retention is not None:  # after recovery, which reads the rows it may delete
@@ -142,23 +165,36 @@ class Control:
         report = self.recovery.rebuild_engine(self.engine, skip=released)
         requeued = 0
         for row in self.recovery.pending():
-            reason = self.recovery.failure(row.target)
-            try:
-                if reason is not None:
-                    raise UnrecoverableRun(reason)
-                work = self.recovery.rebuild(row)
-            except TinkerdError as e:  # unreadable record, or its run could not be rebuilt: say why
-                self.store.update(FutureRow, row.request_id, status="failed", error=e.message,
-                                  error_category=e.category, completed_at=utcnow())
-                continue
-            self.queue.put(row.request_id, row.target, row.seq_id, row.request_type, work)
-            requeued += 1
+            if self.worker_id is not None and row.claimed_by != self.worker_id:
+                continue  # stored by an api replica after this driver's claim above: the claimer takes it
+            requeued += self._take(row)
         if report.replayed_ops or requeued:
             log.warning("server recovered: rebuilt %d adapters from %d ops in %.2f s, re-queued %d pending ops",
                         report.models, report.replayed_ops, report.seconds, requeued)
 
+    def _take(self, row: FutureRow) -> bool:
+        """Queue a stored pending op (recovery, or a claim of an api replica's op); False: failed instead."""
+        reason = self.recovery.failure(row.target) if self.recovery is not None else None
+        try:
+            if reason is not None:
+                raise UnrecoverableRun(reason)
+            work = self.recovery.rebuild(row)
+        except TinkerdError as e:  # unreadable record, or its run could not be rebuilt: say why
+            self.store.update(FutureRow, row.request_id, status="failed", error=e.message,
+                              error_category=e.category, completed_at=utcnow())
+            self.notifier.notify(row.request_id, row.target)
+            return False
+        self.queue.put(row.request_id, row.target, row.seq_id, row.request_type, work)
+        return True
+
     def stop(self) -> None:
         self._stopping.set()  # a result stuck on storage is abandoned: it stays pending in the log
+        if self.claimer is not None:
+            self.claimer.stop()
+        self.notifier.close()
+        if self.engine is None:
+            self.metrics.close()
+            return
         if self.retention is not None:
             self.retention.stop()
         if self.residency is not None:
@@ -221,6 +257,7 @@ class Control:
             op_version=op_version,
             status="pending",
             created_at=utcnow(),
+            claimed_by=self.worker_id,
         )
         if not self.store.add(row):
             # Lost a race with an identical concurrent submission: return the winner's future.
@@ -228,7 +265,10 @@ class Control:
             if existing is None:
                 raise ServerError("could not store the request")
             return Accepted(existing.request_id, new=False)
-        self.queue.put(request_id, target, seq_id, request_type, work)
+        if self.engine is None:
+            self.notifier.work()  # an api replica: the driver claims it (claims.py)
+        else:
+            self.queue.put(request_id, target, seq_id, request_type, work)
         self.metrics.accepted(request_type, Scheduler.lane_of(work.op), request_id)
         return Accepted(request_id, new=True)
 
@@ -298,10 +338,19 @@ class Control:
             return
         if row.request_type != "Sample":
             raise UserError(f"only sampling requests can be cancelled; {row.request_id} is a {row.request_type}")
+        if self.engine is None:
+            self.notifier.cancel(row.request_id)  # the driver holds it (cancel_id there)
+            return
         if self.queue.withdraw(row.request_id):
             return
         with self._cancels_lock:
             self._cancels.add(row.request_id)
+
+    def cancel_id(self, request_id: str) -> None:
+        """On the driver, from the notifier: an api replica's cancel_future (checked there)."""
+        row = self.futures.get(request_id)
+        if row is not None and row.request_type == "Sample":
+            self.cancel(row)
 
     def expired_message(self, request_id: str) -> str:
         if self.retention is not None:
@@ -453,7 +502,8 @@ class Control:
             reasons.append("a finished op's result cannot be stored")
         if self.engine_state != "running":
             reasons.append(f"engine {self.engine_state}")
-        worker_alive = self._worker is not None and self._worker.is_alive()
+        # An api replica has no worker: the driver's state is its own readyz's.
+        worker_alive = self.engine is None or (self._worker is not None and self._worker.is_alive())
         if not worker_alive:
             reasons.append("engine worker not running")
         return {

@@ -40,6 +40,15 @@ class FutureHub:
         except asyncio.TimeoutError:
             return is_done()
 
+    def wake_all(self) -> None:
+        """Wake every waiter to read the store again: wake-ups may have been missed (a notifier that
+        reconnected, control/store/listen.py). A waiter whose op is still pending answers try_again."""
+        with self._lock:
+            events, self._events = list(self._events.values()), {}
+        for event in events:
+            if self._loop is not None:
+                self._loop.call_soon_threadsafe(event.set)
+
     def subscribe(self, request_id: str, queue: asyncio.Queue) -> None:
         """Put (request_id, item) on `queue` for every publish, then (request_id, None) when the result
         is stored. Must run on the bound loop, in the same tick as the submit that made request_id:
