@@ -74,6 +74,10 @@ class ServerConfig(BaseModel):
     # "process": the engine runs in a child process that is restarted and rebuilt if it dies;
     # "thread": in the server process (no crash isolation, no pipe).
     engine: Literal["process", "thread"] = "process"
+    # Rank processes forming the one engine (engine/sharding.py, docs/sharding.md): above 1 the base
+    # model's decoder is sharded across them with FSDP2 and each forward_backward's datums are split
+    # between them. Needs the process engine; with --device cuda, one GPU per rank.
+    engine_ranks: int = Field(default=1, ge=1)
     # Ray placement (engine/ray_engine.py): each base model's engine a Ray actor of the cluster at
     # this address ("local": a private Ray on this machine, sized to the actors); None: `engine` above.
     ray_address: str | None = None

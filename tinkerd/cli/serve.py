@@ -16,6 +16,7 @@ import uvicorn
 
 from tinkerd.cli import LOG_FORMAT
 from tinkerd.config import DEFAULT_BASE_MODEL, ServerConfig
+from tinkerd.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,9 @@ def add_parser(sub) -> None:
     p.add_argument("--engine", choices=["process", "thread"], default=None,
                    help="process (default): the engine in its own process, restarted and rebuilt if it dies; "
                         "thread: in the server process")
+    p.add_argument("--engine-ranks", type=_positive_int, default=None,
+                   help="rank processes of the engine; above 1 the base model is FSDP2-sharded across them "
+                        "(gloo on CPU, NCCL on CUDA; docs/sharding.md) (default 1)")
     p.add_argument("--ray-address", default=None,
                    help="run each base model's engine as a Ray actor on this Ray cluster (an address, 'auto', or "
                         "'local' for a private Ray on this machine); default: the embedded engine (--engine)")
@@ -135,6 +139,8 @@ def build_config(args) -> ServerConfig:
         values["torch_threads"] = args.threads
     if args.engine:
         values["engine"] = args.engine
+    if args.engine_ranks:
+        values["engine_ranks"] = args.engine_ranks
     for name in ("ray_address", "ray_num_cpus", "ray_num_gpus"):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
@@ -226,6 +232,8 @@ def build_engine_client(config: ServerConfig, wait: bool = True):
     only): return once the child is spawned; its first use waits."""
     from tinkerd.control.engines import EngineRouter
 
+    if config.engine_ranks > 1 and (config.ray_address or config.engine != "process"):
+        raise UserError("--engine-ranks above 1 needs the process engine (no --engine thread, no --ray-address)")
     if config.ray_address:
         from tinkerd.engine.ray_engine import ray_engines, shutdown
 
@@ -242,7 +250,8 @@ def _embedded_engine_client(config: ServerConfig, wait: bool):
         return ProcessEngineClient(EngineSpec(config.models_dir, tuple(config.base_models), config.max_lora_rank,
                                               config.torch_threads, config.sample_kv_cache_bytes,
                                               precision=Precision(config.device, config.dtype),
-                                              log_level=logging.getLogger().getEffectiveLevel(), log_format=LOG_FORMAT),
+                                              log_level=logging.getLogger().getEffectiveLevel(), log_format=LOG_FORMAT,
+                                              ranks=config.engine_ranks),
                                    wait=wait)
     import torch
 

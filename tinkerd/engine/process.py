@@ -41,6 +41,9 @@ class EngineSpec:
     log_level: int = logging.WARNING
     log_format: str | None = None
     precision: Precision = Precision()  # device and compute dtype (engine/precision.py)
+    # Rank processes of this one engine; above 1 the base model is FSDP2-sharded across them
+    # (engine/sharding.py, --engine-ranks).
+    ranks: int = 1
 
 
 class EngineStartFailed(EngineCrashed):
@@ -72,23 +75,30 @@ def _worker_main(conn, spec: EngineSpec) -> None:
     if spec.torch_threads:
         torch.set_num_threads(spec.torch_threads)
     try:
-        engine = Engine(spec.models_dir, spec.max_lora_rank, SamplerConfig(kv_cache_bytes=spec.sample_kv_cache_bytes),
-                        spec.precision)
-        engine.load_base_models(spec.base_models)
+        if spec.ranks > 1:  # this process is rank 0 of the engine's rank group (engine/sharding.py)
+            from tinkerd.engine.sharding import RankedEngineClient
+
+            client = RankedEngineClient(spec)
+        else:
+            engine = Engine(spec.models_dir, spec.max_lora_rank, SamplerConfig(kv_cache_bytes=spec.sample_kv_cache_bytes),
+                            spec.precision)
+            engine.load_base_models(spec.base_models)
+            client = InProcessEngineClient(engine)
     except Exception as e:
         reason = getattr(e, "message", None) or f"{type(e).__name__}: {e}"
         if not isinstance(e, TinkerdError):  # a user-facing reason needs no traceback; a bug does
             log.exception("engine process: building the engine failed")
         conn.send(("failed", reason))
         return
-    client = InProcessEngineClient(engine)
     conn.send(("ready", client.models()))
     while True:
         try:
             method, args = conn.recv()
         except EOFError:
+            client.close()
             return
         if method == "close":
+            client.close()
             return
         try:
             conn.send(("ok", getattr(client, method)(*args)))
