@@ -4,10 +4,14 @@ over two gloo ranks (engine/sharding.py, docs/sharding.md) trains and samples as
 The one-rank reference is the shared conformance server (the same tiny model, unsharded): the same
 adapter seed, the same five steps, then losses, the exported LoRA weights and sampled tokens and
 logprobs are compared. Batches of 3, 1 and 2 datums put an uneven block, and an empty one (a rank
-that runs only a dummy token to stay in the collectives), on the ranks.
+that runs only a dummy token to stay in the collectives), on the ranks. Then rank 1 is SIGKILLed
+mid-loop: the engine restarts whole and the loop's losses equal an uninterrupted one's.
 """
 
 from __future__ import annotations
+
+import os
+import signal
 
 import numpy as np
 import pytest
@@ -16,6 +20,7 @@ from safetensors.numpy import load_file
 from tinker import types
 
 from tests.conformance.conftest import TINY
+from tests.chaos import engine_pid, recoveries
 from tests.conformance.sft import next_token_datum
 from tests.serverproc import API_KEY, start_server
 
@@ -79,3 +84,32 @@ def test_two_ranks_train_and_sample_as_one(server, sharded, tmp_path, monkeypatc
         assert tokens2 == tokens1
         np.testing.assert_allclose(lps2, lps1, rtol=0, atol=TOL)
     np.testing.assert_allclose(two["scored"], one["scored"], rtol=0, atol=TOL)
+
+
+def _rank1_pid(server_pid: int) -> int:
+    """Rank 1 of the server's engine: the child of rank 0 (the engine process) that runs tinkerd.engine.sharding."""
+    rank0 = engine_pid(server_pid)
+    children = [c for t in os.listdir(f"/proc/{rank0}/task") for c in open(f"/proc/{rank0}/task/{t}/children").read().split()]
+    (pid,) = [int(c) for c in children if b"tinkerd.engine.sharding" in open(f"/proc/{c}/cmdline", "rb").read()]
+    return pid
+
+
+def test_a_dead_rank_restarts_the_engine_and_loses_nothing(sharded):
+    sc = tinker.ServiceClient(base_url=sharded.url, api_key=API_KEY)
+    data = [next_token_datum(t) for t in TEXTS]
+
+    def loop(kill_at: int | None) -> list[float]:
+        tc = sc.create_lora_training_client(base_model=TINY, rank=4, seed=6).result()
+        losses = []
+        for step in range(4):
+            if step == kill_at:
+                os.kill(_rank1_pid(sharded.proc.pid), signal.SIGKILL)
+            fb = tc.forward_backward(data, "cross_entropy")
+            tc.optim_step(types.AdamParams(learning_rate=1e-3))
+            losses.append(fb.result().metrics["loss:sum"])
+        return losses
+
+    uninterrupted = loop(None)
+    before = len(recoveries(sharded.lines))
+    assert loop(kill_at=2) == uninterrupted
+    assert len(recoveries(sharded.lines)) > before  # the kill was seen: rank 0 stopped, the engine was rebuilt
