@@ -44,6 +44,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from tinkerd.errors import UserError
 from tinkerd.types import ExportWeightsOp, ReleaseAdaptersOp, SampleOp, SaveWeightsOp, StepBatch
 
 if TYPE_CHECKING:
@@ -174,6 +175,10 @@ def _build_engine(spec: "EngineSpec", group: RankGroup) -> "Engine":
 def _init_group(rank: int, world: int, store_path: str, precision) -> RankGroup:
     device = precision.torch_device
     if device.type == "cuda":
+        precision.check()
+        if torch.cuda.device_count() < world:  # NCCL refuses two ranks on one GPU
+            raise UserError(f"--engine-ranks {world} with --device cuda needs {world} GPUs; "
+                            f"torch sees {torch.cuda.device_count()} here")
         torch.cuda.set_device(rank)  # "cuda" then means this rank's own device
         device = torch.device("cuda", rank)
     # CPU tensors (the CPU engine's, and these collectives' on a CUDA one) over gloo, CUDA ones over NCCL.

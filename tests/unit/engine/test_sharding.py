@@ -4,8 +4,14 @@ tests/conformance/test_sharding.py."""
 
 from __future__ import annotations
 
+import argparse
+
 import numpy as np
+import pytest
 import torch
+
+from tinkerd.cli import serve
+from tinkerd.errors import UserError
 
 from tinkerd.engine.sharding import DataParallel, RankGroup, follower_batch, seeded
 from tinkerd.types import (AdamParams, ExportWeightsOp, LoadWeightsOp, OptimStepOp, ReleaseAdaptersOp, SampleOp,
@@ -67,3 +73,13 @@ def test_unseeded_samples_get_one_seed_that_every_rank_shares():
     assert seeds[1] is not None and seeds[2] is not None and seeds[1] != seeds[2]
     assert free.params.seed is None  # the queued op itself keeps none
     assert follower_batch(out).admit == out.admit  # the followers get these very seeds
+
+
+@pytest.mark.parametrize("other", [["--engine", "thread"], ["--ray-address", "local"]])
+def test_ranks_need_the_process_engine(other):
+    parser = argparse.ArgumentParser()
+    serve.add_parser(parser.add_subparsers())
+    config = serve.build_config(parser.parse_args(["serve", "--engine-ranks", "3", *other]))
+    assert config.engine_ranks == 3
+    with pytest.raises(UserError, match="--engine-ranks above 1 needs the process engine"):
+        serve.build_engine_client(config)  # refused before anything starts
