@@ -56,6 +56,11 @@ def _worker_main(conn, spec: EngineSpec) -> None:
     from tinkerd.engine.malloc import keep_freed_memory
 
     keep_freed_memory()  # before anything is allocated: ~10% of a step went to page faults
+    followers = None
+    if spec.ranks > 1:  # this process is rank 0 of N; the others start now, their imports beside ours
+        from tinkerd.engine.followers import Followers
+
+        followers = Followers(spec)
     logging.basicConfig(level=spec.log_level, **({"format": spec.log_format} if spec.log_format else {}))
     # Ctrl-C reaches the whole process group: the server stops its engine itself (close, or a kill
     # when the engine is busy), so the child must not die of KeyboardInterrupt with a traceback of
@@ -75,10 +80,10 @@ def _worker_main(conn, spec: EngineSpec) -> None:
     if spec.torch_threads:
         torch.set_num_threads(spec.torch_threads)
     try:
-        if spec.ranks > 1:  # this process is rank 0 of the engine's rank group (engine/sharding.py)
+        if followers is not None:  # one engine over the ranks, the model FSDP2-sharded (engine/sharding.py)
             from tinkerd.engine.sharding import RankedEngineClient
 
-            client = RankedEngineClient(spec)
+            client = RankedEngineClient(spec, followers)
         else:
             engine = Engine(spec.models_dir, spec.max_lora_rank, SamplerConfig(kv_cache_bytes=spec.sample_kv_cache_bytes),
                             spec.precision)

@@ -32,18 +32,15 @@ import logging
 import os
 import pickle
 import secrets
-import shutil
 import signal
-import subprocess
 import sys
-import tempfile
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from tinkerd.engine.followers import Followers
 from tinkerd.errors import UserError
 from tinkerd.types import ExportWeightsOp, ReleaseAdaptersOp, SampleOp, SaveWeightsOp, StepBatch
 
@@ -190,80 +187,32 @@ def _init_group(rank: int, world: int, store_path: str, precision) -> RankGroup:
 class RankedEngineClient:
     """Rank 0's EngineClient: each step goes to every rank, and rank 0's results come back."""
 
-    def __init__(self, spec: "EngineSpec"):
+    def __init__(self, spec: "EngineSpec", followers: Followers):
         from tinkerd.engine.client import InProcessEngineClient
 
-        self.spec = spec
-        store_dir = tempfile.mkdtemp(prefix="tinkerd-ranks-")
-        store = str(Path(store_dir) / "store")
-        self.followers = [self._spawn(rank, store) for rank in range(1, spec.ranks)]
+        self.followers = followers
         try:
-            group = _init_group(0, spec.ranks, store, spec.precision)
+            group = _init_group(0, spec.ranks, followers.store, spec.precision)
             self.client = InProcessEngineClient(_build_engine(spec, group))
             dist.barrier()  # every rank built and sharded its engine
         except Exception:
-            self.kill()
+            followers.kill()
             raise
-        finally:
-            shutil.rmtree(store_dir, ignore_errors=True)
-
-    def _spawn(self, rank: int, store: str) -> subprocess.Popen:
-        import tinkerd
-
-        env = dict(os.environ)
-        # This very tinkerd, whatever an installed copy would resolve to in a fresh interpreter.
-        root = str(Path(tinkerd.__file__).resolve().parents[1])
-        env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-        proc = subprocess.Popen([sys.executable, "-m", "tinkerd.engine.sharding"], stdin=subprocess.PIPE, env=env)
-        self._send(proc, (rank, self.spec, store, os.getpid()))
-        return proc
-
-    @staticmethod
-    def _send(proc: subprocess.Popen, message) -> None:
-        pickle.dump(message, proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
-        proc.stdin.flush()
-
-    def _check_followers(self) -> None:
-        dead = [(r, p.returncode) for r, p in enumerate(self.followers, 1) if p.poll() is not None]
-        if dead:
-            # The group is broken (a collective with a dead rank fails or never returns): rank 0
-            # exits too, and control sees the engine process die, restarts it and rebuilds its
-            # runs (engine/process.py, control/recovery.py).
-            log.error("engine rank(s) died: %s; stopping the engine", ", ".join(f"rank {r} (exit code {c})" for r, c in dead))
-            self.kill()
-            os._exit(1)
+        followers.formed()
 
     def step(self, batch: StepBatch):
-        self._check_followers()
+        self.followers.check()
         batch = seeded(batch)
-        message = follower_batch(batch)
-        for proc in self.followers:
-            self._send(proc, message)
+        self.followers.send(follower_batch(batch))
         out = self.client.step(batch)
-        self._check_followers()
+        self.followers.check()  # a rank that died in this step failed its collectives: not a result to report
         return out
 
     def models(self):
         return self.client.models()
 
-    def kill(self) -> None:
-        for proc in self.followers:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(timeout=10)
-
     def close(self) -> None:
-        for proc in self.followers:
-            try:
-                proc.stdin.close()  # EOF: the rank leaves its loop and exits
-            except OSError:
-                pass
-        for proc in self.followers:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
+        self.followers.close()
 
 
 def _die_with_parent(parent_pid: int) -> None:
