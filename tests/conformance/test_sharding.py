@@ -52,6 +52,7 @@ def _run(url: str, tmp_path) -> dict:
         tokens = sum(len(TEXTS[i]) - 1 for i in batch)
         losses.append((out.metrics["loss:sum"], out.metrics["loss:sum"] / tokens))
     forward = tc.forward(data, "cross_entropy").result()
+    alone = tc.forward([data[1]], "cross_entropy").result()  # rank 1 runs only its dummy token
     ext = tc.save_weights_external("final").result().path
     adapter = weights.download(tinker_path=ext, output_dir=str(tmp_path), base_url=url)
     sampler = tc.save_weights_and_get_sampling_client().result()
@@ -59,7 +60,8 @@ def _run(url: str, tmp_path) -> dict:
     seeded = sampler.sample(prompt, 2, types.SamplingParams(max_tokens=8, temperature=1.0, seed=7)).result()
     greedy = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=8, temperature=0.0)).result()
     scored = sampler.compute_logprobs(types.ModelInput.from_ints(PROMPT + greedy.sequences[0].tokens)).result()
-    return {"losses": losses, "forward": [o["logprobs"].to_numpy() for o in forward.loss_fn_outputs],
+    outputs = forward.loss_fn_outputs + alone.loss_fn_outputs
+    return {"losses": losses, "forward": [o["logprobs"].to_numpy() for o in outputs],
             "lora": load_file(f"{adapter}/adapter_model.safetensors"),
             "sequences": [(s.tokens, s.logprobs) for s in seeded.sequences + greedy.sequences],
             "scored": scored[1:]}
