@@ -79,6 +79,10 @@ class ServerConfig(BaseModel):
     # replica that stores ops and answers from the database, no engine; "worker", the one engine
     # driver, which claims the ops api replicas stored, runs them and stores their results.
     role: Literal["all", "api", "worker"] = "all"
+    # Rank processes forming the one engine (engine/sharding.py, docs/sharding.md): above 1 the base
+    # model's decoder is sharded across them with FSDP2 and each forward_backward's datums are split
+    # between them. Needs the process engine; with --device cuda, one GPU per rank.
+    engine_ranks: int = Field(default=1, ge=1)
     # Ray placement (engine/ray_engine.py): each base model's engine a Ray actor of the cluster at
     # this address ("local": a private Ray on this machine, sized to the actors); None: `engine` above.
     ray_address: str | None = None

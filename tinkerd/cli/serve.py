@@ -16,6 +16,7 @@ import uvicorn
 
 from tinkerd.cli import LOG_FORMAT
 from tinkerd.config import DEFAULT_BASE_MODEL, ServerConfig
+from tinkerd.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,9 @@ def add_parser(sub) -> None:
     p.add_argument("--role", choices=["all", "api", "worker"], default=None,
                    help="all (default): the whole server in one process; on a shared PostgreSQL (--db-url): api, a "
                         "stateless replica for a load balancer, or worker, the one engine driver (docs/deployment.md)")
+    p.add_argument("--engine-ranks", type=_positive_int, default=None,
+                   help="rank processes of the engine; above 1 the base model is FSDP2-sharded across them "
+                        "(gloo on CPU, NCCL on CUDA; docs/sharding.md) (default 1)")
     p.add_argument("--ray-address", default=None,
                    help="run each base model's engine as a Ray actor on this Ray cluster (an address, 'auto', or "
                         "'local' for a private Ray on this machine); default: the embedded engine (--engine)")
@@ -140,6 +144,8 @@ def build_config(args) -> ServerConfig:
         values["engine"] = args.engine
     if getattr(args, "role", None):
         values["role"] = args.role
+    if args.engine_ranks:
+        values["engine_ranks"] = args.engine_ranks
     for name in ("ray_address", "ray_num_cpus", "ray_num_gpus"):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
@@ -238,6 +244,8 @@ def build_engine_client(config: ServerConfig, wait: bool = True):
     only): return once the child is spawned; its first use waits."""
     from tinkerd.control.engines import EngineRouter
 
+    if config.engine_ranks > 1 and (config.ray_address or config.engine != "process"):
+        raise UserError("--engine-ranks above 1 needs the process engine (no --engine thread, no --ray-address)")
     if config.ray_address:
         from tinkerd.engine.ray_engine import ray_engines, shutdown
 
@@ -254,7 +262,8 @@ def _embedded_engine_client(config: ServerConfig, wait: bool):
         return ProcessEngineClient(EngineSpec(config.models_dir, tuple(config.base_models), config.max_lora_rank,
                                               config.torch_threads, config.sample_kv_cache_bytes,
                                               precision=Precision(config.device, config.dtype),
-                                              log_level=logging.getLogger().getEffectiveLevel(), log_format=LOG_FORMAT),
+                                              log_level=logging.getLogger().getEffectiveLevel(), log_format=LOG_FORMAT,
+                                              ranks=config.engine_ranks),
                                    wait=wait)
     import torch
 

@@ -75,6 +75,8 @@ class Engine:
         # Base models asked for and not loaded -> the reason (a family tinkerd does not serve, a
         # missing directory): reported by name, and the others are served all the same.
         self.refused: dict[str, str] = {}
+        # This process's rank group when the engine spans several (engine/sharding.py); None: alone.
+        self.group = None
 
     def load_base_models(self, names) -> None:
         """Load each of `names`; one that fails is logged once and left out, not fatal. Only when

@@ -41,6 +41,9 @@ class EngineSpec:
     log_level: int = logging.WARNING
     log_format: str | None = None
     precision: Precision = Precision()  # device and compute dtype (engine/precision.py)
+    # Rank processes of this one engine; above 1 the base model is FSDP2-sharded across them
+    # (engine/sharding.py, --engine-ranks).
+    ranks: int = 1
 
 
 class EngineStartFailed(EngineCrashed):
@@ -53,6 +56,11 @@ def _worker_main(conn, spec: EngineSpec) -> None:
     from tinkerd.engine.malloc import keep_freed_memory
 
     keep_freed_memory()  # before anything is allocated: ~10% of a step went to page faults
+    followers = None
+    if spec.ranks > 1:  # this process is rank 0 of N; the others start now, their imports beside ours
+        from tinkerd.engine.followers import Followers
+
+        followers = Followers(spec)
     logging.basicConfig(level=spec.log_level, **({"format": spec.log_format} if spec.log_format else {}))
     # Ctrl-C reaches the whole process group: the server stops its engine itself (close, or a kill
     # when the engine is busy), so the child must not die of KeyboardInterrupt with a traceback of
@@ -72,23 +80,30 @@ def _worker_main(conn, spec: EngineSpec) -> None:
     if spec.torch_threads:
         torch.set_num_threads(spec.torch_threads)
     try:
-        engine = Engine(spec.models_dir, spec.max_lora_rank, SamplerConfig(kv_cache_bytes=spec.sample_kv_cache_bytes),
-                        spec.precision)
-        engine.load_base_models(spec.base_models)
+        if followers is not None:  # one engine over the ranks, the model FSDP2-sharded (engine/sharding.py)
+            from tinkerd.engine.sharding import RankedEngineClient
+
+            client = RankedEngineClient(spec, followers)
+        else:
+            engine = Engine(spec.models_dir, spec.max_lora_rank, SamplerConfig(kv_cache_bytes=spec.sample_kv_cache_bytes),
+                            spec.precision)
+            engine.load_base_models(spec.base_models)
+            client = InProcessEngineClient(engine)
     except Exception as e:
         reason = getattr(e, "message", None) or f"{type(e).__name__}: {e}"
         if not isinstance(e, TinkerdError):  # a user-facing reason needs no traceback; a bug does
             log.exception("engine process: building the engine failed")
         conn.send(("failed", reason))
         return
-    client = InProcessEngineClient(engine)
     conn.send(("ready", client.models()))
     while True:
         try:
             method, args = conn.recv()
         except EOFError:
+            client.close()
             return
         if method == "close":
+            client.close()
             return
         try:
             conn.send(("ok", getattr(client, method)(*args)))

@@ -21,6 +21,7 @@ import torch
 
 from tinkerd.engine import checkpoints, finite
 from tinkerd.engine.losses import DATUM_INDEX, LossFn, custom, get_loss
+from tinkerd.engine.sharding import DataParallel
 from tinkerd.errors import UserError
 from tinkerd.types import (
     AdamParams,
@@ -218,7 +219,7 @@ def _chunks(rt: "ModelRuntime", m: int) -> list[slice]:
     return [slice(i, min(i + rows, m)) for i in range(0, m, rows)]
 
 
-def _logprobs_and_grads(rt, input_ids, mask, inputs, loss: LossFn, config, params, forward_only: bool):
+def _logprobs_and_grads(rt, input_ids, mask, inputs, loss: LossFn, config, params, forward_only: bool, ranks=None):
     """Target logprobs, the loss, its metrics, and d loss / d params (None when forward_only).
 
     Every Tinker loss is a function of the target logprobs alone, so the backward splits at them:
@@ -227,22 +228,31 @@ def _logprobs_and_grads(rt, input_ids, mask, inputs, loss: LossFn, config, param
     back-propagated with g, collecting d loss / d hidden and the head's own LoRA grads;
     (4) one backward through the decoder from d loss / d hidden. Peak memory holds one [C, V]
     chunk instead of the [M, V] logits and their gradient; the price is a second head forward.
+
+    With `ranks` (engine/sharding.py: DataParallel) input_ids and mask hold this rank's datums only:
+    the logprobs of every rank are gathered before (2), which then runs on the whole batch on every
+    rank, and (3)-(4) back-propagate this rank's part of g; the gradients are then summed over ranks.
     """
-    targets = inputs["target_tokens"]
+    targets = inputs["target_tokens"] if ranks is None else ranks.local(inputs["target_tokens"])
     with torch.set_grad_enabled(not forward_only):
         hidden = _hidden(rt, input_ids, mask)  # [M, H]
-    m = hidden.shape[0]
+    m = hidden.shape[0] if ranks is None else ranks.count  # a rank without datums runs one dummy token
     with torch.no_grad():
-        target_logprobs = torch.cat([_head_logprobs(rt, hidden[c], targets[c]) for c in _chunks(rt, m)])
+        target_logprobs = torch.cat([_head_logprobs(rt, hidden[c], targets[c]) for c in _chunks(rt, m)] +
+                                    [hidden.new_zeros((0, *targets.shape[1:]), dtype=torch.float32)])
+    if ranks is not None:
+        target_logprobs = ranks.gather(target_logprobs)
     if forward_only:
         loss_sum, metrics = loss(target_logprobs, inputs, config)
         return target_logprobs, loss_sum, metrics, None
     lp_leaf = target_logprobs.clone().requires_grad_(True)
     loss_sum, metrics = loss(lp_leaf, inputs, config)
     (g_lp,) = torch.autograd.grad(loss_sum, lp_leaf)
+    if ranks is not None:
+        g_lp = ranks.local(g_lp)
     head_params = [p for p in params if any(p is t for t in _head_lora(rt, params))]
     head_grads: list[torch.Tensor | None] = [None] * len(head_params)
-    g_hidden = torch.empty_like(hidden)
+    g_hidden = torch.empty_like(hidden) if m == hidden.shape[0] else torch.zeros_like(hidden)
     for c in _chunks(rt, m):
         h_c = hidden[c].detach().requires_grad_(True)
         with torch.enable_grad():
@@ -255,7 +265,10 @@ def _logprobs_and_grads(rt, input_ids, mask, inputs, loss: LossFn, config, param
     body_params = [p for p in params if not any(p is h for h in head_params)]
     body_grads = torch.autograd.grad(hidden, body_params, grad_outputs=g_hidden, allow_unused=True)
     by_id = {id(p): g for p, g in zip(head_params, head_grads)} | {id(p): g for p, g in zip(body_params, body_grads)}
-    return target_logprobs, loss_sum.detach(), metrics, [by_id[id(p)] for p in params]
+    grads = [by_id[id(p)] for p in params]
+    if ranks is not None:
+        grads = ranks.reduce(params, grads)
+    return target_logprobs, loss_sum.detach(), metrics, grads
 
 
 def _head_lora(rt: "ModelRuntime", params: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -285,13 +298,19 @@ def forward_backward(engine: "Engine", op: ForwardBackwardOp) -> ForwardBackward
 
     # Pack into one right-padded batch; pad positions are masked out and never reach the loss.
     lengths = [len(d.tokens) for d in op.data]
-    batch, width = len(lengths), max(lengths)
-    input_ids = torch.zeros(batch, width, dtype=torch.long)  # [B, T]
-    mask = torch.zeros(batch, width, dtype=torch.long)  # [B, T]
-    for row, d in enumerate(op.data):
+    batch = len(lengths)
+    # With several ranks (engine/sharding.py) this rank's block of datums; the loss sees them all.
+    ranks = None if engine.group is None else DataParallel(engine.group, lengths)
+    mine = list(range(batch)) if ranks is None else list(range(*ranks.block))
+    width = max([lengths[i] for i in mine], default=1)
+    input_ids = torch.zeros(max(len(mine), 1), width, dtype=torch.long)  # [B, T]
+    mask = torch.zeros(max(len(mine), 1), width, dtype=torch.long)  # [B, T]
+    if not mine:  # no datum here: one dummy token keeps this rank in the FSDP collectives
+        mask[0, 0] = 1
+    for row, i in enumerate(mine):
         # np.array copies: decoded wire buffers are read-only and torch warns on those.
-        input_ids[row, : lengths[row]] = torch.from_numpy(np.array(d.tokens, dtype=np.int64))
-        mask[row, : lengths[row]] = 1
+        input_ids[row, : lengths[i]] = torch.from_numpy(np.array(op.data[i].tokens, dtype=np.int64))
+        mask[row, : lengths[i]] = 1
     inputs = {k: torch.from_numpy(np.concatenate([x[k] for x in per_datum])) for k in per_datum[0]}  # [M] / [M, K]
     # Which datum each position came from, for losses that aggregate per sequence (gspo).
     inputs[DATUM_INDEX] = torch.repeat_interleave(torch.arange(batch), torch.tensor(lengths))  # [M]
@@ -307,7 +326,7 @@ def forward_backward(engine: "Engine", op: ForwardBackwardOp) -> ForwardBackward
         # MoE layers count their routing of the real tokens meanwhile (none for a dense model).
         with rt.routing.counting(mask.flatten().bool()) as routing:
             target_logprobs, loss_sum, metrics, grads = _logprobs_and_grads(
-                rt, input_ids, mask, inputs, loss, config, params, op.forward_only
+                rt, input_ids, mask, inputs, loss, config, params, op.forward_only, ranks
             )
         metrics = {**metrics, **routing.metrics()}  # the SDK's e_frac_with_tokens:mean etc.
     finally:
