@@ -14,6 +14,7 @@ from starlette.requests import ClientDisconnect
 
 from tinkerd.api import openai_schema
 from tinkerd.api.deps import AppState, error_response
+from tinkerd.api.looplag import LoopLag
 from tinkerd.api.routes import account, admin, custom_loss, export, futures, rest, sampling, service, sessions, training
 from tinkerd.api.routes import archive
 from tinkerd.api.routes import metrics, openai
@@ -27,7 +28,10 @@ def create_app(app_state: AppState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         app_state.control.hub.bind_loop(asyncio.get_running_loop())
+        lag = LoopLag(app_state.control.metrics.registry)  # the loop's lag on /metrics (api/looplag.py)
+        lag.start()
         yield
+        await lag.stop()
 
     app = FastAPI(title="tinkerd", lifespan=lifespan)
     app.state.tinkerd = app_state

@@ -18,6 +18,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from anyio import to_thread
+
 from tinkerd.control import oplog
 from tinkerd.control.bookkeeping import Bookkeeper
 from tinkerd.control.diskspace import DiskReserve
@@ -272,19 +274,20 @@ class Control:
         return oplog.dumps(self.bookkeeper.outcome(work.record, result)), oplog.DOMAIN_RESULT
 
     async def retrieve(self, request_id: str, timeout_s: float) -> FutureRow | None:
-        """The future's row once it is done, or still pending after `timeout_s`; None if unknown."""
-        row = self.store.get(FutureRow, request_id)
+        """The future's row once it is done, or still pending after `timeout_s`; None if unknown.
+        A coroutine on the server's loop; every store call goes to the thread pool (api/routes/futures.py)."""
+        row = await to_thread.run_sync(self.store.get, FutureRow, request_id)
         if row is None or row.status != "pending":
-            return self._retrieved(row)
+            return await to_thread.run_sync(self._retrieved, row)
 
         def is_done() -> bool:
             done = self.store.get(FutureRow, request_id)
             return done is not None and done.status != "pending"
 
-        if await self.hub.wait(request_id, timeout_s, is_done):
+        if await self.hub.wait(request_id, timeout_s, lambda: to_thread.run_sync(is_done)):
             # Read again: the wake-up means the result is stored now, whatever an earlier check read
             # (returning that stale pending row cost every op a second round trip and a warning).
-            return self._retrieved(self.store.get(FutureRow, request_id))
+            return await to_thread.run_sync(lambda: self._retrieved(self.store.get(FutureRow, request_id)))
         return row
 
     def cancel(self, row: FutureRow) -> None:

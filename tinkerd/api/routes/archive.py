@@ -115,12 +115,12 @@ def _tar_gz(directory: Path, arcname: str) -> Iterator[bytes]:
 
 
 @router.get("/training_runs/{run_id}/checkpoints/{name}/archive")
-async def archive_bare(run_id: str, name: str, request: Request) -> Response:
+def archive_bare(run_id: str, name: str, request: Request) -> Response:
     return _archive(request, _bare(state(request).runs, run_id, name, account(request))[0])
 
 
 @router.get("/training_runs/{run_id}/checkpoints/{type_seg}/{name}/archive")
-async def archive_typed(run_id: str, type_seg: str, name: str, request: Request) -> Response:
+def archive_typed(run_id: str, type_seg: str, name: str, request: Request) -> Response:
     if type_seg not in SEGMENT_TYPES:
         raise NotFoundError(f"no checkpoint type {type_seg!r}: use weights, sampler_weights or a bare name")
     row = state(request).runs.owned_checkpoint(TinkerPath(run_id, type_seg, check_name(name)), account(request))
@@ -128,7 +128,7 @@ async def archive_typed(run_id: str, type_seg: str, name: str, request: Request)
 
 
 @router.delete("/training_runs/{run_id}/checkpoints/{name}")
-async def delete_bare(run_id: str, name: str, request: Request) -> Response:
+def delete_bare(run_id: str, name: str, request: Request) -> Response:
     runs = state(request).runs
     rows = _bare(runs, run_id, name, account(request))
     if len(rows) > 1:
