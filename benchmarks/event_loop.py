@@ -1,5 +1,5 @@
 """Event-loop lag and retrieve_future latency under 32 concurrent SDK clients: the API before the
-async-boundary change (main, checked out in a temp clone) against this tree, each on SQLite and on
+async-boundary change (main) against it (HEAD), each checked out in a temp clone, on SQLite and on
 PostgreSQL (a throwaway cluster, tests/postgres.py): four servers on the tiny model, measured in
 turn, interleaved (before-sqlite, after-sqlite, before-pg, after-pg, then again each round).
 
@@ -14,7 +14,7 @@ is this file, which wraps `create_app` and runs `tinkerd.cli.main`): a task slee
 server's loop and recording how late it woke (api/looplag.py is the same probe, on /metrics, in
 trees that have it).
 
-    python benchmarks/event_loop.py [--clients 32 --seconds 20 --rounds 2 --threads 1 --before main]
+    python benchmarks/event_loop.py [--clients 32 --seconds 20 --rounds 2 --threads 1 --before main --after HEAD]
 """
 
 from __future__ import annotations
@@ -82,6 +82,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--before", default="main", help="the git ref of the 'before' tree")
+    ap.add_argument("--after", default="HEAD", help="the git ref of the 'after' tree")
     args = ap.parse_args()
 
     import random
@@ -101,11 +102,15 @@ def main() -> None:
     from tests.serverproc import API_KEY, share_models, start_server
 
     work = Path(tempfile.mkdtemp(prefix="tinkerd-bench-loop-"))
-    before = work / "before"
-    subprocess.run(["git", "clone", "-q", "--no-checkout", str(ROOT), str(before)], check=True)
-    subprocess.run(["git", "-C", str(before), "checkout", "-q", args.before], check=True)
-    rev = subprocess.run(["git", "-C", str(before), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    after_rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    trees, revs = {}, {}
+    for side, ref in (("before", args.before), ("after", args.after)):
+        # Both sides from commits, each in a temp clone: an edit in this checkout during the run
+        # changes neither.
+        trees[side] = work / f"tree-{side}"
+        subprocess.run(["git", "clone", "-q", "--no-checkout", str(ROOT), str(trees[side])], check=True)
+        sha = subprocess.run(["git", "-C", str(ROOT), "rev-parse", ref], capture_output=True, text=True, check=True)
+        subprocess.run(["git", "-C", str(trees[side]), "checkout", "-q", sha.stdout.strip()], check=True)
+        revs[side] = sha.stdout.strip()[:7]
     (work / "models").mkdir()
     share_models(work / "models")  # the tiny models are built once, by the first server
     cluster = Cluster()
@@ -121,7 +126,7 @@ def main() -> None:
                 sys.executable, str(Path(__file__).resolve()), "--boot", str(tree), str(lagfiles[name]), "--"])
 
         configs = [(f"{side}-{backend}", tree, backend) for backend in ("sqlite", "postgresql")
-                   for side, tree in (("before", before), ("after", ROOT))]
+                   for side, tree in trees.items()]
         for c in configs:  # one at a time: four tiny-model builds at once crowd two cores
             start(*c)
 
@@ -207,8 +212,8 @@ def main() -> None:
 
     load = os.getloadavg()
     print(f"event loop: {args.clients} SDK clients x {args.seconds:g} s x {args.rounds} rounds interleaved, tiny model, "
-          f"threads={args.threads}; before = {args.before} ({rev.stdout.strip()}), after = {after_rev.stdout.strip()} "
-          f"(+ working tree); load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} CPUs; "
+          f"threads={args.threads}; before = {args.before} ({revs['before']}), after = {args.after} ({revs['after']}); "
+          f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} CPUs; "
           f"CPU used outside the servers meanwhile {others:.1f} s in {wall:.1f} s (these clients included)")
     print(f"  {'server':18s} {'lag p50':>9s} {'lag p99':>9s} {'lag max':>9s} {'retr p50':>9s} {'retr p99':>9s} "
           f"{'ops/s':>7s} {'CPU s':>6s}")
