@@ -28,7 +28,7 @@ from tinkerd.control.metering import Meter
 from tinkerd.control.metrics import Metrics
 from tinkerd.control.queue import Finalize, OpQueue, QueuedOp, Work
 from tinkerd.control.quotas import Quotas
-from tinkerd.control.recovery import Recovery, UnrecoverableRun
+from tinkerd.control.recovery import Recovery
 from tinkerd.control.residency import Residency
 from tinkerd.control.results import ResultStore
 from tinkerd.control.retention import FutureRetention, forgotten
@@ -36,7 +36,7 @@ from tinkerd.control.scheduler import Picked, Scheduler
 from tinkerd.control.store.db import Store, utcnow
 from tinkerd.control.store.futures import FutureRepository
 from tinkerd.control.store.tables import FutureRow
-from tinkerd.errors import EngineCrashed, ServerError, TinkerdError, UserError
+from tinkerd.errors import EngineCrashed, ServerError, TinkerdError, UnrecoverableRun, UserError
 from tinkerd.types import ServedModel, StepBatch, StepOutput
 
 log = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ from fastapi.responses import StreamingResponse
 from tinkerd.api.deps import account, authenticate, empty, state
 from tinkerd.control.runs import SEGMENT_TYPES, Runs, TinkerPath, check_name
 from tinkerd.control.records import Checkpoint as CheckpointRow
-from tinkerd.errors import NotFoundError, UserError
+from tinkerd.errors import ArchiveTooLarge, NotFoundError, UserError
 
 router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
 
@@ -34,10 +34,6 @@ router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
 _BARE_ORDER = ("sampler_weights", "weights")
 _CHUNKS_QUEUED = 64  # the tar writer runs at most 64 gzip writes (~640 KiB) ahead of the client
 _PUT_WAIT_S = 1.0
-
-
-class ArchiveTooLarge(UserError):
-    status_code = 413
 
 
 def _owned(runs: Runs, path: TinkerPath, account_id: str) -> CheckpointRow | None:

@@ -31,7 +31,7 @@ from tinkerd.control.control import Work
 from tinkerd.control.oplog import OpRecord, OpType, Payer, RegisterCheckpoint
 from tinkerd.control.runs import TinkerPath, check_name, check_ttl, iso
 from tinkerd.control.records import Checkpoint as CheckpointRow
-from tinkerd.errors import NotFoundError, UserError
+from tinkerd.errors import Forbidden, NotFoundError, UserError
 from tinkerd.types import ExportWeightsOp, base_model_of
 
 authed = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
@@ -40,10 +40,6 @@ router = APIRouter()
 
 DOWNLOAD_URL_TTL_S = 3600
 KEY_FILE = "url_signing.key"
-
-
-class Forbidden(UserError):
-    status_code = 403
 
 
 class UrlSigner:

@@ -27,11 +27,10 @@ from tinkerd.api import codec, hpcai
 from tinkerd.api import openai_schema as schema
 from tinkerd.api import openai_text as text
 from tinkerd.api.openai_stream import LiveStream
-from tinkerd.api.deps import AppState, AuthError, load_json, read_body, state
+from tinkerd.api.deps import AppState, load_json, read_body, state
 from tinkerd.api.results import wire_result
 from tinkerd.api.routes.sampling import prepare_asample
-from tinkerd.control.runs import parse_tinker_path
-from tinkerd.errors import NotFoundError, ServerError, TinkerdError, UserError
+from tinkerd.errors import AuthError, NotFoundError, ServerError, TinkerdError, UserError
 
 
 def authenticate(request: Request) -> None:

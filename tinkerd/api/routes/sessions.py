@@ -23,7 +23,7 @@ from tinkerd.control.runs import LOCAL_OWNER, iso
 from tinkerd.control.sessions import SessionSearch, Sessions, status_of
 from tinkerd.control.tokens import InvalidToken
 from tinkerd.control.traces import session_trace
-from tinkerd.errors import UserError
+from tinkerd.errors import LinkRefused, UserError
 
 router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
 # The signed trace download: the URL is the credential (the SDK and CLI fetch it with no headers).
@@ -100,10 +100,6 @@ def trace_export(session_id: str, request: Request) -> dict:
     row = st.runs.owned_session(session_id, account(request))
     token = st.tokens.sign_url_token(TRACE_AUDIENCE, {"session_id": row.session_id}, TRACE_LINK_S)
     return {"status": "ready", "url": f"{str(request.base_url).rstrip('/')}/api/v1/trace_downloads/{token}"}
-
-
-class LinkRefused(UserError):
-    status_code = 403
 
 
 @public.get("/trace_downloads/{token}")
