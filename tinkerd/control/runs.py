@@ -56,10 +56,6 @@ class TinkerPath:
     def __str__(self) -> str:
         return f"tinker://{self.model_id}/{self.segment}/{self.name}"
 
-    @property
-    def checkpoint_id(self) -> str:
-        return f"{self.segment}/{self.name}"
-
 
 def check_name(name: str, field: str = "checkpoint name") -> str:
     """Checkpoint names become one path segment on disk and in tinker:// paths: no '' (it made
