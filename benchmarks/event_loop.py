@@ -85,7 +85,7 @@ def main() -> None:
     ap.add_argument("--after", default="HEAD", help="the git ref of the 'after' tree")
     args = ap.parse_args()
 
-    import random
+    import shutil
     import subprocess
     import tempfile
     import threading
@@ -209,6 +209,7 @@ def main() -> None:
         for srv in servers.values():
             srv.stop()
         cluster.stop()
+        shutil.rmtree(work, ignore_errors=True)  # two clones, four data dirs and their models
 
     load = os.getloadavg()
     print(f"event loop: {args.clients} SDK clients x {args.seconds:g} s x {args.rounds} rounds interleaved, tiny model, "
