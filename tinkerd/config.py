@@ -60,7 +60,9 @@ class ServerConfig(BaseModel):
     # GET /metrics (Prometheus, unauthenticated: control/metrics.py says why); False answers 404.
     metrics: bool = True
     # OpenTelemetry spans per op (control/tracing.py) go to this OTLP/HTTP endpoint; None: no tracing.
-    otlp_endpoint: str | None = None
+    # Default: OpenTelemetry's own variables, the traces-specific one first (as its SDKs read them).
+    otlp_endpoint: str | None = Field(default_factory=lambda: os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+                                      or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None)
     max_num_samples: int = 128
     # The sampler's KV cache budget in GiB (None: a quarter of the device's memory). A sample request
     # that alone needs more is refused; others wait until rows leave instead of exhausting memory.

@@ -22,7 +22,7 @@ from tests.conformance.test_retention import (  # the same SDK loop and data
     _train,
 )
 from tests.history import checkout_of
-from tests.serverproc import API_KEY, start_server
+from tests.serverproc import API_KEY, logged_ops, start_server
 
 LLAMA = "tinkerd/tiny-llama"
 # Snapshots only at the first optim_step: a restart replays every op after it from the log.
@@ -56,8 +56,7 @@ def _kill(srv) -> None:
 
 
 def _op_versions(data_dir: Path, model_id: str) -> set:
-    with sqlite3.connect(data_dir / "tinkerd.sqlite") as db:
-        return {v for (v,) in db.execute("SELECT op_version FROM futures WHERE target = ?", (model_id,))}
+    return {r.op_version for r in logged_ops(data_dir, model_id)}
 
 
 def test_a_run_recovers_exactly_after_lowering_max_lora_rank(tmp_path):

@@ -19,7 +19,7 @@ from tinkerd.control.control import Control, Work
 from tinkerd.control.runs import Runs
 from tinkerd.control.stability import StabilityRecords
 from tinkerd.control.tokens import InvalidToken, Tokens, looks_like_jwt
-from tinkerd.errors import TinkerdError, UserError
+from tinkerd.errors import AuthError, InvalidTokenError, PayloadTooLarge, TinkerdError, UserError
 from tinkerd.types import ServedModel, long_context_id
 
 M = TypeVar("M", bound=pydantic.BaseModel)
@@ -64,11 +64,6 @@ class AppState:
         return model
 
 
-class AuthError(TinkerdError):
-    category = "user"
-    status_code = 401
-
-
 def state(request: Request) -> AppState:
     return request.app.state.tinkerd
 
@@ -107,10 +102,6 @@ def _authenticate_jwt(request: Request, st: AppState, token: str) -> None:
         raise InvalidTokenError("the API key this token was issued for is revoked")
     request.state.account_id = row.account_id
     request.state.key_id = row.key_id
-
-
-class InvalidTokenError(AuthError):
-    headers = {"WWW-Authenticate": 'Bearer error="invalid_token"'}
 
 
 def _source(request: Request) -> str:
@@ -153,10 +144,6 @@ def _unzstd(body: bytes, limit: int) -> bytes:
     except zstandard.ZstdError as e:
         raise UserError(f"cannot decompress zstd body: {e}") from e
     return bytes(out)
-
-
-class PayloadTooLarge(UserError):
-    status_code = 413
 
 
 # The deepest JSON the SDK sends is 5 levels (asample: prompt.chunks[].tokens[], measured on a whole

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import socket
 import sys
 import threading
@@ -168,10 +167,8 @@ def build_config(args) -> ServerConfig:
             values[name] = getattr(args, name)
     if not args.metrics:
         values["metrics"] = False
-    otlp = args.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
-        "OTEL_EXPORTER_OTLP_ENDPOINT")
-    if otlp:
-        values["otlp_endpoint"] = otlp
+    if args.otlp_endpoint:  # else ServerConfig reads $OTEL_EXPORTER_OTLP_*: the only place env vars are read
+        values["otlp_endpoint"] = args.otlp_endpoint
     return ServerConfig(**values)
 
 

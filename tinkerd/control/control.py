@@ -18,6 +18,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from anyio import to_thread
+
 from tinkerd.control import oplog
 from tinkerd.control.bookkeeping import Bookkeeper
 from tinkerd.control.claims import Claimer
@@ -28,7 +30,7 @@ from tinkerd.control.metrics import Metrics
 from tinkerd.control.notify import LocalNotifier, Notifier
 from tinkerd.control.queue import Finalize, OpQueue, QueuedOp, Work
 from tinkerd.control.quotas import Quotas
-from tinkerd.control.recovery import Recovery, UnrecoverableRun
+from tinkerd.control.recovery import Recovery
 from tinkerd.control.residency import Residency
 from tinkerd.control.results import ResultStore
 from tinkerd.control.retention import FutureRetention, forgotten
@@ -36,7 +38,7 @@ from tinkerd.control.scheduler import Picked, Scheduler
 from tinkerd.control.store.db import Store, utcnow
 from tinkerd.control.store.futures import FutureRepository
 from tinkerd.control.store.tables import FutureRow
-from tinkerd.errors import EngineCrashed, ServerError, TinkerdError, UserError
+from tinkerd.errors import EngineCrashed, ServerError, TinkerdError, UnrecoverableRun, UserError
 from tinkerd.types import ServedModel, StepBatch, StepOutput
 
 log = logging.getLogger(__name__)
@@ -312,19 +314,20 @@ class Control:
         return oplog.dumps(self.bookkeeper.outcome(work.record, result)), oplog.DOMAIN_RESULT
 
     async def retrieve(self, request_id: str, timeout_s: float) -> FutureRow | None:
-        """The future's row once it is done, or still pending after `timeout_s`; None if unknown."""
-        row = self.store.get(FutureRow, request_id)
+        """The future's row once it is done, or still pending after `timeout_s`; None if unknown.
+        A coroutine on the server's loop; every store call goes to the thread pool (api/routes/futures.py)."""
+        row = await to_thread.run_sync(self.store.get, FutureRow, request_id)
         if row is None or row.status != "pending":
-            return self._retrieved(row)
+            return await to_thread.run_sync(self._retrieved, row)
 
         def is_done() -> bool:
             done = self.store.get(FutureRow, request_id)
             return done is not None and done.status != "pending"
 
-        if await self.hub.wait(request_id, timeout_s, is_done):
+        if await self.hub.wait(request_id, timeout_s, lambda: to_thread.run_sync(is_done)):
             # Read again: the wake-up means the result is stored now, whatever an earlier check read
             # (returning that stale pending row cost every op a second round trip and a warning).
-            return self._retrieved(self.store.get(FutureRow, request_id))
+            return await to_thread.run_sync(lambda: self._retrieved(self.store.get(FutureRow, request_id)))
         return row
 
     def cancel(self, row: FutureRow) -> None:

@@ -37,7 +37,7 @@ from tinkerd.control.engines import run_ops
 from tinkerd.control.queue import Work
 from tinkerd.control.store.db import Store, utcnow
 from tinkerd.control.store.tables import FutureRow, TrainingRunRow, UnrecoverableRunRow
-from tinkerd.errors import TinkerdError, UserError
+from tinkerd.errors import TinkerdError, UnrecoverableRun
 from tinkerd.types import LoadWeightsOp, OptimStepOp, base_model_of
 
 log = logging.getLogger(__name__)
@@ -59,10 +59,6 @@ class RecoveryReport:
 def rebuild_work(row: FutureRow) -> Work:
     """The accepted op of a stored future, as it was accepted; TinkerdError when it cannot be read."""
     return Work.of(oplog.load_record(row.body, row.op_version, row.request_id))
-
-
-class UnrecoverableRun(UserError):
-    """An op for a run recovery could not rebuild: the recorded reason, not a retryable fault."""
 
 
 class Recovery:

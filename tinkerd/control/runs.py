@@ -56,10 +56,6 @@ class TinkerPath:
     def __str__(self) -> str:
         return f"tinker://{self.model_id}/{self.segment}/{self.name}"
 
-    @property
-    def checkpoint_id(self) -> str:
-        return f"{self.segment}/{self.name}"
-
 
 def check_name(name: str, field: str = "checkpoint name") -> str:
     """Checkpoint names become one path segment on disk and in tinker:// paths: no '' (it made
@@ -221,18 +217,17 @@ class Runs:
     #
     # A checkpoint is registered (its row added) only by the finalize step of the op that wrote it,
     # i.e. after the engine renamed the finished directory into place: a row always points at a
-    # whole checkpoint. Expired rows are treated as absent everywhere and removed, with their files,
-    # both lazily (whenever a lookup or listing meets them) and by CheckpointSweeper.
+    # whole checkpoint. Expired rows are treated as absent everywhere at once (lookups and listings
+    # filter them) and removed, with their files, only by CheckpointSweeper: a lookup or a listing
+    # never deletes, so a GET never waits on an rmtree of gigabytes (issue 18: one such GET once held
+    # the event loop, and every long-poll with it).
 
     def checkpoint_dir(self, path: TinkerPath) -> Path:
         return self.checkpoints_dir / path.model_id / path.segment / path.name
 
     def checkpoint(self, path: TinkerPath) -> CheckpointRow:
         row = self.store.get(CheckpointRow, str(path))
-        if row is not None and _expired(row, utcnow()):
-            self._remove(row)
-            row = None
-        if row is None:
+        if row is None or _expired(row, utcnow()):
             raise NotFoundError(f"checkpoint {path} does not exist")
         return row
 
@@ -278,9 +273,9 @@ class Runs:
                          limit: int | None = None, offset: int = 0, account_id: str | None = None,
                          project_id: str | None = None) -> tuple[list[CheckpointRow], int]:
         """A page of live checkpoints (of one account, or all), newest first, and how many there are in all."""
-        self.sweep_expired()  # so that a page and its total count only live rows
-        stmt = select(CheckpointRow)
-        count = select(func.count()).select_from(CheckpointRow)
+        live = or_(CheckpointRow.expires_at.is_(None), CheckpointRow.expires_at > utcnow())
+        stmt = select(CheckpointRow).where(live)  # a page and its total count: live rows only
+        count = select(func.count()).select_from(CheckpointRow).where(live)
         if account_id is not None:
             own = select(TrainingRunRow.model_id).join(SessionRow, SessionRow.session_id == TrainingRunRow.session_id)
             own = own.where(SessionRow.account_id == account_id)
@@ -333,7 +328,8 @@ class Runs:
         self.audit.record(event, owner, model_id=row.model_id, tinker_path=row.tinker_path, **details)
 
     def sweep_expired(self) -> int:
-        """Remove every expired checkpoint (row and files); returns how many."""
+        """Remove every expired checkpoint (row and files); returns how many. CheckpointSweeper's
+        thread only: storage billing ends at the expiry, whenever the sweep comes (storage.py)."""
         now = utcnow()
         expired = self.store.query(select(CheckpointRow).where(CheckpointRow.expires_at <= now))
         for row in expired:
@@ -460,8 +456,8 @@ class CheckpointSweeper:
     """A daemon thread that removes expired checkpoints every `interval_s`, so their disk space comes
     back even when nobody lists or opens them, and clears temporary debris of crashed saves.
 
-    Policy: expiry is exact for the API (lookups and listings treat an expired row as gone at once
-    and remove it themselves); the sweeper only bounds how long the files of an unvisited expired
+    Policy: expiry is exact for the API (lookups and listings treat an expired row as gone at once);
+    the sweeper alone deletes, off every request path, and bounds how long the files of an expired
     checkpoint stay on disk, to `interval_s`.
     """
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from tinkerd.engine.malloc import children_use_huge_pages
 from tinkerd.engine.precision import Precision
-from tinkerd.errors import EngineCrashed, TinkerdError
+from tinkerd.errors import EngineCrashed, EngineFailure, EngineStartFailed, TinkerdError
 from tinkerd.types import ServedModel
 
 log = logging.getLogger(__name__)
@@ -44,11 +44,6 @@ class EngineSpec:
     # Rank processes of this one engine; above 1 the base model is FSDP2-sharded across them
     # (engine/sharding.py, --engine-ranks).
     ranks: int = 1
-
-
-class EngineStartFailed(EngineCrashed):
-    """The engine process could not build its engine (a model that does not load, say): the child's
-    own reason, which `tinkerd serve` prints as its one error line."""
 
 
 def _worker_main(conn, spec: EngineSpec) -> None:
@@ -206,7 +201,7 @@ class ProcessEngineClient:
         except (EOFError, BrokenPipeError, ConnectionResetError, OSError) as e:
             raise self._death(oom_kills) from e
         if kind == "error":
-            raise RuntimeError(value)
+            raise EngineFailure(value)
         return value
 
     def _death(self, oom_kills_before: int | None) -> EngineCrashed:
@@ -265,8 +260,3 @@ def _oom_kills() -> int | None:
         pass
     return None
 
-
-def kill_engine(client: ProcessEngineClient, sig: int = 9) -> None:
-    """SIGKILL the engine process (chaos tests and benchmarks)."""
-    if client.pid is not None:
-        os.kill(client.pid, sig)

@@ -24,9 +24,9 @@ import time
 import uuid
 from pathlib import Path
 
-from tinkerd.errors import EngineCrashed, TinkerdError, UserError
+from tinkerd.errors import EngineCrashed, EngineStartFailed, TinkerdError, UserError
 from tinkerd.engine.precision import Precision
-from tinkerd.engine.process import EngineSpec, EngineStartFailed
+from tinkerd.engine.process import EngineSpec
 from tinkerd.types import ServedModel, StepBatch, StepOutput
 
 log = logging.getLogger(__name__)

@@ -82,6 +82,21 @@ def test_every_tinkerd_error_has_a_category_and_a_status_the_sdk_reads_right():
         assert response.status_code == e.status_code and response.body == f'{{"error":"why","category":"{e.category}"}}'.encode()
 
 
+def test_every_error_is_defined_in_errors_py_with_the_enums():
+    """One place for the hierarchy (issue 18): no module defines its own error class, and each
+    class's category and status are the enums' members, not loose strings and ints."""
+    from http import HTTPStatus
+
+    from tinkerd.errors import Category
+
+    names = error_classes_in_source()
+    assert {name: module for name, module in names.items() if module != "tinkerd.errors"} == {}
+    for name in names:
+        cls = getattr(importlib.import_module("tinkerd.errors"), name)
+        e = cls("why")
+        assert isinstance(e.category, Category) and isinstance(e.status_code, HTTPStatus), name
+
+
 def test_the_check_catches_a_misclassified_error():
     from tinkerd.errors import ServerError, UserError
 

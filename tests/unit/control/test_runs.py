@@ -47,26 +47,27 @@ def test_registration_needs_the_finished_directory(runs):
     assert runs.list_checkpoints() == ([], 0)
 
 
-def test_expired_checkpoints_vanish_from_lookups_listings_and_disk(runs):
+def test_expired_checkpoints_vanish_from_lookups_and_listings_at_once_and_from_disk_by_the_sweep(runs):
     keep, gone = _saved(runs, "keep"), _saved(runs, "gone", ttl=3600)
     assert runs.checkpoint(gone).size_bytes == 100
     _expire(runs, gone)
     with pytest.raises(NotFoundError):
         runs.checkpoint(gone)
-    assert not runs.checkpoint_dir(gone).exists()
     rows, total = runs.list_checkpoints()
     assert [r.tinker_path for r in rows] == [str(keep)] and total == 1
-    assert runs.checkpoint_dir(keep).is_dir()
+    # A lookup or a listing (a request) never deletes: the files go with the sweep, off every request path.
+    assert runs.checkpoint_dir(gone).is_dir()
+    assert runs.sweep_expired() == 1
+    assert not runs.checkpoint_dir(gone).exists() and runs.checkpoint_dir(keep).is_dir()
 
 
-def test_listing_sweeps_so_page_and_total_count_only_live_rows(runs):
+def test_a_page_and_its_total_count_only_live_rows(runs):
     paths = [_saved(runs, f"c{i}") for i in range(5)]
     _expire(runs, paths[1])
     rows, total = runs.list_checkpoints(limit=2, offset=0)
     assert total == 4
     assert [r.name for r in rows] == ["c4", "c3"]  # newest first
     assert [r.name for r in runs.list_checkpoints(limit=2, offset=2)[0]] == ["c2", "c0"]
-    assert not runs.checkpoint_dir(paths[1]).exists()
     assert runs.last_checkpoint(_model_id(runs), "training").name == "c4"
 
 

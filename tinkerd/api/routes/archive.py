@@ -26,7 +26,7 @@ from fastapi.responses import StreamingResponse
 from tinkerd.api.deps import account, authenticate, empty, state
 from tinkerd.control.runs import SEGMENT_TYPES, Runs, TinkerPath, check_name
 from tinkerd.control.records import Checkpoint as CheckpointRow
-from tinkerd.errors import NotFoundError, UserError
+from tinkerd.errors import ArchiveTooLarge, NotFoundError, UserError
 
 router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
 
@@ -34,10 +34,6 @@ router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
 _BARE_ORDER = ("sampler_weights", "weights")
 _CHUNKS_QUEUED = 64  # the tar writer runs at most 64 gzip writes (~640 KiB) ahead of the client
 _PUT_WAIT_S = 1.0
-
-
-class ArchiveTooLarge(UserError):
-    status_code = 413
 
 
 def _owned(runs: Runs, path: TinkerPath, account_id: str) -> CheckpointRow | None:
@@ -115,12 +111,12 @@ def _tar_gz(directory: Path, arcname: str) -> Iterator[bytes]:
 
 
 @router.get("/training_runs/{run_id}/checkpoints/{name}/archive")
-async def archive_bare(run_id: str, name: str, request: Request) -> Response:
+def archive_bare(run_id: str, name: str, request: Request) -> Response:
     return _archive(request, _bare(state(request).runs, run_id, name, account(request))[0])
 
 
 @router.get("/training_runs/{run_id}/checkpoints/{type_seg}/{name}/archive")
-async def archive_typed(run_id: str, type_seg: str, name: str, request: Request) -> Response:
+def archive_typed(run_id: str, type_seg: str, name: str, request: Request) -> Response:
     if type_seg not in SEGMENT_TYPES:
         raise NotFoundError(f"no checkpoint type {type_seg!r}: use weights, sampler_weights or a bare name")
     row = state(request).runs.owned_checkpoint(TinkerPath(run_id, type_seg, check_name(name)), account(request))
@@ -128,7 +124,7 @@ async def archive_typed(run_id: str, type_seg: str, name: str, request: Request)
 
 
 @router.delete("/training_runs/{run_id}/checkpoints/{name}")
-async def delete_bare(run_id: str, name: str, request: Request) -> Response:
+def delete_bare(run_id: str, name: str, request: Request) -> Response:
     runs = state(request).runs
     rows = _bare(runs, run_id, name, account(request))
     if len(rows) > 1:

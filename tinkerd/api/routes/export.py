@@ -31,7 +31,7 @@ from tinkerd.control.control import Work
 from tinkerd.control.oplog import OpRecord, OpType, Payer, RegisterCheckpoint
 from tinkerd.control.runs import TinkerPath, check_name, check_ttl, iso
 from tinkerd.control.records import Checkpoint as CheckpointRow
-from tinkerd.errors import NotFoundError, UserError
+from tinkerd.errors import Forbidden, NotFoundError, UserError
 from tinkerd.types import ExportWeightsOp, base_model_of
 
 authed = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
@@ -40,10 +40,6 @@ router = APIRouter()
 
 DOWNLOAD_URL_TTL_S = 3600
 KEY_FILE = "url_signing.key"
-
-
-class Forbidden(UserError):
-    status_code = 403
 
 
 class UrlSigner:
@@ -114,15 +110,14 @@ PREPARERS = {"SaveWeightsExternal": prepare_save_weights_external}
 
 
 @authed.post("/save_weights_external")
-async def save_weights_external(request: Request) -> JSONResponse:
+def save_weights_external(request: Request, body: bytes = Depends(read_body)) -> JSONResponse:
     st = state(request)
-    body = await read_body(request)
     account_id = account(request)
     return submit(st, prepare_save_weights_external(st, body, account_id), body, account_id)
 
 
 @authed.get("/training_runs/{run_id}/checkpoints/external_weights/{name}/external_weights_urls")
-async def external_weights_urls(run_id: str, name: str, request: Request) -> dict:
+def external_weights_urls(run_id: str, name: str, request: Request) -> dict:
     st = state(request)
     row = st.runs.owned_checkpoint(TinkerPath(run_id, "external_weights", check_name(name)), account(request))
     urls, expires = download_urls(request, row)
@@ -147,7 +142,7 @@ def download_urls(request: Request, row: CheckpointRow) -> tuple[dict[str, str],
 
 
 @router.api_route("/files/external_weights/{run_id}/{name}/{file_name}", methods=["GET", "HEAD"])
-async def download_file(run_id: str, name: str, file_name: str, request: Request,
+def download_file(run_id: str, name: str, file_name: str, request: Request,
                         expires: str | None = None, sig: str | None = None) -> Response:
     _signer(request).verify(run_id, name, file_name, expires, sig)
     row = state(request).runs.checkpoint(TinkerPath(run_id, "external_weights", check_name(name)))

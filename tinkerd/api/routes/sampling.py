@@ -18,9 +18,9 @@ router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
 
 
 @router.post("/create_sampling_session")
-async def create_sampling_session(request: Request) -> dict:
+def create_sampling_session(request: Request, body: bytes = Depends(read_body)) -> dict:
     st = state(request)
-    req = parse(t.CreateSamplingSessionRequest, await read_body(request))
+    req = parse(t.CreateSamplingSessionRequest, body)
     limits.integer(req.sampling_session_seq_id, "sampling_session_seq_id")
     if req.model_path is not None:
         path = hpcai.parse_path(req.model_path)
@@ -43,16 +43,16 @@ async def create_sampling_session(request: Request) -> dict:
 
 
 @router.post("/join_sampling_session")
-async def join_sampling_session(request: Request) -> dict:
+def join_sampling_session(request: Request, body: bytes = Depends(read_body)) -> dict:
     """A clone id for a new client of an existing sampling session (an unpickled SamplingClient,
     `sample_join_sampling_session`), unique among its clients, so clones never share seq_ids."""
-    req = parse(t.JoinSamplingSessionRequest, await read_body(request))
+    req = parse(t.JoinSamplingSessionRequest, body)
     counter = state(request).runs.join_sampling_session(req.sampling_session_id, account(request))
     return {"type": "join_sampling_session", "client_counter": counter}
 
 
 @router.get("/samplers/{sampler_id}")
-async def get_sampler(sampler_id: str, request: Request) -> dict:
+def get_sampler(sampler_id: str, request: Request) -> dict:
     row = state(request).runs.owned_sampling_session(sampler_id, account(request))
     return {"sampler_id": row.sampling_session_id, "base_model": row.base_model, "model_path": row.model_path}
 
@@ -150,9 +150,8 @@ def prepare_asample(st: AppState, body: bytes, account_id: str | None = None) ->
 
 
 @router.post("/asample")
-async def asample(request: Request) -> JSONResponse:
+def asample(request: Request, body: bytes = Depends(read_body)) -> JSONResponse:
     st = state(request)
-    body = await read_body(request)
     account_id = account(request)
     prepared = prepare_asample(st, body, account_id)
     # hpcai's samples carry no seq_id: its X-Idempotency-Key dedupes their re-sends.

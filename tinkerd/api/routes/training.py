@@ -103,9 +103,9 @@ def prepare_create_model(st: AppState, body: bytes, account_id: str | None = Non
 
 
 @router.post("/get_info")
-async def get_info(request: Request) -> dict:
+def get_info(request: Request, body: bytes = Depends(read_body)) -> dict:
     st = state(request)
-    req = parse(t.GetInfoRequest, await read_body(request))
+    req = parse(t.GetInfoRequest, body)
     run = st.runs.owned_run(req.model_id, account(request))
     served = st.served_model(run.base_model)
     return {
@@ -268,9 +268,8 @@ def _route_for(prepare, translate=None):
     # Bound by a closure, not a default argument: FastAPI exposes every parameter of a route as a
     # request parameter, and `?_prepare=x` once replaced the function with a string (a 500).
     # `translate(st, request, body)`: the hpcai client's request shape to the official one (api/hpcai.py).
-    async def route(request: Request) -> JSONResponse:
+    def route(request: Request, body: bytes = Depends(read_body)) -> JSONResponse:
         st = state(request)
-        body = await read_body(request)
         account_id = account(request)
         if translate is not None:
             body = translate(st, request, body)
@@ -287,9 +286,8 @@ def _submit(st: AppState, request: Request, prepared: Prepared, body: bytes, acc
 
 
 @router.post("/create_model")
-async def create_model(request: Request) -> JSONResponse:
+def create_model(request: Request, body: bytes = Depends(read_body)) -> JSONResponse:
     st = state(request)
-    body = await read_body(request)
     account_id = account(request)
     with hpcai.numbering():  # an implicit session's next model number, then its run row
         body = hpcai.create_model_body(st, request, body)
@@ -298,9 +296,8 @@ async def create_model(request: Request) -> JSONResponse:
 
 
 def _forward_backward(forward_only: bool):
-    async def route(request: Request) -> JSONResponse:
+    def route(request: Request, body: bytes = Depends(read_body)) -> JSONResponse:
         st = state(request)
-        body = await read_body(request)
         account_id = account(request)
         if hpcai.is_json_body(request):  # the hpcai client's JSON body: the same op, in arrival order
             prepared = prepare_forward_backward(st, hpcai.forward_backward_protobuf(body, forward_only), account_id,
@@ -315,11 +312,11 @@ def _forward_backward(forward_only: bool):
 
 
 @router.post("/unload_model")
-async def unload_model(request: Request) -> JSONResponse:
+def unload_model(request: Request, body: bytes = Depends(read_body)) -> JSONResponse:
     """hpcai's unload_model: the run's adapter leaves the engine now, as for a session that ended
     (control/residency.py); its next op, if any, rebuilds it exactly. A future, as the client expects."""
     st = state(request)
-    body = load_json(await read_body(request))
+    body = load_json(body)
     model_id = body.get("model_id") if isinstance(body, dict) else None
     if not isinstance(model_id, str) or not model_id:
         raise UserError("unload_model needs a model_id (a string)")

@@ -27,6 +27,17 @@ class FutureRepository:
             (FutureRow.status == "pending") | ((FutureRow.status == "complete") & FutureRow.request_type.in_(state_changing)))
             .order_by(FutureRow.created_at, FutureRow.seq_id))
 
+    def of(self, target: str | None = None, request_type: str | None = None,
+           status: str | None = None) -> list[FutureRow]:
+        """The log's rows, optionally of one target, op type or status, in seq_id then acceptance
+        order (tinkerd fsck and the tests read the log through this, on either backend)."""
+        stmt = select(FutureRow)
+        for column, value in ((FutureRow.target, target), (FutureRow.request_type, request_type),
+                              (FutureRow.status, status)):
+            if value is not None:
+                stmt = stmt.where(column == value)
+        return self.store.query(stmt.order_by(FutureRow.seq_id, FutureRow.created_at))
+
     def fail(self, request_id: str, error: str, category: str) -> None:
         self.store.update(FutureRow, request_id, status="failed", error=error, error_category=category,
                           completed_at=utcnow())

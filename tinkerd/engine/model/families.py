@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tinkerd.errors import UserError
+from tinkerd.errors import UnservableModel
 
 
 @dataclass(frozen=True)
@@ -63,10 +63,6 @@ _NOT_YET = {
     "qwen3_next": "hybrid linear attention (Gated DeltaNet) is not served yet",
     "deepseek_v3": "DeepSeek-V3 MoE is not served yet",
 }
-
-
-class UnservableModel(UserError):
-    """A base model whose family tinkerd does not serve; `message` says which and why."""
 
 
 def _experts(config: dict) -> int:
