@@ -47,17 +47,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tinkerd.engine.malloc import keep_freed_memory, with_huge_pages  # noqa: E402
-
-if "glibc.malloc.hugetlb" not in os.environ.get("GLIBC_TUNABLES", ""):
-    # The tunable is read at process start: re-exec with it, as the engine process is started.
-    os.execve(sys.executable, [sys.executable, *sys.argv], with_huge_pages(os.environ))
-keep_freed_memory()
-
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from tests.serverproc import API_KEY, ServerProcess, share_models, start_server  # noqa: E402
+from tinkerd.engine.malloc import keep_freed_memory, with_huge_pages  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -129,6 +123,19 @@ def interleave(sides: dict[str, Callable[[], object]], rounds: int, steps: int, 
     wall_s = (total1 - total0) / os.cpu_count() / hz
     other_cpu_s = max(0, (busy1 - busy0) - (own1 - own0)) / hz
     return Interleaved(times, cpu, results, other_cpu_s, wall_s)
+
+
+def engine_seconds(url: str) -> dict[str, tuple[float, float]]:
+    """type -> (sum, count) of the server's tinkerd_op_engine_seconds: time in the engine per op."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
+        for s in family.samples:
+            if s.name in ("tinkerd_op_engine_seconds_sum", "tinkerd_op_engine_seconds_count"):
+                out.setdefault(s.labels["type"], [0.0, 0.0])[s.name.endswith("_count")] += s.value
+    return {k: (v[0], v[1]) for k, v in out.items()}
 
 
 def make_batch(vocab: int, rows: int, tokens: int, seed: int = 0) -> np.ndarray:
@@ -243,8 +250,10 @@ def run_config(args, base: Path, dtype: str, threads: int) -> dict:
         sides["HF+PEFT in-process, tuned"] = HFPeft(model_dir, args.rank, batch, dtype, args.hf_adamw)
         load_before = load_average()
         ceiling = gemm_rate(args.rows * args.tokens, config.hidden_size, DTYPES[dtype])
+        engine0 = engine_seconds(servers["tinkerd"].url)
         run = interleave({name: side.step for name, side in sides.items()}, args.rounds, args.steps,
                          [s.proc.pid for s in servers.values()])
+        engine1 = engine_seconds(servers["tinkerd"].url)
         ceiling = max(ceiling, gemm_rate(args.rows * args.tokens, config.hidden_size, DTYPES[dtype]))
     flops = step_flops(config, args.rank, args.rows, args.tokens)
     tokens = args.rows * args.tokens
@@ -259,6 +268,14 @@ def run_config(args, base: Path, dtype: str, threads: int) -> dict:
         rates[name], cpu_rates[name] = tokens / med, tokens / cpu
         print(f"{name:36s} median step {med * 1e3:8.1f} ms  {rates[name]:8.1f} tokens/s  "
               f"{100 * flops / med / ceiling:5.1f}% of ceiling   CPU {cpu:6.2f} s/step  {cpu_rates[name]:7.1f} tokens/CPU-s")
+    # Where the tinkerd side's step goes: the engine's own time per op (its /metrics) and the rest
+    # (SDK, HTTP, control, the pipe to the engine process, snapshots).
+    per_op = {k: (engine1[k][0] - engine0.get(k, (0, 0))[0]) / max(1, engine1[k][1] - engine0.get(k, (0, 0))[1])
+              for k in ("ForwardBackward", "OptimStep") if k in engine1}
+    first = next(iter(run.times))
+    rest = float(np.mean(run.times[first])) - sum(per_op.values())
+    print("tinkerd step, mean: " + ", ".join(f"engine {k} {v * 1e3:.0f} ms" for k, v in per_op.items())
+          + f", the rest {rest * 1e3:.0f} ms")
     names = list(rates)
     pairs = [(n, names[-1]) for n in names[:-1]] + ([(names[0], names[1])] if len(names) == 3 else [])
     for a, b in pairs:
@@ -282,6 +299,10 @@ def main() -> None:
     ap.add_argument("--hf-adamw", choices=["foreach", "fused"], default="foreach")
     ap.add_argument("--baseline-tree", default=None, help="also run a server from this checkout (e.g. /work/main)")
     args = ap.parse_args()
+    if "glibc.malloc.hugetlb" not in os.environ.get("GLIBC_TUNABLES", ""):
+        # The tunable is read at process start: re-exec with it, as the engine process is started.
+        os.execve(sys.executable, [sys.executable, *sys.argv], with_huge_pages(os.environ))
+    keep_freed_memory()  # the HF side runs in this process
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     base = Path(args.data_dir).resolve()
     (base / "models").mkdir(parents=True, exist_ok=True)

@@ -258,8 +258,8 @@ def _logprobs_and_grads(rt, input_ids, mask, inputs, loss: LossFn, config, param
     head_params = [p for p in params if any(p is t for t in _head_lora(rt, params))]
     head_grads: list[torch.Tensor | None] = [None] * len(head_params)
     g_hidden = torch.empty_like(hidden)
-    for i, c in enumerate(chunks):
-        h_c, lp_c = kept[i] if kept else _head_graph(rt, hidden, targets, c)
+    for k, c in enumerate(chunks):
+        h_c, lp_c = kept[k] if kept else _head_graph(rt, hidden, targets, c)
         got = torch.autograd.grad(lp_c, [h_c, *head_params], grad_outputs=g_lp[c], allow_unused=True)
         g_hidden[c] = got[0]
         for i, g in enumerate(got[1:]):
