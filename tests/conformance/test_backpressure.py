@@ -35,7 +35,9 @@ def _refused(srv) -> float:
 
 def _batch(step: int) -> list[types.Datum]:
     out = []
-    for n in (5 + step, 9, 7 - step % 2):
+    # ~150 positions over the tiny model's 151k-token head: a forward_backward takes long enough
+    # that the loop's next two ops arrive while it runs, one of them finding the other waiting.
+    for n in (45 + step, 60, 50 - step % 2):
         tokens = [(7 * i + 3 * step + n) % 500 + 1 for i in range(n + 1)]
         out.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
                                loss_fn_inputs={"target_tokens": tokens[1:]}))
