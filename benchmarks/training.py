@@ -23,7 +23,9 @@ backward, counted over the full S x S (no causal halving). What either side reco
 second head forward, engine/training.py) is not counted: F is the useful work. The ceiling is this
 machine's GEMM rate at the run's dtype and thread count, measured in the same run on a
 transformer-shaped matmul ([N, H] x [H, 4H], best of several) before and after the steps; the
-share is F / median step / ceiling.
+share is F / median step / ceiling. On a loaded machine wall times inflate, so the same share is
+also given per CPU-second: F / median CPU-seconds of a step (this process and the servers, the
+engine included) / the GEMM's FLOP per CPU-second.
 
     python benchmarks/training.py                                  # SmolLM2-135M, 2 x 256, 1 thread, fp32
     python benchmarks/training.py --threads 1,2 --dtypes float32,bfloat16 --rounds 3
@@ -158,17 +160,18 @@ def step_flops(config, rank: int, rows: int, tokens: int) -> float:
     return n * (4 * p_mm + 6 * p_lora) + 3 * layers * 4 * rows * tokens**2 * heads * head_dim
 
 
-def gemm_rate(n: int, h: int, dtype: torch.dtype, repeats: int = 5) -> float:
-    """Best FLOP/s of [n, h] x [h, 4h] in `dtype` at the current thread count."""
+def gemm_rate(n: int, h: int, dtype: torch.dtype, repeats: int = 5) -> tuple[float, float]:
+    """Best FLOP per second of [n, h] x [h, 4h] in `dtype` at the current thread count, by wall
+    time and by this process's CPU time (which a loaded machine inflates far less)."""
     x = torch.randn(n, h).to(dtype)
     w = torch.randn(4 * h, h).to(dtype)
     torch.nn.functional.linear(x, w)
-    best = float("inf")
+    wall = cpu = float("inf")
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         torch.nn.functional.linear(x, w)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n * h * 4 * h / best
+        wall, cpu = min(wall, time.perf_counter() - t0), min(cpu, time.process_time() - c0)
+    return 2 * n * h * 4 * h / wall, 2 * n * h * 4 * h / cpu
 
 
 class HFPeft:
@@ -249,25 +252,28 @@ def run_config(args, base: Path, dtype: str, threads: int) -> dict:
             sides[f"tinkerd @ {args.baseline_tree}"] = TinkerdSDK(servers["baseline"].url, args.model, args.rank, batch)
         sides["HF+PEFT in-process, tuned"] = HFPeft(model_dir, args.rank, batch, dtype, args.hf_adamw)
         load_before = load_average()
-        ceiling = gemm_rate(args.rows * args.tokens, config.hidden_size, DTYPES[dtype])
+        probes = [gemm_rate(args.rows * args.tokens, config.hidden_size, DTYPES[dtype])]
         engine0 = engine_seconds(servers["tinkerd"].url)
         run = interleave({name: side.step for name, side in sides.items()}, args.rounds, args.steps,
                          [s.proc.pid for s in servers.values()])
         engine1 = engine_seconds(servers["tinkerd"].url)
-        ceiling = max(ceiling, gemm_rate(args.rows * args.tokens, config.hidden_size, DTYPES[dtype]))
+        probes.append(gemm_rate(args.rows * args.tokens, config.hidden_size, DTYPES[dtype]))
+    ceiling, cpu_ceiling = (max(p[i] for p in probes) for i in (0, 1))
     flops = step_flops(config, args.rank, args.rows, args.tokens)
     tokens = args.rows * args.tokens
     print(f"\n== dtype={dtype} threads={threads} model={args.model} engine={args.engine} batch={args.rows}x{args.tokens} "
           f"rank={args.rank} steps/side={args.rounds * args.steps} cpus={os.cpu_count()}")
     print(f"load average before: {load_before}, after: {load_average()}; CPU used by other processes during the "
           f"run: {run.other_cpu_s:.1f} s over {run.wall_s:.1f} s wall")
-    print(f"F = {flops / 1e9:.1f} GFLOP per step; ceiling {ceiling / 1e9:.1f} GFLOP/s ({dtype} GEMM, {threads} threads)")
+    print(f"F = {flops / 1e9:.1f} GFLOP per step; ceiling ({dtype} GEMM, {threads} threads) {ceiling / 1e9:.1f} GFLOP "
+          f"per second of wall time, {cpu_ceiling / 1e9:.1f} per CPU-second")
     rates, cpu_rates = {}, {}
     for name, ts in run.times.items():
         med, cpu = float(np.median(ts)), float(np.median(run.cpu[name]))
         rates[name], cpu_rates[name] = tokens / med, tokens / cpu
         print(f"{name:36s} median step {med * 1e3:8.1f} ms  {rates[name]:8.1f} tokens/s  "
-              f"{100 * flops / med / ceiling:5.1f}% of ceiling   CPU {cpu:6.2f} s/step  {cpu_rates[name]:7.1f} tokens/CPU-s")
+              f"{100 * flops / med / ceiling:5.1f}% of ceiling   CPU {cpu:6.2f} s/step  {cpu_rates[name]:7.1f} tokens/CPU-s  "
+              f"{100 * flops / cpu / cpu_ceiling:5.1f}% of the CPU-time ceiling")
     # Where the tinkerd side's step goes: the engine's own time per op (its /metrics) and the rest
     # (SDK, HTTP, control, the pipe to the engine process, snapshots).
     per_op = {k: (engine1[k][0] - engine0.get(k, (0, 0))[0]) / max(1, engine1[k][1] - engine0.get(k, (0, 0))[1])
@@ -281,7 +287,8 @@ def run_config(args, base: Path, dtype: str, threads: int) -> dict:
     for a, b in pairs:
         print(f"ratio {a} / {b}: {rates[a] / rates[b]:.3f} (wall), {cpu_rates[a] / cpu_rates[b]:.3f} (CPU)")
     return {"dtype": dtype, "threads": threads, "rates": rates, "cpu_rates": cpu_rates,
-            "pct": {n: 100 * flops * r / tokens / ceiling for n, r in rates.items()}}
+            "pct": {n: 100 * flops * r / tokens / ceiling for n, r in rates.items()},
+            "cpu_pct": {n: 100 * flops * r / tokens / cpu_ceiling for n, r in cpu_rates.items()}}
 
 
 def main() -> None:
@@ -313,12 +320,14 @@ def main() -> None:
             summary.append(run_config(args, base, dtype, threads))
     for path in _made:  # models/ stays for the next run
         shutil.rmtree(path, ignore_errors=True)
-    print("\n| dtype | threads | " + " | ".join(f"{n} tok/s (% ceiling)" for n in summary[0]["rates"])
+    print("\n| dtype | threads | " + " | ".join(f"{n} tok/s (% ceiling; tok/CPU-s, % CPU-time ceiling)"
+                                              for n in summary[0]["rates"])
           + " | tinkerd / HF, wall | tinkerd / HF, CPU |")
     print("|---|---|" + "---|" * (len(summary[0]["rates"]) + 2))
     for s in summary:
         names = list(s["rates"])
-        cells = " | ".join(f"{s['rates'][n]:.1f} ({s['pct'][n]:.0f}%)" for n in names)
+        cells = " | ".join(f"{s['rates'][n]:.1f} ({s['pct'][n]:.0f}%; {s['cpu_rates'][n]:.1f}, {s['cpu_pct'][n]:.0f}%)"
+                           for n in names)
         wall, cpu = (s[k][names[0]] / s[k][names[-1]] for k in ("rates", "cpu_rates"))
         print(f"| {s['dtype']} | {s['threads']} | {cells} | {wall:.3f} | {cpu:.3f} |")
 
