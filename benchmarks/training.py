@@ -99,10 +99,8 @@ class Interleaved:
 
 
 def interleave(sides: dict[str, Callable[[], object]], rounds: int, steps: int, server_pids: list[int]) -> Interleaved:
-    """One warm-up step of each side (first-step allocations, lazy inits), then `rounds` rounds in
-    which each side runs `steps` steps in turn, so machine noise hits both alike."""
-    for step in sides.values():
-        step()
+    """`rounds` rounds in which each side runs `steps` steps in turn, so machine noise hits both
+    alike; the caller warms each side up first."""
     times: dict[str, list[float]] = {k: [] for k in sides}
     cpu: dict[str, list[float]] = {k: [] for k in sides}
     results: dict[str, list] = {k: [] for k in sides}
@@ -253,6 +251,8 @@ def run_config(args, base: Path, dtype: str, threads: int) -> dict:
         sides["HF+PEFT in-process, tuned"] = HFPeft(model_dir, args.rank, batch, dtype, args.hf_adamw)
         load_before = load_average()
         probes = [gemm_rate(args.rows * args.tokens, config.hidden_size, DTYPES[dtype])]
+        for side in sides.values():  # one warm-up step each: first-step allocations, lazy inits
+            side.step()
         engine0 = engine_seconds(servers["tinkerd"].url)
         run = interleave({name: side.step for name, side in sides.items()}, args.rounds, args.steps,
                          [s.proc.pid for s in servers.values()])
