@@ -140,6 +140,13 @@ class ServerConfig(BaseModel):
     # The sliding window's length; the budget in it is max_tokens_per_minute * window / 60. 60 s
     # except in tests, where a short window lets a paused op resume in seconds.
     quota_window_s: float = Field(default=60.0, gt=0)
+    # Back-pressure (control/backpressure.py): ops waiting in the queue of one target (a training run
+    # or a sampling session) and on the whole server. A new op beyond either is answered 429 with
+    # Retry-After, which the SDK retries after backing off; accepted ops are never dropped. 256 is
+    # minutes of training steps or a GRPO batch of sample requests; 4096 such ops of a few MB each
+    # bound the queue's memory. None = unbounded.
+    max_queued_ops_per_model: int | None = Field(default=256, ge=1)
+    max_queued_ops: int | None = Field(default=4096, ge=1)
     # Free space the data directory keeps for work already accepted (results, saves, snapshots):
     # under it new sessions and ops are refused with a 503 naming the cause. None: min(1 GiB, 5% of
     # the filesystem), see control/diskspace.py for why; 0 never refuses.

@@ -67,6 +67,24 @@ class StorageUnavailable(ServerError):
         return {"Retry-After": str(self.retry_after_s)}
 
 
+class QueueFull(TinkerdError):
+    """A queue is over its budget (control/backpressure.py): new work is refused, not dropped.
+
+    HTTP 429 with Retry-After, the SDK's rate-limit answer: it backs off and sends the op again
+    (its HTTP client honours a Retry-After of up to 60 s; its training calls back off further for
+    5 minutes). Not the caller's mistake, so not a `user` error."""
+
+    category = Category.SERVER
+    status_code = HTTPStatus.TOO_MANY_REQUESTS
+    # One op leaving the queue frees a place; a training step here takes 0.1-10 s, so a client
+    # asking again every second finds it soon without hammering the server.
+    retry_after_s = 1
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)}
+
+
 class EngineCrashed(ServerError):
     """The engine process died mid-step; nothing of that step was stored. Not a request's error:
     control restarts the engine, rebuilds its adapters and runs the step's ops again.

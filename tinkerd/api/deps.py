@@ -212,7 +212,7 @@ def json_bytes(obj: dict) -> tuple[bytes, str]:
 
 
 def error_response(e: TinkerdError) -> JSONResponse:
-    # `headers`: Retry-After of a 503 StorageUnavailable (errors.py); other errors have none.
+    # `headers`: Retry-After of a 503 StorageUnavailable or a 429 QueueFull (errors.py); others have none.
     return JSONResponse({"error": e.message, "category": e.category}, status_code=e.status_code,
                         headers=getattr(e, "headers", None))
 

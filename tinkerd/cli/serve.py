@@ -74,6 +74,11 @@ def add_parser(sub) -> None:
                         "(default: unlimited); ops over it wait, they never fail")
     p.add_argument("--quota-window-s", type=_positive, default=None,
                    help="the tokens-per-minute sliding window (default 60; shorter for tests)")
+    p.add_argument("--max-queued-ops-per-model", type=_bound, default=None,
+                   help="ops waiting per training run or sampling session before new ones are answered 429, "
+                        "which the SDK retries (default 256; 0: no bound)")
+    p.add_argument("--max-queued-ops", type=_bound, default=None,
+                   help="ops waiting on the whole server before new ones are answered 429 (default 4096; 0: no bound)")
     p.add_argument("--sample-kv-cache-gb", type=_positive, default=None,
                    help="memory the sampler's KV cache may take, in GiB (default: a quarter of the machine's); "
                         "a sample request needing more alone is refused, others wait for room")
@@ -118,6 +123,14 @@ def _positive(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
     return value
+
+
+def _bound(text: str) -> int | str:
+    """A positive integer, or 0 for no bound ("none", kept apart from not given)."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 (no bound) or a positive integer, got {text}")
+    return value or "none"
 
 
 def _positive_int(text: str) -> int:
@@ -165,6 +178,9 @@ def build_config(args) -> ServerConfig:
                  "max_connections", "listen_backlog", "max_request_head_bytes"):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
+    for name in ("max_queued_ops_per_model", "max_queued_ops"):
+        if getattr(args, name) is not None:
+            values[name] = None if getattr(args, name) == "none" else getattr(args, name)
     if not args.metrics:
         values["metrics"] = False
     if args.otlp_endpoint:  # else ServerConfig reads $OTEL_EXPORTER_OTLP_*: the only place env vars are read
@@ -181,6 +197,7 @@ def build_app(config: ServerConfig, client=None):
     from tinkerd.cli.tokenizers import Tokenizers
     from tinkerd.control.accounts import Accounts
     from tinkerd.control.audit import AuditLog
+    from tinkerd.control.backpressure import QueueBudget
     from tinkerd.control.control import Control
     from tinkerd.control.diskspace import DiskReserve
     from tinkerd.control.quotas import Quotas
@@ -216,6 +233,7 @@ def build_app(config: ServerConfig, client=None):
                       worker_id=worker_id)
     if config.role != "all":
         replicas.use_database_notifier(control, store)
+    control.budget = QueueBudget(config.max_queued_ops_per_model, config.max_queued_ops)
     if not config.metrics:
         control.metrics.disable()
     if config.otlp_endpoint:

@@ -22,6 +22,7 @@ from anyio import to_thread
 
 from tinkerd.control import oplog
 from tinkerd.control.bookkeeping import Bookkeeper
+from tinkerd.control.backpressure import QueueBudget
 from tinkerd.control.claims import Claimer
 from tinkerd.control.diskspace import DiskReserve
 from tinkerd.control.futures import FutureHub
@@ -101,6 +102,8 @@ class Control:
         # The data directory's free-space reserve: new work is refused under it (diskspace.py); None
         # never refuses.
         self.reserve = reserve
+        # Bounds on ops waiting (backpressure.py): new work beyond them is answered 429; None never refuses.
+        self.budget: QueueBudget | None = None
         self.queue = OpQueue(lane_of=lambda work: Scheduler.lane_of(work.op))
         # Ops in flight when the engine died of what it was doing: request_id -> such deaths. The
         # scheduler runs them apart from other work (scheduler.py), so a death with one alone names it.
@@ -239,6 +242,8 @@ class Control:
                                 f"since expired; it is not run again. New work needs a new seq_id")
         if self.reserve is not None:  # after the re-send check: a re-sent op is not new work
             self.reserve.check()
+        if self.budget is not None:  # after the re-send check too: what was accepted is never refused
+            self.budget.check(self.queue, target, self.metrics.refused)
         if self.recovery is not None and seq_id is not None:
             reason = self.recovery.failure(target)
             if reason is not None:

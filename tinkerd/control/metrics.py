@@ -61,6 +61,8 @@ class Metrics:
                                        registry=r)
         self.engine_recoveries = Counter("tinkerd_engine_recoveries", "Engine crashes handled, by outcome",
                                          ["outcome"], registry=r)
+        self.ops_refused = Counter("tinkerd_ops_refused", "New ops answered 429 because a queue was over its budget "
+                                   "(control/backpressure.py), by which budget", ["scope"], registry=r)
         self.db_latency = Histogram("tinkerd_db_statement_seconds", "SQL statement duration", ["statement"],
                                     buckets=_DB_BUCKETS, registry=r)
         # OpenTelemetry spans per op (control/tracing.py); None (the default) costs nothing.
@@ -107,6 +109,11 @@ class Metrics:
         if not self.enabled:
             return
         self.ops_accepted.labels(request_type, lane).inc()
+
+    def refused(self, scope: str) -> None:
+        """A new op was answered 429: its target's or the server's queue was over its budget."""
+        if self.enabled:
+            self.ops_refused.labels(scope).inc()
 
     def completed(self, q: "QueuedOp", result: Any, compute_s: float, queue_wait_s: float,
                   engine_done: float) -> None:

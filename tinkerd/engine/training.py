@@ -19,12 +19,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from tinkerd.engine import checkpoints, finite
+from tinkerd.engine import adam, checkpoints, finite
 from tinkerd.engine.losses import DATUM_INDEX, LossFn, custom, get_loss
 from tinkerd.engine.sharding import DataParallel
 from tinkerd.errors import UserError
 from tinkerd.types import (
-    AdamParams,
     CreateModelOp,
     Datum,
     ForwardBackwardOp,
@@ -190,6 +189,9 @@ def _validate(data: list[Datum], rt: "ModelRuntime", loss: LossFn) -> list[dict[
 # cache-sized pieces. Materialising all [M, V] logits instead made the 151k-vocab tiny model spend
 # 80% of a step in elementwise passes over 1 GB tensors (measured: 7-9 s vs about 1 s per 1.6k tokens).
 _HEAD_CHUNK_CELLS = 1 << 22
+# Up to this many [M, V] cells (256 MB fp32) the head's graphs are kept rather than recomputed: the
+# second head forward was 6% of a SmolLM2 step (2 x 256 tokens: 29 of ~330 GFLOP).
+_HEAD_KEEP_CELLS = 1 << 26
 
 
 def _hidden(rt: "ModelRuntime", input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -214,6 +216,13 @@ def _head_logprobs(rt: "ModelRuntime", hidden: torch.Tensor, targets: torch.Tens
     return logits.gather(-1, targets) - lse[:, None]
 
 
+def _head_graph(rt: "ModelRuntime", hidden: torch.Tensor, targets: torch.Tensor, c: slice):
+    """(the chunk's hidden as a leaf, its logprobs with their graph back to it and the head's LoRA)."""
+    h_c = hidden[c].detach().requires_grad_(True)
+    with torch.enable_grad():
+        return h_c, _head_logprobs(rt, h_c, targets[c])
+
+
 def _chunks(rt: "ModelRuntime", m: int) -> list[slice]:
     rows = max(1, _HEAD_CHUNK_CELLS // rt.vocab_size)
     return [slice(i, min(i + rows, m)) for i in range(0, m, rows)]
@@ -223,11 +232,12 @@ def _logprobs_and_grads(rt, input_ids, mask, inputs, loss: LossFn, config, param
     """Target logprobs, the loss, its metrics, and d loss / d params (None when forward_only).
 
     Every Tinker loss is a function of the target logprobs alone, so the backward splits at them:
-    (1) the head runs chunk by chunk without a graph to get logprobs [M]; (2) the loss and its
-    gradient g = d loss / d logprobs; (3) each head chunk is recomputed with a graph and
-    back-propagated with g, collecting d loss / d hidden and the head's own LoRA grads;
-    (4) one backward through the decoder from d loss / d hidden. Peak memory holds one [C, V]
-    chunk instead of the [M, V] logits and their gradient; the price is a second head forward.
+    (1) the head runs chunk by chunk to get logprobs [M]; (2) the loss and its gradient
+    g = d loss / d logprobs; (3) each head chunk's graph is back-propagated with g, collecting
+    d loss / d hidden and the head's own LoRA grads; (4) one backward through the decoder from
+    d loss / d hidden. Beyond _HEAD_KEEP_CELLS logits, (1) runs without a graph and (3) recomputes
+    each chunk with one: peak memory then holds one [C, V] chunk instead of the [M, V] logits and
+    their gradient, for the price of a second head forward.
 
     With `ranks` (engine/sharding.py: DataParallel) input_ids and mask hold this rank's datums only:
     the logprobs of every rank are gathered before (2), which then runs on the whole batch on every
@@ -237,8 +247,13 @@ def _logprobs_and_grads(rt, input_ids, mask, inputs, loss: LossFn, config, param
     with torch.set_grad_enabled(not forward_only):
         hidden = _hidden(rt, input_ids, mask)  # [M, H]
     m = hidden.shape[0] if ranks is None else ranks.count  # a rank without datums runs one dummy token
+    chunks = _chunks(rt, m)
+    # Kept graphs are the same kernels on the same inputs as a recompute, so the same bits.
+    keep = not forward_only and m * rt.vocab_size <= _HEAD_KEEP_CELLS
+    kept = [_head_graph(rt, hidden, targets, c) for c in chunks] if keep else None
     with torch.no_grad():
-        target_logprobs = torch.cat([_head_logprobs(rt, hidden[c], targets[c]) for c in _chunks(rt, m)] +
+        target_logprobs = torch.cat([lp.detach() for _, lp in kept] if kept else
+                                    [_head_logprobs(rt, hidden[c], targets[c]) for c in chunks] +
                                     [hidden.new_zeros((0, *targets.shape[1:]), dtype=torch.float32)])
     if ranks is not None:
         target_logprobs = ranks.gather(target_logprobs)
@@ -253,10 +268,8 @@ def _logprobs_and_grads(rt, input_ids, mask, inputs, loss: LossFn, config, param
     head_params = [p for p in params if any(p is t for t in _head_lora(rt, params))]
     head_grads: list[torch.Tensor | None] = [None] * len(head_params)
     g_hidden = torch.empty_like(hidden) if m == hidden.shape[0] else torch.zeros_like(hidden)
-    for c in _chunks(rt, m):
-        h_c = hidden[c].detach().requires_grad_(True)
-        with torch.enable_grad():
-            lp_c = _head_logprobs(rt, h_c, targets[c])
+    for k, c in enumerate(chunks):
+        h_c, lp_c = kept[k] if kept else _head_graph(rt, hidden, targets, c)
         got = torch.autograd.grad(lp_c, [h_c, *head_params], grad_outputs=g_lp[c], allow_unused=True)
         g_hidden[c] = got[0]
         for i, g in enumerate(got[1:]):
@@ -369,24 +382,10 @@ def forward_backward(engine: "Engine", op: ForwardBackwardOp) -> ForwardBackward
 # optim_step
 
 
-def _check_adam(p: AdamParams) -> None:
-    if not p.learning_rate >= 0:
-        raise UserError(f"adam_params.learning_rate must be >= 0, got {p.learning_rate}")
-    for name, beta in (("beta1", p.beta1), ("beta2", p.beta2)):
-        if not 0 <= beta < 1:
-            raise UserError(f"adam_params.{name} must be in [0, 1), got {beta}")
-    if not p.eps >= 0:
-        raise UserError(f"adam_params.eps must be >= 0, got {p.eps}")
-    if not p.weight_decay >= 0:
-        raise UserError(f"adam_params.weight_decay must be >= 0, got {p.weight_decay}")
-    if not p.grad_clip_norm >= 0:
-        raise UserError(f"adam_params.grad_clip_norm must be >= 0 (0 = no clipping), got {p.grad_clip_norm}")
-
-
 def optim_step(engine: "Engine", op: OptimStepOp) -> dict[str, float]:
     _, adapter = _trainable(engine, op.model_id)
     p = op.adam_params
-    _check_adam(p)
+    adam.check_params(p)
     optimizer = adapter.optimizer
     undo = None
     if not op.allow_non_finite:
