@@ -1,4 +1,5 @@
-"""Recovery: rebuild every training adapter after an engine crash or a server restart.
+"""Recovery: rebuild training adapters after an engine crash (those of the engine that died) or a
+server restart (every one).
 
 An adapter's state is a pure function of its ops in seq_id order, so it is rebuilt from its last
 snapshot plus the write-ahead log of the state-changing ops that completed after it. Failed ops
@@ -126,10 +127,11 @@ class Recovery:
     # -- rebuilding ------------------------------------------------------------------------------
 
     def replay_plan(self, model_ids: Iterable[str] | None = None, skip: Collection[str] = (),
-                    served: Collection[str] | None = None) -> list[Any]:
-        """Engine ops that rebuild adapters (every run's, or those of `model_ids`; none of `skip`):
-        per run, its snapshot then the logged ops after it. A run that cannot be rebuilt (its base
-        model not in `served`, when given; a stored op that cannot be read) is recorded instead."""
+                    served: Collection[str] | None = None, base_models: Collection[str] | None = None) -> list[Any]:
+        """Engine ops that rebuild adapters (every run's, or those of `model_ids`, or those trained on
+        `base_models`; none of `skip`): per run, its snapshot then the logged ops after it. A run that
+        cannot be rebuilt (its base model not in `served`, when given; a stored op that cannot be
+        read) is recorded instead."""
         stmt = select(FutureRow).where(FutureRow.status == "complete", FutureRow.request_type.in_(STATE_CHANGING))
         if model_ids is not None:
             stmt = stmt.where(FutureRow.target.in_(list(model_ids)))
@@ -141,6 +143,8 @@ class Recovery:
         plan: list[Any] = []
         for model_id, ops in by_model.items():
             run = self.store.get(TrainingRunRow, model_id)
+            if base_models is not None and not self._trained_on(run, ops, base_models):
+                continue  # another engine's run: it is alive and holds it
             if served is not None and run is not None and base_model_of(run.base_model) not in served:
                 self.record_failure(model_id, f"training run {model_id} was trained on {run.base_model}, which this "
                                     f"server does not serve now (tinkerd serve --base-model); its state is kept and "
@@ -162,6 +166,14 @@ class Recovery:
             plan.extend(steps)
         return plan
 
+    def _trained_on(self, run: TrainingRunRow | None, ops: list[FutureRow], base_models: Collection[str]) -> bool:
+        if run is not None:
+            return base_model_of(run.base_model) in base_models
+        try:  # no run row (unit tests of the plan): the create or load op that made the adapter says
+            return getattr(self.rebuild(ops[0]).op, "base_model", None) in base_models
+        except TinkerdError:
+            return True  # unreadable: the plan records why, whichever engine it was on
+
     def sweep_temp(self) -> int:
         """Remove the temp dirs of snapshot writes a dead engine left (control/debris.py), and run
         the other sweeps; returns how many snapshot temp dirs went. Only while the engine is fresh:
@@ -176,12 +188,15 @@ class Recovery:
                 log.exception("sweeping temp dirs before the rebuild failed")
         return len(swept)
 
-    def rebuild_engine(self, engine, skip: Collection[str] = ()) -> RecoveryReport:
+    def rebuild_engine(self, engine, skip: Collection[str] = (), base_models: Collection[str] | None = None
+                       ) -> RecoveryReport:
         """Run the replay plan on a fresh engine (synchronously, before any new work); runs in
-        `skip` (released ones) stay out until their next op. The dead engine's temp dirs go first."""
+        `skip` (released ones) stay out until their next op. `base_models`: rebuild only the runs
+        trained on them (the engines that died behind a router; None: every run). The dead engine's
+        temp dirs go first: no engine is in a step meanwhile, so every temp dir is a dead write's."""
         self.sweep_temp()
         t0 = time.perf_counter()
-        plan = self.replay_plan(skip=skip, served={m.name for m in engine.models()})
+        plan = self.replay_plan(skip=skip, served={m.name for m in engine.models()}, base_models=base_models)
         models = {op.model_id for op in plan}
         failed: set[str] = set()
         if plan:
@@ -194,7 +209,8 @@ class Recovery:
         for model_id in models - failed:
             self.store.delete(UnrecoverableRunRow, model_id)
         report = RecoveryReport(len(models - failed), len(plan), time.perf_counter() - t0)
-        log.info("rebuilt %d adapters from %d ops in %.2f s", report.models, report.replayed_ops, report.seconds)
+        log.info("rebuilt %d adapters from %d ops in %.2f s: %s", report.models, report.replayed_ops, report.seconds,
+                 ", ".join(sorted(models - failed)) or "none")
         return report
 
     def record_failure(self, model_id: str, reason: str) -> None:

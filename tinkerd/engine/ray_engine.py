@@ -3,8 +3,9 @@
 One actor per base model, with the CPUs and GPUs the config asks for (`--ray-num-cpus`,
 `--ray-num-gpus`), behind a `RayEngineClient` that is an EngineClient like the process engine's;
 control reaches them through an EngineRouter (control/engines.py). Ray restarts an actor that dies
-(max_restarts); the client turns the death into EngineCrashed, and control rebuilds the adapters by
-replay exactly as after a process engine's death.
+(max_restarts); the client turns the death into EngineCrashed, and control rebuilds that actor's
+adapters by replay exactly as after a process engine's death; the other actors go on untouched
+(control/engines.py).
 
 An actor restarted by Ray between two steps would take the next step with none of its adapters.
 So each incarnation draws an id when it starts, every step names the incarnation the client knows,
@@ -37,8 +38,7 @@ NAMESPACE = "tinkerd"
 NAME_PREFIX = "tinkerd-engine:"
 # Ray restarts a dead actor however often it dies (-1): every restart is one control asked for or
 # recovers from, and control bounds them itself (its consecutive restart attempts, poison ops).
-# A finite budget would be spent over a long-lived server's deaths, and each of a router's engines
-# is restarted after a crash of any (control/engines.py).
+# A finite budget would be spent over a long-lived server's deaths.
 MAX_RESTARTS = -1
 
 
