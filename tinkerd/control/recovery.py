@@ -8,8 +8,9 @@ change no adapter, so none of those are replayed. Ops still pending are queued a
 nothing happened; their clients were long-polling all along.
 
 Snapshot policy: after an optim_step, when `snapshot_interval_s` has passed since the run's last
-snapshot (default 10 s; the first step always snapshots), the engine writes the adapter and its AdamW state into
-`snapshots/<model_id>/seq-<seq_id>` and drops the older one. Replay is then at most the
+snapshot (default 10 s; the first step always snapshots), the engine writes the adapter and its
+AdamW state as the artifact `snapshots/<model_id>/seq-<seq_id>` (tinkerd/artifacts.py) and drops the
+older one. Replay is then at most the
 ops of one interval plus the forward_backward calls of the step in flight. After every
 load_weights a snapshot is written too, whatever the interval: replay never reads a loaded
 checkpoint again, so deleting it (or its TTL expiring) loses nothing. A run released from the
@@ -27,13 +28,12 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Collection, Iterable
 
 from sqlalchemy import select
 
+from tinkerd.artifacts import ArtifactStore, join
 from tinkerd.control import oplog
-from tinkerd.control.debris import SNAPSHOT_TEMP, sweep_temp
 from tinkerd.control.engines import run_ops
 from tinkerd.control.queue import Work
 from tinkerd.control.store.db import Store, utcnow
@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 
 # Request types whose completion changed an adapter's state.
 STATE_CHANGING = ("CreateModel", "LoadWeights", "ForwardBackward", "OptimStep")
+# The artifact key prefix of recovery snapshots: snapshots/<model_id>/seq-<seq_id, 12 digits>.
+SNAPSHOTS = "snapshots"
 # Ops after which an adapter has no pending grads, so weights + AdamW state + step are all of it:
 # a snapshot is named after one of them (seq-<its seq_id>).
 SNAPSHOT_POINTS = ("CreateModel", "LoadWeights", "OptimStep")
@@ -67,10 +69,11 @@ class UnrecoverableRun(UserError):
 
 
 class Recovery:
-    def __init__(self, store: Store, snapshots_dir: Path, rebuild: Callable[[FutureRow], Any] = rebuild_work,
+    def __init__(self, store: Store, artifacts: ArtifactStore, rebuild: Callable[[FutureRow], Any] = rebuild_work,
                  snapshot_interval_s: float = 0.0):
         self.store = store
-        self.snapshots_dir = Path(snapshots_dir)
+        # Where the engine writes snapshots and this lists and reads them (tinkerd/artifacts.py).
+        self.artifacts = artifacts
         # rebuild(row) -> Work: the op log's record decoded (a seam for unit tests of the plan).
         self.rebuild = rebuild
         self.snapshot_interval_s = snapshot_interval_s
@@ -82,12 +85,12 @@ class Recovery:
     # -- snapshots -------------------------------------------------------------------------------
 
     def maybe_snapshot(self, op: Any, seq_id: int | None) -> None:
-        """Attach a snapshot directory to an optim_step when the run's snapshot is due, and to every
+        """Attach a snapshot key to an optim_step when the run's snapshot is due, and to every
         load_weights (replaying a load would need the checkpoint, which may be deleted by then)."""
         if seq_id is None:
             return
         if isinstance(op, LoadWeightsOp):
-            op.snapshot_dir = str(self.snapshot_dir(op.model_id, seq_id))
+            op.snapshot_dir = self.snapshot_key(op.model_id, seq_id)
             return
         if not isinstance(op, OptimStepOp):
             return
@@ -95,10 +98,11 @@ class Recovery:
         if now - self._last_snapshot.get(op.model_id, float("-inf")) < self.snapshot_interval_s:
             return
         self._last_snapshot[op.model_id] = now
-        op.snapshot_dir = str(self.snapshot_dir(op.model_id, seq_id))
+        op.snapshot_dir = self.snapshot_key(op.model_id, seq_id)
 
-    def snapshot_dir(self, model_id: str, seq_id: int) -> Path:
-        return self.snapshots_dir / model_id / f"seq-{seq_id:012d}"
+    @staticmethod
+    def snapshot_key(model_id: str, seq_id: int) -> str:
+        return join(SNAPSHOTS, model_id, f"seq-{seq_id:012d}")
 
     def last_snapshot_point(self, model_id: str) -> int | None:
         """The seq_id of the run's last completed create, load or optim_step: the adapter's weights
@@ -108,20 +112,18 @@ class Recovery:
             FutureRow.status == "complete", FutureRow.seq_id.is_not(None)))
         return max(seqs) if seqs else None
 
-    def latest_snapshot(self, model_id: str) -> tuple[int, Path] | None:
-        """The newest snapshot whose op's result is stored. A snapshot written in the step the
-        process died in belongs to an op that will run again, so it must not be used."""
-        root = self.snapshots_dir / model_id
-        if not root.is_dir():
-            return None
-        # Only whole snapshots carry the seq- name: they are written to a temp name and renamed.
-        seqs = sorted(int(p.name[4:]) for p in root.iterdir() if p.name.startswith("seq-") and p.name[4:].isdigit())
+    def latest_snapshot(self, model_id: str) -> tuple[int, str] | None:
+        """The newest snapshot whose op's result is stored, and its key. A snapshot written in the
+        step the process died in belongs to an op that will run again, so it must not be used."""
+        # The store lists only whole artifacts (tinkerd/artifacts.py).
+        names = [k.rsplit("/", 1)[1] for k in self.artifacts.list(join(SNAPSHOTS, model_id))]
+        seqs = sorted(int(n[4:]) for n in names if n.startswith("seq-") and n[4:].isdigit())
         for seq in reversed(seqs):
             done = self.store.query(select(FutureRow.request_id).where(
                 FutureRow.target == model_id, FutureRow.seq_id == seq,
                 FutureRow.request_type.in_(SNAPSHOT_POINTS), FutureRow.status == "complete"))
             if done:
-                return seq, root / f"seq-{seq:012d}"
+                return seq, self.snapshot_key(model_id, seq)
         return None
 
     # -- rebuilding ------------------------------------------------------------------------------
@@ -156,7 +158,7 @@ class Recovery:
                 if run is None:
                     continue
                 seq, path = snap
-                steps.append(LoadWeightsOp(model_id, base_model_of(run.base_model), str(path), with_optimizer=True))
+                steps.append(LoadWeightsOp(model_id, base_model_of(run.base_model), path, with_optimizer=True))
                 ops = [r for r in ops if r.seq_id is not None and r.seq_id > seq]
             try:
                 steps.extend(self.rebuild(row).op for row in ops)
@@ -175,10 +177,10 @@ class Recovery:
             return True  # unreadable: the plan records why, whichever engine it was on
 
     def sweep_temp(self) -> int:
-        """Remove the temp dirs of snapshot writes a dead engine left (control/debris.py), and run
-        the other sweeps; returns how many snapshot temp dirs went. Only while the engine is fresh:
-        at server start and after an engine restart, before the replay writes new snapshots."""
-        swept = sweep_temp(self.snapshots_dir, SNAPSHOT_TEMP)
+        """Remove what snapshot writes a dead engine left (ArtifactStore.sweep_incomplete), and run
+        the other sweeps; returns how many snapshot temp dirs went. Only while no engine is in a
+        step: at server start and after an engine restart, before the replay writes new snapshots."""
+        swept = self.artifacts.sweep_incomplete(SNAPSHOTS)
         if swept:
             log.info("removed %d snapshot temp dir(s) of writes that never finished", len(swept))
         for sweep in self.sweeps:

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tinkerd.artifacts import ArtifactStore
 from tinkerd.engine.malloc import children_use_huge_pages
 from tinkerd.engine.precision import Precision
 from tinkerd.errors import EngineCrashed, TinkerdError
@@ -41,6 +42,9 @@ class EngineSpec:
     log_level: int = logging.WARNING
     log_format: str | None = None
     precision: Precision = Precision()  # device and compute dtype (engine/precision.py)
+    # Where checkpoints, snapshots and exports go, by the keys ops carry (tinkerd/artifacts.py); the
+    # engine reaches the data directory through it alone. None: keys are absolute paths (tests).
+    artifacts: ArtifactStore | None = None
 
 
 class EngineStartFailed(EngineCrashed):
@@ -73,7 +77,7 @@ def _worker_main(conn, spec: EngineSpec) -> None:
         torch.set_num_threads(spec.torch_threads)
     try:
         engine = Engine(spec.models_dir, spec.max_lora_rank, SamplerConfig(kv_cache_bytes=spec.sample_kv_cache_bytes),
-                        spec.precision)
+                        spec.precision, spec.artifacts)
         engine.load_base_models(spec.base_models)
     except Exception as e:
         reason = getattr(e, "message", None) or f"{type(e).__name__}: {e}"

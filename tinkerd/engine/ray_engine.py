@@ -25,6 +25,7 @@ import time
 import uuid
 from pathlib import Path
 
+from tinkerd.artifacts import LocalArtifactStore
 from tinkerd.errors import EngineCrashed, TinkerdError, UserError
 from tinkerd.engine.precision import Precision
 from tinkerd.engine.process import EngineSpec, EngineStartFailed
@@ -52,7 +53,7 @@ def build_engine(spec: EngineSpec):
     if spec.torch_threads:
         torch.set_num_threads(spec.torch_threads)
     engine = Engine(spec.models_dir, spec.max_lora_rank, SamplerConfig(kv_cache_bytes=spec.sample_kv_cache_bytes),
-                    spec.precision)
+                    spec.precision, spec.artifacts)
     engine.load_base_models(spec.base_models)
     return engine
 
@@ -200,7 +201,8 @@ def ray_engines(config, log_level: int = logging.WARNING, log_format: str | None
     threads = config.torch_threads or max(1, int(config.ray_num_cpus))
     clients = [RayEngineClient(EngineSpec(config.models_dir, (base,), config.max_lora_rank, threads,
                                           config.sample_kv_cache_bytes, precision=Precision(config.device, config.dtype),
-                                          log_level=log_level, log_format=log_format),
+                                          log_level=log_level, log_format=log_format,
+                                          artifacts=LocalArtifactStore(config.data_dir)),
                                config.ray_num_cpus, config.ray_num_gpus)
                for base in config.base_models]
     log.info("starting %d engine actors on Ray (%s)", len(clients), config.ray_address)

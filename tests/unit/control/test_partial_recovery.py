@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 
+from tinkerd.artifacts import LocalArtifactStore
 from tinkerd.control.control import Control, Work
 from tinkerd.control.engines import EngineRouter
 from tinkerd.control.recovery import Recovery
@@ -37,7 +38,7 @@ def test_a_crash_of_one_engine_rebuilds_and_requeues_only_its_own_work(tmp_path)
     a = _Engine("base-a", rows=10**9)  # a's sample decodes until b died (_DiesOnce)
     b = _DiesOnce("base-b", a)
     works: dict[str, Work] = {}
-    recovery = Recovery(Store.sqlite(tmp_path / "db.sqlite"), tmp_path / "snapshots",
+    recovery = Recovery(Store.sqlite(tmp_path / "db.sqlite"), LocalArtifactStore(tmp_path),
                         rebuild=lambda row: works[row.request_id])
     control = Control(recovery.store, EngineRouter([a, b]), recovery)
     finalize = lambda result: (str(result).encode(), "text/plain")  # noqa: E731
