@@ -136,7 +136,8 @@ class CreateModelOp:
 
 @dataclass
 class SaveWeightsOp:
-    """Write the adapter to `dir_path`; `with_optimizer` for training state, False for sampler."""
+    """Write the adapter to the artifact `dir_path` (a key, tinkerd/artifacts.py); `with_optimizer` for
+    training state, False for sampler."""
 
     model_id: str
     dir_path: str

@@ -22,6 +22,7 @@ from tests.conformance.test_retention import (  # the same SDK loop and data
     _train,
 )
 from tests.history import checkout_of
+from tinkerd.control.oplog import SCHEMA_VERSION
 from tests.serverproc import API_KEY, logged_ops, start_server
 
 LLAMA = "tinkerd/tiny-llama"
@@ -119,8 +120,8 @@ def test_a_data_dir_written_before_the_op_log_recovers_after_the_upgrade(tmp_pat
         try:
             step.result()
             rest = [fb.result().metrics["loss:sum"]] + _train(tc, range(4, 6))
-            assert any("converted" in line and "op schema v1" in line for line in new.lines)
-            assert _op_versions(tmp_path, tc.model_id) == {1}  # converted on start, and new ops logged typed
+            assert any("converted" in line and f"op schema v{SCHEMA_VERSION}" in line for line in new.lines)
+            assert _op_versions(tmp_path, tc.model_id) == {SCHEMA_VERSION}  # converted on start, and new ops logged typed
         finally:
             new.stop()
     finally:

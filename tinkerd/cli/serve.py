@@ -194,6 +194,7 @@ def build_app(config: ServerConfig, client=None):
     from tinkerd.api.app import create_app
     from tinkerd.api.deps import AppState
     from tinkerd.api import legacy
+    from tinkerd.artifacts import LocalArtifactStore
     from tinkerd.cli.tokenizers import Tokenizers
     from tinkerd.control.accounts import Accounts
     from tinkerd.control.audit import AuditLog
@@ -219,11 +220,12 @@ def build_app(config: ServerConfig, client=None):
     replicas.check(config.role, store)
     worker_id = replicas.worker_id(config.role)
     reserve = DiskReserve(config.data_dir, config.min_free_disk_bytes)
-    recovery = Recovery(store, config.data_dir / "snapshots", snapshot_interval_s=config.snapshot_interval_s)
+    artifacts = LocalArtifactStore(config.data_dir)  # checkpoints, snapshots, exports (tinkerd/artifacts.py)
+    recovery = Recovery(store, artifacts, snapshot_interval_s=config.snapshot_interval_s)
     # One audit log for the accounts' events and the checkpoints': only one instance folds failed
     # authentications in memory, and the audit route reads through it.
     audit = AuditLog(store)
-    runs = Runs(store, config.checkpoints_dir, audit=audit)
+    runs = Runs(store, artifacts, audit=audit)
     runs.reserve = reserve
     control = Control(store, client, recovery, quotas=Quotas(store, config),
                       residency=Residency(store, recovery, config.session_expiry_s),
@@ -269,6 +271,8 @@ def build_engine_client(config: ServerConfig, wait: bool = True):
 
 
 def _embedded_engine_client(config: ServerConfig, wait: bool):
+    from tinkerd.artifacts import LocalArtifactStore
+
     if config.engine == "process":
         from tinkerd.engine.precision import Precision
         from tinkerd.engine.process import EngineSpec, ProcessEngineClient
@@ -278,7 +282,7 @@ def _embedded_engine_client(config: ServerConfig, wait: bool):
                                               config.torch_threads, config.sample_kv_cache_bytes,
                                               precision=Precision(config.device, config.dtype),
                                               log_level=logging.getLogger().getEffectiveLevel(), log_format=LOG_FORMAT,
-                                              ranks=config.engine_ranks),
+                                              ranks=config.engine_ranks, artifacts=LocalArtifactStore(config.data_dir)),
                                    wait=wait)
     import torch
 
@@ -292,7 +296,7 @@ def _embedded_engine_client(config: ServerConfig, wait: bool):
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     engine = Engine(config.models_dir, config.max_lora_rank, SamplerConfig(kv_cache_bytes=config.sample_kv_cache_bytes),
-                    Precision(config.device, config.dtype))
+                    Precision(config.device, config.dtype), LocalArtifactStore(config.data_dir))
     engine.load_base_models(config.base_models)
     return InProcessEngineClient(engine)
 

@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Collection, Protocol
 
 from anyio import to_thread
 
@@ -63,7 +63,8 @@ class EngineClient(Protocol):
 
     def restart(self) -> float:
         """A fresh engine after a crash (EngineCrashed); returns the seconds it took. Control then
-        rebuilds every adapter through `step` (docs/op-contract.md)."""
+        rebuilds its adapters through `step` (docs/op-contract.md). A router restarts only the
+        engines that died (control/engines.py)."""
         ...
 
     def models(self) -> list[ServedModel]: ...
@@ -408,10 +409,17 @@ class Control:
             if self.residency is not None:
                 for q in picked.ops:
                     self.residency.before_step(q.op.op, self.engine, self.busy)
+        except EngineCrashed as e:  # died rebuilding a released run: this step's ops never reached it
+            self._recover_engine(e, unsent={q.request_id for q in picked.ops})
+            return 0
+        try:
             out = self.engine.step(picked.batch)
         except EngineCrashed as e:
             self._recover_engine(e)
-            return 0
+            # Behind a router, only the dead engine's work is lost: the live ones' results complete.
+            out = getattr(e, "output", None)
+            if out is None:
+                return 0
         except Exception as e:  # the engine client itself broke: fail all it holds, keep serving
             log.exception("engine step failed")
             out = StepOutput([(rid, ServerError(f"engine failure: {e}")) for rid in self._inflight], active_rows=0)
@@ -431,24 +439,36 @@ class Control:
             self._complete(q, result, now - admitted_at, admitted_at - q.op.accepted_at)
         return out.active_rows
 
-    def _recover_engine(self, crash: Exception) -> None:
-        """The engine process died mid-step: start a new one, rebuild every adapter from snapshots
-        and the log, and queue again everything it held (nothing of it was stored), except an op
-        that has now killed it _POISON_CRASHES times, the last alone: that one is failed."""
+    def _recover_engine(self, crash: Exception, unsent: Collection[str] = ()) -> None:
+        """An engine died mid-step: start a new one, rebuild its adapters from snapshots and the log,
+        and queue again everything it held (nothing of it was stored), except an op that has now
+        killed it _POISON_CRASHES times, the last alone: that one is failed. Behind a router the
+        crash names the dead engine's tickets and base models (control/engines.py: EnginesCrashed):
+        only those are re-queued and rebuilt, and the live engines' work goes on untouched.
+        `unsent`: this step's ops, which never reached an engine (re-queued, suspected of nothing)."""
         t0 = time.perf_counter()
         self.engine_state = "restarting"
-        inflight = [q for q, _ in self._inflight.values()]
-        self._inflight.clear()
-        poison = self._suspect(inflight, crash)
+        lost = getattr(crash, "lost", None)
+        if lost is None:  # one engine: everything in flight was in it
+            inflight = [q for q, _ in self._inflight.values()]
+            self._inflight.clear()
+        else:
+            gone = set(lost) | set(unsent)
+            inflight = [self._inflight.pop(rid)[0] for rid in list(self._inflight) if rid in gone]
+        bases = getattr(crash, "base_models", None)  # None: every run
+        poison = self._suspect([q for q in inflight if q.request_id not in unsent], crash)
         for attempt in range(_MAX_ENGINE_RESTARTS):
             try:
                 restart_s = self.engine.restart()
                 released = self.residency.unloaded if self.residency is not None else ()
-                report = self.recovery.rebuild_engine(self.engine, skip=released) if self.recovery is not None else None
+                report = self.recovery.rebuild_engine(self.engine, skip=released, base_models=bases) \
+                    if self.recovery is not None else None
                 self.metrics.engine_recovery("recovered", attempt + 1)
                 break
             except EngineCrashed as e:  # died again while starting or rebuilding: start over
                 log.warning("engine restart %d failed: %s", attempt + 1, e)
+                more = getattr(e, "base_models", None)  # what is down now needs its rebuild too
+                bases = None if bases is None or more is None else bases | more
                 time.sleep(min(0.1 * 2**attempt, 5.0))
         else:
             # It cannot come back (a model that no longer loads, say): fail what it held, keep serving.
@@ -467,8 +487,9 @@ class Control:
                 self.queue.put(q.request_id, q.target, q.seq_id, q.request_type, q.op)
         self.engine_state = "running"
         replayed = report.replayed_ops if report else 0
-        log.warning("engine recovered in %.2f s (restart %.2f s) after %s; replayed %d ops, re-queued %d",
-                    time.perf_counter() - t0, restart_s, crash, replayed, len(inflight))
+        log.warning("engine recovered in %.2f s (restart %.2f s) after %s; replayed %d ops, re-queued %d; "
+                    "restarted the engine(s) of %s", time.perf_counter() - t0, restart_s, crash, replayed,
+                    len(inflight), "every base model" if bases is None else ", ".join(sorted(bases)))
 
     def _suspect(self, inflight: list[QueuedOp], crash: Exception) -> QueuedOp | None:
         """Count a self-inflicted death against the ops in flight; returns the op to fail, if any: one

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from tinkerd.artifacts import ArtifactStore, LocalArtifactStore
 from tinkerd.engine.lora.experts import ExpertsRouting, wrap_experts
 from tinkerd.engine.lora.layers import LoraContext, MultiLoraLinear, wrap_model, targets_for
 from tinkerd.engine.lora.pool import AdapterPool
@@ -39,6 +40,8 @@ class ModelRuntime:
     pool: AdapterPool
     routing: ExpertsRouting = field(default_factory=ExpertsRouting)  # MoE router counts, off unless asked
     precision: Precision = Precision()  # device and compute dtype (engine/precision.py)
+    # Where sampler checkpoints are read from (the engine's store, tinkerd/artifacts.py).
+    artifacts: ArtifactStore = field(default_factory=lambda: LocalArtifactStore("/"))
 
     @property
     def name(self) -> str:
@@ -62,8 +65,11 @@ class ModelRuntime:
 
 class Engine:
     def __init__(self, models_dir: Path, max_lora_rank: int = 256, sampler_config: SamplerConfig = SamplerConfig(),
-                 precision: Precision = Precision()):
+                 precision: Precision = Precision(), artifacts: ArtifactStore | None = None):
         self.models_dir = Path(models_dir)
+        # Checkpoints, snapshots and exports, by the keys ops carry (tinkerd/artifacts.py). None: keys
+        # are absolute paths (tests and tools that hold an Engine); a server passes its store.
+        self.artifacts = artifacts if artifacts is not None else LocalArtifactStore("/")
         self.precision = precision
         self.max_lora_rank = max_lora_rank
         self.sampler_config = sampler_config
@@ -112,7 +118,7 @@ class Engine:
         experts = wrap_experts(loaded.model, ctx, loaded.family.experts_class, routing)
         layers = wrap_model(loaded.model, ctx, targets_for(True, True, True))
         pool = AdapterPool({**layers, **experts}, self.max_lora_rank, device=self.precision.torch_device)
-        runtime = ModelRuntime(loaded, ctx, layers, pool, routing, self.precision)
+        runtime = ModelRuntime(loaded, ctx, layers, pool, routing, self.precision, self.artifacts)
         self.runtimes[name] = runtime
         return runtime
 

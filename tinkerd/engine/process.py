@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tinkerd.artifacts import ArtifactStore
 from tinkerd.engine.malloc import children_use_huge_pages
 from tinkerd.engine.precision import Precision
 from tinkerd.errors import EngineCrashed, EngineFailure, EngineStartFailed, TinkerdError
@@ -44,6 +45,9 @@ class EngineSpec:
     # Rank processes of this one engine; above 1 the base model is FSDP2-sharded across them
     # (engine/sharding.py, --engine-ranks).
     ranks: int = 1
+    # Where checkpoints, snapshots and exports go, by the keys ops carry (tinkerd/artifacts.py); the
+    # engine reaches the data directory through it alone. None: keys are absolute paths (tests).
+    artifacts: ArtifactStore | None = None
 
 
 def _worker_main(conn, spec: EngineSpec) -> None:
@@ -81,7 +85,7 @@ def _worker_main(conn, spec: EngineSpec) -> None:
             client = RankedEngineClient(spec, followers)
         else:
             engine = Engine(spec.models_dir, spec.max_lora_rank, SamplerConfig(kv_cache_bytes=spec.sample_kv_cache_bytes),
-                            spec.precision)
+                            spec.precision, spec.artifacts)
             engine.load_base_models(spec.base_models)
             client = InProcessEngineClient(engine)
     except Exception as e:

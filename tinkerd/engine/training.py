@@ -11,9 +11,7 @@ Shapes: B datums (rows), T longest datum, M total real positions, V vocab, H hid
 from __future__ import annotations
 
 import logging
-import shutil
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -78,7 +76,7 @@ def release_adapters(engine: "Engine", op: ReleaseAdaptersOp) -> dict[str, list[
     for model_id, snapshot_dir in op.models:
         if model_id in engine.model_of:
             rt = engine.runtime_of(model_id)
-            if snapshot_dir is not None and not Path(snapshot_dir).is_dir():
+            if snapshot_dir is not None and not engine.artifacts.exists(snapshot_dir):
                 try:
                     # Weights and AdamW state equal those right after the op the snapshot is named
                     # after: forward_backward calls since then changed only .grad, which recovery
@@ -431,14 +429,15 @@ def optim_step(engine: "Engine", op: OptimStepOp) -> dict[str, float]:
     return {}
 
 
-def _snapshot(engine: "Engine", adapter: "Adapter", dir_path: str) -> None:
-    """A recovery point: weights, AdamW state and step as of a step, load or release. The two newest
-    are kept: this op's result may not be stored yet when the process dies, and then recovery needs
-    the one before."""
-    target = Path(dir_path)
-    checkpoints.save_adapter(adapter, engine.runtime_of(adapter.key).name, target, with_optimizer=True)
-    for old in sorted(p for p in target.parent.iterdir() if p.name.startswith("seq-"))[:-2]:
-        shutil.rmtree(old, ignore_errors=True)
+def _snapshot(engine: "Engine", adapter: "Adapter", key: str) -> None:
+    """A recovery point (artifact `key`, `.../<model_id>/seq-<n>`): weights, AdamW state and step as
+    of a step, load or release. The two newest are kept: this op's result may not be stored yet when
+    the process dies, and then recovery needs the one before."""
+    store = engine.artifacts
+    checkpoints.save_adapter_to(store, key, adapter, engine.runtime_of(adapter.key).name, with_optimizer=True)
+    run = key.rsplit("/", 1)[0]
+    for old in [k for k in store.list(run) if k.rsplit("/", 1)[1].startswith("seq-")][:-2]:
+        store.delete(old)
 
 
 def _after_op_snapshot(engine: "Engine", adapter: "Adapter", dir_path: str) -> None:
@@ -458,7 +457,7 @@ def _after_op_snapshot(engine: "Engine", adapter: "Adapter", dir_path: str) -> N
 def save_weights(engine: "Engine", op: SaveWeightsOp) -> dict[str, int]:
     rt = engine.runtime_of(op.model_id)
     adapter = rt.pool.get(op.model_id)
-    size_bytes = checkpoints.save_adapter(adapter, rt.name, op.dir_path, op.with_optimizer)
+    size_bytes = checkpoints.save_adapter_to(engine.artifacts, op.dir_path, adapter, rt.name, op.with_optimizer)
     return {"size_bytes": size_bytes}
 
 
@@ -513,7 +512,7 @@ def _load_as_new(engine: "Engine", op: LoadWeightsOp, files: checkpoints.Adapter
 
 
 def load_weights(engine: "Engine", op: LoadWeightsOp) -> dict:
-    files = checkpoints.read_adapter(op.dir_path)
+    files = checkpoints.read_adapter_from(engine.artifacts, op.dir_path)
     if op.with_optimizer and files.optimizer_state is None:
         raise UserError(f"checkpoint at {op.dir_path!r} has no optimizer state (a sampler or exported checkpoint?)")
     if op.model_id in engine.model_of:

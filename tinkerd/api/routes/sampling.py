@@ -9,6 +9,7 @@ from tinker import types as t
 
 from tinkerd.api import hpcai, limits, prompt_scores
 from tinkerd.api.deps import AppState, Prepared, account, authenticate, future_response, parse, read_body, state
+from tinkerd.artifacts import adapter_key
 from tinkerd.control.control import Work
 from tinkerd.control.oplog import OpRecord, OpType, Payer
 from tinkerd.errors import UserError
@@ -31,7 +32,7 @@ def create_sampling_session(request: Request, body: bytes = Depends(read_body)) 
         if req.base_model is not None and base_model_of(req.base_model) != base_model_of(base_model):
             raise UserError(f"{req.model_path} was trained on {base_model}, not {req.base_model}")
         base_model = req.base_model or base_model  # a long-context id of the same base sets the limit
-        adapter_dir = ckpt.dir_path
+        adapter_dir = st.runs.key_of(ckpt)
     elif req.base_model is not None:
         base_model, adapter_dir = req.base_model, None
     else:
@@ -98,12 +99,12 @@ def prepare_asample(st: AppState, body: bytes, account_id: str | None = None) ->
     session_id = None
     if req.sampling_session_id is not None:
         row = st.runs.owned_sampling_session(req.sampling_session_id, account_id)
-        base_model, adapter_dir, target = row.base_model, row.adapter_dir, row.sampling_session_id
+        base_model, adapter_dir, target = row.base_model, adapter_key(row.adapter_dir), row.sampling_session_id
         session_id = row.session_id
     elif req.model_path is not None:
         path = hpcai.parse_path(req.model_path)
         ckpt = st.runs.owned_checkpoint(path, account_id, public_ok=True)
-        base_model, adapter_dir, target = st.runs.run(ckpt.model_id).base_model, ckpt.dir_path, str(path)
+        base_model, adapter_dir, target = st.runs.run(ckpt.model_id).base_model, st.runs.key_of(ckpt), str(path)
     elif req.base_model is not None:
         base_model, adapter_dir, target = req.base_model, None, req.base_model
     else:

@@ -171,7 +171,7 @@ def prepare_save_weights(st: AppState, body: bytes, account_id: str | None = Non
     ttl = check_ttl(req.ttl_seconds)  # before the op is queued: a bad TTL writes nothing
     if not req.overwrite and st.runs.checkpoint_exists(path):
         raise UserError(f"checkpoint {path} already exists; pass overwrite=True to replace it")
-    op = SaveWeightsOp(req.model_id, str(st.runs.checkpoint_dir(path)), with_optimizer=True)
+    op = SaveWeightsOp(req.model_id, st.runs.checkpoint_key(path), with_optimizer=True)
     work = _accepted(OpType.SAVE_WEIGHTS, op, st, run, account_id, reply={"path": str(path)},
                      effect=RegisterCheckpoint(str(path), ttl, req.user_metadata))
     return Prepared("SaveWeights", req.model_id, req.seq_id, work)
@@ -192,14 +192,14 @@ def prepare_save_weights_for_sampler(st: AppState, body: bytes, account_id: str 
     if req.path is not None:
         path = TinkerPath(req.model_id, "sampler_weights", check_name(req.path, "path"))
         ttl = check_ttl(req.ttl_seconds)  # before the op is queued: a bad TTL writes nothing
-        op = SaveWeightsOp(req.model_id, str(st.runs.checkpoint_dir(path)), with_optimizer=False)
+        op = SaveWeightsOp(req.model_id, st.runs.checkpoint_key(path), with_optimizer=False)
         reply, effect = {"path": str(path)}, RegisterCheckpoint(str(path), ttl, req.user_metadata)
 
     elif req.sampling_session_seq_id is not None:
         # Ephemeral: the sampler is created server-side from these weights; the SDK sends no
         # create_sampling_session and samples through the returned id.
         sid = f"{run.session_id}:sample:{req.sampling_session_seq_id}"
-        adapter_dir = str(st.runs.ephemeral_dir(sid))
+        adapter_dir = st.runs.ephemeral_key(sid)
         op = SaveWeightsOp(req.model_id, adapter_dir, with_optimizer=False)
 
         # Control creates the session when the save succeeded (control/bookkeeping.py), and prunes
@@ -247,7 +247,8 @@ def prepare_load_weights(st: AppState, body: bytes, account_id: str | None = Non
     rank = int(source.lora_config.get("rank", 0))
     if not completed and rank > st.config.max_lora_rank:  # the engine runs what was accepted, unchecked
         raise UserError(f"checkpoint {path} has LoRA rank {rank}, over this server's limit {st.config.max_lora_rank}")
-    op = LoadWeightsOp(target, base_model_of(source.base_model), ckpt.dir_path, with_optimizer=req.optimizer)
+    op = LoadWeightsOp(target, base_model_of(source.base_model), st.runs.key_of(ckpt),
+                       with_optimizer=req.optimizer)
     work = _accepted(OpType.LOAD_WEIGHTS, op, st, run, account_id, reply={"path": str(path), "model_id": target})
     return Prepared("LoadWeights", target, seq_id, work)
 

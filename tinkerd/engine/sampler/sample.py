@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -433,36 +432,34 @@ def split_model(model: nn.Module) -> tuple[nn.Module, nn.Module]:
 def acquire_adapter(runtime: ModelRuntime, adapter_path: str | None, max_idle: int) -> Adapter | None:
     """The pool entry serving `adapter_path`, held for one request (None: the base model).
 
-    Loaded once per path and reused while the files stand: the directory's (inode, mtime) is
-    remembered, so a checkpoint re-saved under the same path (written to a temporary name and
-    renamed in place) is reloaded, while requests already decoding keep the old weights. Loading
-    evicts idle sampler adapters beyond `max_idle`, least recently used first.
+    `adapter_path` is a key of the runtime's ArtifactStore (tinkerd/artifacts.py). Loaded once per
+    key and reused while the artifact stands: its store version is remembered, so a checkpoint
+    re-saved under the same key is reloaded, while requests already decoding keep the old weights.
+    Loading evicts idle sampler adapters beyond `max_idle`, least recently used first.
     """
     if adapter_path is None:
         return None
-    try:
-        st = os.stat(adapter_path)
-    except OSError:
-        raise NotFoundError(f"no sampler weights at {adapter_path!r}") from None
-    fingerprint = (st.st_ino, st.st_mtime_ns)
+    fingerprint = runtime.artifacts.version(adapter_path)
+    if fingerprint is None:
+        raise NotFoundError(f"no sampler weights at {adapter_path!r}")
     pool = runtime.pool
     if adapter_path in pool:
         if pool.get(adapter_path).extra.get("fingerprint") == fingerprint:
             return pool.acquire(adapter_path)
         pool.retire(adapter_path)
-    files = _read_adapter(adapter_path)
+    files = _read_adapter(runtime.artifacts, adapter_path)
     pool.evict_idle(keep=max(0, max_idle - 1))
     adapter = pool.create_from_tensors(adapter_path, files.spec, files.weights, trainable=False)
     adapter.extra["fingerprint"] = fingerprint
     return pool.acquire(adapter_path)
 
 
-def _read_adapter(path: str):
+def _read_adapter(store, key: str):
     # Imported here, not at the top: checkpoints.py brings in the PEFT file format, which only
     # requests naming a sampler checkpoint need.
-    from tinkerd.engine.checkpoints import read_adapter
+    from tinkerd.engine import checkpoints
 
-    return read_adapter(path)
+    return checkpoints.read_adapter_from(store, key)
 
 
 def _size(n: int) -> str:
