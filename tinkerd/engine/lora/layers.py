@@ -64,6 +64,11 @@ class SlotGroup:
     # Rows in the whole batch (all groups): a 2-D input with more rows than this holds each row's
     # tokens flattened row-major (a MoE block's shared expert gets [B * T, H]), see token_rows.
     total: int = 0
+    # The group's own padded width (tokens per row) when the batch is wider: several training runs
+    # in one pass (engine/cotrain.py) pad every row to the widest run's, and each adapter's delta is
+    # computed on its rows cut back to its own width, so its LoRA gradient sums exactly the positions
+    # it sums when the op runs alone, in the same order. None: the batch's width.
+    width: int | None = None
 
     def token_rows(self, x: torch.Tensor) -> torch.Tensor:
         """This group's indices into dim 0 of x: its batch rows, or for flattened tokens [B * T, in]
@@ -166,7 +171,11 @@ class MultiLoraLinear(nn.Module):
                 out = out + ((x @ lw.a.t()) @ lw.b.t()) * lw.scaling
             else:
                 rows = group.token_rows(x)
-                delta = ((x[rows] @ lw.a.t()) @ lw.b.t()) * lw.scaling
+                if group.width is not None and x.dim() == 3 and group.width < x.shape[1]:
+                    delta = ((x[rows, : group.width] @ lw.a.t()) @ lw.b.t()) * lw.scaling  # [B_g, T_g, out]
+                    delta = torch.nn.functional.pad(delta, (0, 0, 0, x.shape[1] - group.width))  # pads get + 0
+                else:
+                    delta = ((x[rows] @ lw.a.t()) @ lw.b.t()) * lw.scaling
                 out = out.index_add(0, rows, delta)
         return out
 
