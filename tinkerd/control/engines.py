@@ -88,10 +88,11 @@ class EngineRouter:
                 if i in subs and subs[i].admit or self._rows(i) > 0:
                     subs.setdefault(i, StepBatch()).decode = True
         outputs = self._step_all(subs)
-        partial = []
+        partial, shared = [], []
         for i, out in outputs.items():
             self._outputs[i] = out
             partial.extend(out.partial)
+            shared.extend(out.shared_passes)
             for ticket, result in out.done:
                 self._admitted.pop(ticket, None)
                 if ticket in broadcast:
@@ -101,7 +102,7 @@ class EngineRouter:
         for ticket, results in broadcast.items():
             done.append((ticket, _merge_release(results)))
         return StepOutput(done, active_rows=sum(self._rows(i) for i in range(len(self.engines))),
-                          resident=self._resident(), partial=partial)
+                          resident=self._resident(), partial=partial, shared_passes=shared)
 
     def restart(self) -> float:
         """Restart every engine (see the module docstring for why the live ones too)."""

@@ -61,6 +61,9 @@ class Metrics:
                                        registry=r)
         self.engine_recoveries = Counter("tinkerd_engine_recoveries", "Engine crashes handled, by outcome",
                                          ["outcome"], registry=r)
+        self.shared_pass_runs = Histogram("tinkerd_shared_pass_runs", "Runs whose forward_backward ops shared one "
+                                          "pass over the base model (engine/cotrain.py), per such pass",
+                                          buckets=(2, 3, 4, 6, 8, 16, 32, 64), registry=r)
         self.db_latency = Histogram("tinkerd_db_statement_seconds", "SQL statement duration", ["statement"],
                                     buckets=_DB_BUCKETS, registry=r)
         # OpenTelemetry spans per op (control/tracing.py); None (the default) costs nothing.
@@ -138,6 +141,11 @@ class Metrics:
                 self.tokens.labels(kind).inc(n)
         if usage.checkpoints:
             self.checkpoints.inc(usage.checkpoints)
+
+    def shared_passes(self, sizes: list[int]) -> None:
+        if self.enabled:
+            for n in sizes:
+                self.shared_pass_runs.observe(n)
 
     def engine_recovery(self, outcome: str, attempts: int) -> None:
         """outcome: "recovered" or "down" (the restarts gave up)."""

@@ -29,7 +29,7 @@ Each op is validated alone first, so a bad datum fails only its own op (UserErro
 run; a failure of the shared pass itself (out of memory, a bug) falls back to running each op alone,
 so one op cannot fail its batch-mates. Checks after the pass (engine/finite.py) are per op too.
 
-Which ops go together (`compatible`): ForwardBackwardOps on one dense full-attention base model, of
+Which ops go together (`pass_key`): ForwardBackwardOps on one dense full-attention base model, of
 distinct runs, all forward_backward or all forward. Other losses, ranks, lengths and datum counts mix
 freely: the loss runs per run. MoE experts (their per-expert token lists mix runs) and hybrid
 linear-attention models (DeltaNet's chunked scan runs over the padded width) run one op per pass.
@@ -121,30 +121,30 @@ def fusable(rt: "ModelRuntime") -> bool:
             and rt.model.config._attn_implementation in ("sdpa", ATTENTION))
 
 
-def compatible(engine: "Engine", first: object, op: object, taken: set[str]) -> bool:
-    """Whether `op` may join the pass that `first` opened (`taken`: the model_ids in it already)."""
-    if not (isinstance(first, ForwardBackwardOp) and isinstance(op, ForwardBackwardOp)):
-        return False
-    base = engine.model_of.get(first.model_id)
-    return (base is not None and engine.model_of.get(op.model_id) == base and op.model_id not in taken
-            and op.forward_only == first.forward_only and fusable(engine.runtimes[base])
-            and min(_tokens(first), _tokens(op)) >= MIN_TOKENS)
-
-
-def _tokens(op: ForwardBackwardOp) -> int:
-    return sum(len(d.tokens) for d in op.data)
+def pass_key(engine: "Engine", op: object) -> tuple[str, bool] | None:
+    """(base model, forward_only) of an op that may share a pass with others of the same key (of other
+    runs); None for one that runs alone (not a forward_backward, a model without shared passes, or
+    under MIN_TOKENS tokens)."""
+    if not isinstance(op, ForwardBackwardOp):
+        return None
+    base = engine.model_of.get(op.model_id)
+    if base is None or not fusable(engine.runtimes[base]) or sum(len(d.tokens) for d in op.data) < MIN_TOKENS:
+        return None
+    return base, op.forward_only
 
 
 def passes(engine: "Engine", run: Sequence[tuple[str, object]]) -> list[list[tuple[str, object]]]:
-    """`run` split into consecutive stretches that go through one pass each (most are one op)."""
+    """`run` split into consecutive stretches that go through one pass each (most are one op): ops of
+    one key and of distinct runs, side by side in the order the scheduler put them."""
     out: list[list[tuple[str, object]]] = []
-    taken: set[str] = set()
+    key, taken = None, set()
     for ticket, op in run:
-        if out and compatible(engine, out[-1][0][1], op, taken):
+        mine = pass_key(engine, op)
+        if out and mine is not None and mine == key and op.model_id not in taken:
             out[-1].append((ticket, op))
         else:
             out.append([(ticket, op)])
-            taken = set()
+            key, taken = mine, set()
         taken.add(getattr(op, "model_id", None))
     return out
 
