@@ -127,3 +127,15 @@ def test_ops_of_one_run_and_other_ops_are_not_fused(engine):
     assert not any(isinstance(r, Exception) for r in results)
     assert shared == []
     assert torch.is_grad_enabled()
+
+
+def test_an_op_under_min_tokens_runs_alone_and_the_rest_still_share(engine):
+    solo, fused = twins(engine, "cotrain-tiny")
+    tiny = sft_data(5, lengths=(3,))  # 3 tokens: MKL's small-GEMM kernel would round its rows differently
+    ops = [ForwardBackwardOp(fused[0], tiny, "cross_entropy"), ForwardBackwardOp(fused[1], data_of(1, 0), "cross_entropy"),
+           ForwardBackwardOp(fused[2], data_of(2, 0), "cross_entropy")]
+    results, shared = step(engine, ops)
+    assert shared == [2]
+    assert_same_result(results[0], alone(engine, ForwardBackwardOp(solo[0], tiny, "cross_entropy")))
+    for k in (1, 2):
+        assert_same_result(results[k], alone(engine, ForwardBackwardOp(solo[k], data_of(k, 0), "cross_entropy")))
