@@ -7,7 +7,10 @@ are the rows of one right-padded batch, each run's rows routed to its own adapte
 reduces over stays its own:
 
 - its LoRA delta is computed on its rows cut back to its own width (SlotGroup.width), so d loss / d A
-  and d loss / d B sum the same positions in the same order as when its op runs alone;
+  and d loss / d B sum the same positions in the same order as when its op runs alone (uncut, the
+  sums would get the padding's zeros interleaved: on MKL's fp32 sgemm that moved no bit in
+  test_cotrain, but a BLAS that blocks a reduction by its length would; the cut also spares the
+  LoRA matmuls the padding);
 - the head, the log-softmax and the loss run per run, on its slice of the hidden states, in its own
   chunks (training._chunks), and its loss's gradient flows back into its slice only;
 - one backward runs through the body for all runs at once: the base weights are frozen, so nothing
