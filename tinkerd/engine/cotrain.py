@@ -214,7 +214,7 @@ def _shared_pass(rt: "ModelRuntime", parts: list[training.Prepared]):
         row += len(p.lengths)
     attention = [AttentionGroup(g.rows, g.width, min(p.lengths) < g.width) for g, p in zip(groups, parts)]
     _use_grouped_attention(rt)
-    rt.ctx.groups = groups
+    rt.ctx.groups, rt.ctx.blocks = groups, True  # run by run, consecutive rows
     try:
         with torch.set_grad_enabled(not forward_only):
             hidden = training._hidden(rt, input_ids, mask, tinkerd_attention_groups=attention)  # [M, H], run by run
