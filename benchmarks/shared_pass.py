@@ -39,8 +39,9 @@ def batch(seed: int, datums: int, tokens: int, vocab: int) -> list[Datum]:
     return out
 
 
-def round_s(engine: Engine, ids: list[str], data: list[list[Datum]], shared: bool) -> tuple[float, list[float]]:
-    """Seconds for one forward_backward + optim_step of every run, and their losses."""
+def round_s(engine: Engine, ids: list[str], data: list[list[Datum]], shared: bool) -> tuple[float, float, list[float]]:
+    """Seconds for the forward_backward ops of every run, for them and an optim_step of every run,
+    and the losses."""
     fbs = [(f"fb{k}", ForwardBackwardOp(m, data[k], "cross_entropy")) for k, m in enumerate(ids)]
     t0 = time.perf_counter()
     if shared:
@@ -51,9 +52,10 @@ def round_s(engine: Engine, ids: list[str], data: list[list[Datum]], shared: boo
         done = {}
         for fb in fbs:
             done.update(engine.step(StepBatch(run=[fb])).done)
+    fb_s = time.perf_counter() - t0
     engine.step(StepBatch(run=[(f"opt{k}", OptimStepOp(m, AdamParams(learning_rate=1e-4))) for k, m in enumerate(ids)]))
     elapsed = time.perf_counter() - t0
-    return elapsed, [done[f"fb{k}"].metrics["loss:sum"] for k in range(len(ids))]
+    return fb_s, elapsed, [done[f"fb{k}"].metrics["loss:sum"] for k in range(len(ids))]
 
 
 def main() -> None:
@@ -80,25 +82,29 @@ def main() -> None:
     round_s(engine, ids["shared"][:2], data, True)  # warm-up: allocator, oneDNN primitives
     round_s(engine, ids["apart"][:2], data, False)
     times: dict[tuple[int, str], list[float]] = {}
+    fb_times: dict[tuple[int, str], list[float]] = {}
     for r in range(args.rounds):
         for n in args.tenants:
             order = ("shared", "apart") if r % 2 == 0 else ("apart", "shared")
             losses = {}
             for mode in order:
-                s, losses[mode] = round_s(engine, ids[mode][:n], data, mode == "shared")
+                fb_s, s, losses[mode] = round_s(engine, ids[mode][:n], data, mode == "shared")
                 times.setdefault((n, mode), []).append(s)
+                fb_times.setdefault((n, mode), []).append(fb_s)
             # Twins on the same data, in lock-step: shared equals apart to the bit (engine/cotrain.py).
             assert losses["shared"] == losses["apart"], losses
     print(f"model={args.model} rank={args.rank} threads={args.threads} batch/tenant={args.datums}x{args.tokens} "
-          f"rounds={args.rounds} (forward_backward + optim_step per tenant, medians)")
-    print(f"{'tenants':>7} {'apart tok/s':>12} {'shared tok/s':>13} {'shared/apart':>13} {'shared vs 1 tenant':>19}")
+          f"rounds={args.rounds} (medians; aggregate tokens/s)")
     per_round = args.datums * args.tokens
-    solo = None
-    for n in args.tenants:
-        apart = n * per_round / statistics.median(times[(n, "apart")])
-        shared = n * per_round / statistics.median(times[(n, "shared")])
-        solo = solo or apart
-        print(f"{n:>7} {apart:>12.1f} {shared:>13.1f} {shared / apart:>13.3f} {shared / solo:>19.3f}")
+    for label, table in (("forward_backward only", fb_times), ("forward_backward + optim_step", times)):
+        print(label)
+        print(f"{'tenants':>7} {'apart tok/s':>12} {'shared tok/s':>13} {'shared/apart':>13} {'shared vs 1 tenant':>19}")
+        solo = None
+        for n in args.tenants:
+            apart = n * per_round / statistics.median(table[(n, "apart")])
+            shared = n * per_round / statistics.median(table[(n, "shared")])
+            solo = solo or apart
+            print(f"{n:>7} {apart:>12.1f} {shared:>13.1f} {shared / apart:>13.3f} {shared / solo:>19.3f}")
 
 
 if __name__ == "__main__":
