@@ -91,6 +91,11 @@ class ServerConfig(BaseModel):
     # Each actor's Ray resources: its CPUs also size its torch threads unless torch_threads is set.
     ray_num_cpus: float = Field(default=1.0, gt=0)
     ray_num_gpus: float = Field(default=0.0, ge=0)
+    # Most tokens (all datums' tokens) one training step carries when forward_backward ops of several
+    # runs on one base model share a pass (control/scheduler.py, engine/cotrain.py); the step's first
+    # op goes whatever its size. Activations grow with it: ~1.2 MB per token on SmolLM2-135M in fp32,
+    # so 2048 tokens (4 runs of 2 x 256, issue 20's multi-tenant case) hold ~2.5 GB. 0: one op a step.
+    train_batch_tokens: int = Field(default=2048, ge=0)
     # Least seconds between two recovery snapshots of a run (taken after an optim_step). A rank-32
     # SmolLM2 adapter with its AdamW state is ~120 MB: after every 5 s step that cost ~7% of
     # throughput (benchmarks/training.py); every 10 s bounds replay to ~10 s of recompute.

@@ -315,6 +315,8 @@ class StepOutput:
     # (ticket, one TokenDelta per row that generated a token) of streaming requests (SampleOp.stream)
     # in flight in this step, those finishing in it included; empty when no request streams.
     partial: list[tuple[str, list[TokenDelta]]] = field(default_factory=list)
+    # Ops per training pass that served several runs at once (engine/cotrain.py), for /metrics.
+    shared_passes: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,9 @@ def add_parser(sub) -> None:
     p.add_argument("--ray-num-gpus", type=float, default=None, help="GPUs per engine actor (default 0)")
     p.add_argument("--snapshot-interval-s", type=float, default=None,
                    help="least seconds between a run's recovery snapshots, taken after an optim_step (default 10)")
+    p.add_argument("--train-batch-tokens", type=int, default=None,
+                   help="most tokens of one training step whose forward_backward ops of several runs share a pass "
+                        "over the base model (default 2048; 0: one op a step)")
     p.add_argument("--allow-non-finite", action="store_true",
                    help="apply training steps whose loss, gradients or update are NaN or inf (default: such a "
                         "step fails with a user error and changes nothing)")
@@ -175,7 +178,7 @@ def build_config(args) -> ServerConfig:
     for name in ("max_lora_rank", "max_concurrent_runs", "max_tokens_per_minute", "quota_window_s", "retrieve_future_timeout_s",
                  "sample_kv_cache_gb", "future_retrieved_grace_s", "future_max_age_s", "future_tombstone_s",
                  "recorded_sequence_ttl_s", "min_free_disk_gb", "request_head_timeout_s", "request_body_timeout_s", "keep_alive_timeout_s",
-                 "max_connections", "listen_backlog", "max_request_head_bytes"):
+                 "max_connections", "listen_backlog", "max_request_head_bytes", "train_batch_tokens"):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
     for name in ("max_queued_ops_per_model", "max_queued_ops"):
@@ -236,6 +239,7 @@ def build_app(config: ServerConfig, client=None):
     if config.role != "all":
         replicas.use_database_notifier(control, store)
     control.budget = QueueBudget(config.max_queued_ops_per_model, config.max_queued_ops)
+    control.scheduler.batch_tokens = config.train_batch_tokens
     if not config.metrics:
         control.metrics.disable()
     if config.otlp_endpoint:

@@ -425,6 +425,7 @@ class Control:
             out = StepOutput([(rid, ServerError(f"engine failure: {e}")) for rid in self._inflight], active_rows=0)
         now = time.perf_counter()
         self.scheduler.charge(picked, now - t0)
+        self.metrics.shared_passes(out.shared_passes)
         if self.residency is not None and out.resident is not None:
             self.residency.resident = out.resident
         for request_id, deltas in out.partial:  # before `done`: a stream's last tokens precede its end

@@ -104,10 +104,11 @@ class EngineRouter:
                 if i in subs and subs[i].admit or self._rows(i) > 0:
                     subs.setdefault(i, StepBatch()).decode = True
         outputs, crashes = self._step_all(subs)
-        partial = []
+        partial, shared = [], []
         for i, out in outputs.items():
             self._outputs[i] = out
             partial.extend(out.partial)
+            shared.extend(out.shared_passes)
             for ticket, result in out.done:
                 self._admitted.pop(ticket, None)
                 if ticket in broadcast:
@@ -122,7 +123,7 @@ class EngineRouter:
         for i in crashes:
             self._forget(i)
         output = StepOutput(done, active_rows=sum(self._rows(i) for i in range(len(self.engines))),
-                            resident=self._resident(), partial=partial)
+                            resident=self._resident(), partial=partial, shared_passes=shared)
         if not crashes:
             return output
         first = next(iter(crashes.values()))

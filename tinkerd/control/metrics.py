@@ -63,6 +63,9 @@ class Metrics:
                                          ["outcome"], registry=r)
         self.ops_refused = Counter("tinkerd_ops_refused", "New ops answered 429 because a queue was over its budget "
                                    "(control/backpressure.py), by which budget", ["scope"], registry=r)
+        self.shared_pass_runs = Histogram("tinkerd_shared_pass_runs", "Runs whose forward_backward ops shared one "
+                                          "pass over the base model (engine/cotrain.py), per such pass",
+                                          buckets=(2, 3, 4, 6, 8, 16, 32, 64), registry=r)
         self.db_latency = Histogram("tinkerd_db_statement_seconds", "SQL statement duration", ["statement"],
                                     buckets=_DB_BUCKETS, registry=r)
         # OpenTelemetry spans per op (control/tracing.py); None (the default) costs nothing.
@@ -145,6 +148,11 @@ class Metrics:
                 self.tokens.labels(kind).inc(n)
         if usage.checkpoints:
             self.checkpoints.inc(usage.checkpoints)
+
+    def shared_passes(self, sizes: list[int]) -> None:
+        if self.enabled:
+            for n in sizes:
+                self.shared_pass_runs.observe(n)
 
     def engine_recovery(self, outcome: str, attempts: int) -> None:
         """outcome: "recovered" or "down" (the restarts gave up)."""

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from tinkerd.artifacts import ArtifactStore, LocalArtifactStore
+from tinkerd.engine import cotrain
 from tinkerd.engine.lora.experts import ExpertsRouting, wrap_experts
 from tinkerd.engine.lora.layers import LoraContext, MultiLoraLinear, wrap_model, targets_for
 from tinkerd.engine.lora.pool import AdapterPool
@@ -149,7 +150,8 @@ class Engine:
 
     def step(self, batch: StepBatch) -> StepOutput:
         """One step of what the scheduler picked; returns every result that finished in it."""
-        done = [(ticket, self._guarded(self._run, op)) for ticket, op in batch.run]
+        # Adjacent forward_backward ops of several runs go through one pass (engine/cotrain.py).
+        done, shared_passes = cotrain.run_ops(self, batch.run, self._guarded)
         for ticket, op in batch.admit:
             error = self._guarded(lambda o: self.sampler(o.base_model).admit(ticket, o), op)
             if error is not None:  # a bad request fails at once and never enters the batch
@@ -161,7 +163,8 @@ class Engine:
             for sampler in self.samplers.values():
                 done.extend(sampler.step())
         return StepOutput(done, active_rows=sum(s.active_rows for s in self.samplers.values()), resident=self.resident(),
-                          partial=[p for s in self.samplers.values() for p in s.take_streamed()])
+                          partial=[p for s in self.samplers.values() for p in s.take_streamed()],
+                          shared_passes=shared_passes)
 
     def resident(self) -> Resident:
         """The adapters held now: training ones counted, sampler ones by key."""

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from tinkerd.engine import adam, checkpoints, finite
+from tinkerd.engine import adam, checkpoints, datums, finite
 from tinkerd.engine.losses import DATUM_INDEX, LossFn, custom, get_loss
 from tinkerd.engine.sharding import DataParallel
 from tinkerd.errors import UserError
@@ -98,90 +99,6 @@ def release_adapters(engine: "Engine", op: ReleaseAdaptersOp) -> dict[str, list[
 # forward_backward
 
 
-def _validate_datum(i: int, datum: Datum, loss: LossFn, vocab_size: int, max_context: int) -> dict[str, np.ndarray]:
-    """Check one datum; returns its loss inputs converted (target_tokens int64, the rest fp32)."""
-    tokens = np.asarray(datum.tokens)
-    if tokens.ndim != 1 or tokens.size == 0:
-        raise UserError(f"datum {i}: model_input must be a non-empty 1-D token list, got shape {list(tokens.shape)}")
-    if not np.issubdtype(tokens.dtype, np.integer):
-        raise UserError(f"datum {i}: model_input tokens must be integers, got {tokens.dtype}")
-    n = tokens.shape[0]
-    if n > max_context:
-        raise UserError(f"datum {i}: {n} tokens exceed the model's context length of {max_context}")
-    bad = (tokens < 0) | (tokens >= vocab_size)
-    if bad.any():
-        raise UserError(f"datum {i}: token id {int(tokens[bad][0])} is outside the vocabulary [0, {vocab_size})")
-
-    given = datum.loss_fn_inputs
-    missing = [k for k in loss.required_inputs if k not in given]
-    if missing:
-        raise UserError(f"datum {i}: loss_fn {loss.name} requires loss_fn_inputs {missing}")
-    unknown = sorted(set(given) - set(loss.accepted_inputs))
-    if unknown:
-        accepted = ", ".join(loss.accepted_inputs)
-        raise UserError(f"datum {i}: loss_fn_inputs {unknown} are not used by {loss.name} (accepted: {accepted})")
-    targets = np.asarray(given["target_tokens"])
-    if targets.ndim not in (1, 2) or targets.shape[0] != n or (targets.ndim == 2 and targets.shape[1] == 0):
-        raise UserError(
-            f"datum {i}: target_tokens has shape {list(targets.shape)}; expected [{n}] or [{n}, K] to match {n} input tokens"
-        )
-    if not np.issubdtype(targets.dtype, np.integer):
-        raise UserError(f"datum {i}: target_tokens must be integers, got {targets.dtype}")
-    bad = (targets < 0) | (targets >= vocab_size)
-    if bad.any():
-        token = int(targets[bad][0])
-        raise UserError(f"datum {i}: target token id {token} is outside the vocabulary [0, {vocab_size})")
-
-    out = {"target_tokens": targets.astype(np.int64, copy=False)}
-    for key, value in given.items():
-        if key == "target_tokens":
-            continue
-        arr = np.asarray(value)
-        # Every registered loss aligns its inputs with the targets position by position.
-        if arr.shape != targets.shape:
-            raise UserError(f"datum {i}: {key} has shape {list(arr.shape)} but target_tokens has {list(targets.shape)}")
-        if not (np.issubdtype(arr.dtype, np.number) or arr.dtype == np.bool_):
-            raise UserError(f"datum {i}: {key} must be numeric, got {arr.dtype}")
-        arr = arr.astype(np.float32, copy=False)
-        if not np.isfinite(arr).all():
-            raise UserError(f"datum {i}: {key} contains NaN or infinite values")
-        out[key] = arr
-    if loss.recorded_input is not None:
-        # The server's record, resolved from the datum's provenance by control/stability.py; NaN
-        # marks the positions that are not sampled tokens, so no finiteness check here.
-        recorded = datum.sampler_logprobs
-        if recorded is None:
-            raise UserError(f"datum {i}: loss_fn {loss.name} needs provenance naming the sampled sequences "
-                            "(Datum.with_provenance with sequence_ids from a record_stability_info sampler)")
-        recorded = np.asarray(recorded, dtype=np.float32)
-        if recorded.shape != (n,) or targets.ndim != 1:
-            raise UserError(f"datum {i}: {loss.name} needs 1-D target_tokens of length {n} "
-                            f"(got {list(targets.shape)}) covered by recorded log-probs of shape [{n}]")
-        out[loss.recorded_input] = recorded
-    return out
-
-
-def _validate(data: list[Datum], rt: "ModelRuntime", loss: LossFn) -> list[dict[str, np.ndarray]]:
-    if not data:
-        raise UserError("forward_backward needs at least one datum")
-    vocab_size, max_context = rt.vocab_size, rt.loaded.max_context_length
-    inputs = [_validate_datum(i, d, loss, vocab_size, max_context) for i, d in enumerate(data)]
-    # The loss sees all positions concatenated, so every datum must share the trailing target shape.
-    trailing = inputs[0]["target_tokens"].shape[1:]
-    for i, x in enumerate(inputs):
-        if x["target_tokens"].shape[1:] != trailing:
-            raise UserError(
-                f"datum {i}: target_tokens trailing shape {list(x['target_tokens'].shape[1:])} differs from "
-                f"datum 0's {list(trailing)}; one request must use one target shape"
-            )
-        present = sorted(k for k in x if k in loss.optional_inputs)
-        first = sorted(k for k in inputs[0] if k in loss.optional_inputs)
-        if present != first:
-            raise UserError(
-                f"datum {i}: loss_fn_inputs {present} differ from datum 0's {first}; send the same keys on every datum"
-            )
-    return inputs
-
 
 # Rows of the [*, V] logits computed at once: 2^22 fp32 cells is 16 MB, small enough to stay in
 # cache-sized pieces. Materialising all [M, V] logits instead made the 151k-vocab tiny model spend
@@ -192,10 +109,11 @@ _HEAD_CHUNK_CELLS = 1 << 22
 _HEAD_KEEP_CELLS = 1 << 26
 
 
-def _hidden(rt: "ModelRuntime", input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The decoder's last hidden state at the M real positions of a right-padded batch: [M, H]."""
+def _hidden(rt: "ModelRuntime", input_ids: torch.Tensor, mask: torch.Tensor, **attention) -> torch.Tensor:
+    """The decoder's last hidden state at the M real positions of a right-padded batch: [M, H].
+    `attention`: keyword arguments HF hands the attention function (engine/cotrain.py's groups)."""
     decoder = rt.model.get_decoder()
-    hidden = decoder(input_ids=input_ids, attention_mask=mask, use_cache=False).last_hidden_state  # [B, T, H]
+    hidden = decoder(input_ids=input_ids, attention_mask=mask, use_cache=False, **attention).last_hidden_state  # [B, T, H]
     return hidden[mask.bool()]  # datum 0's positions first
 
 
@@ -289,8 +207,21 @@ def _head_lora(rt: "ModelRuntime", params: list[torch.Tensor]) -> list[torch.Ten
     return [lw.a, lw.b] if lw is not None else []
 
 
-def forward_backward(engine: "Engine", op: ForwardBackwardOp) -> ForwardBackwardResult:
-    rt = engine.runtime_of(op.model_id)
+@dataclass
+class Prepared:
+    """One forward_backward op checked and laid out, nothing run yet (engine/cotrain.py runs several at once)."""
+
+    op: ForwardBackwardOp
+    adapter: "Adapter"
+    loss: LossFn
+    config: object
+    bound: object | None  # custom.bind's result for an uploaded loss, which keeps each datum's inputs
+    lengths: list[int]
+    inputs: dict[str, torch.Tensor]  # [M] / [M, K], on the model's device
+    started: float
+
+
+def prepare_forward_backward(rt: "ModelRuntime", op: ForwardBackwardOp) -> Prepared:
     adapter = rt.pool.get(op.model_id)
     if not op.forward_only and (not adapter.trainable or adapter.optimizer is None):
         raise UserError(f"model_id {op.model_id!r} is not a training model")
@@ -304,74 +235,86 @@ def forward_backward(engine: "Engine", op: ForwardBackwardOp) -> ForwardBackward
     else:
         bound, loss, data = None, get_loss(op.loss_fn), op.data
     config = loss.resolve_config(op.loss_fn_config)
-    per_datum = _validate(data, rt, loss)
-    started = time.perf_counter()
-
-    # Pack into one right-padded batch; pad positions are masked out and never reach the loss.
+    per_datum = datums.validate(data, rt, loss)
     lengths = [len(d.tokens) for d in op.data]
-    batch = len(lengths)
-    # With several ranks (engine/sharding.py) this rank's block of datums; the loss sees them all.
-    ranks = None if engine.group is None else DataParallel(engine.group, lengths)
-    mine = list(range(batch)) if ranks is None else list(range(*ranks.block))
-    width = max([lengths[i] for i in mine], default=1)
-    input_ids = torch.zeros(max(len(mine), 1), width, dtype=torch.long)  # [B, T]
-    mask = torch.zeros(max(len(mine), 1), width, dtype=torch.long)  # [B, T]
-    if not mine:  # no datum here: one dummy token keeps this rank in the FSDP collectives
-        mask[0, 0] = 1
-    for row, i in enumerate(mine):
-        # np.array copies: decoded wire buffers are read-only and torch warns on those.
-        input_ids[row, : lengths[i]] = torch.from_numpy(np.array(op.data[i].tokens, dtype=np.int64))
-        mask[row, : lengths[i]] = 1
     inputs = {k: torch.from_numpy(np.concatenate([x[k] for x in per_datum])) for k in per_datum[0]}  # [M] / [M, K]
     # Which datum each position came from, for losses that aggregate per sequence (gspo).
-    inputs[DATUM_INDEX] = torch.repeat_interleave(torch.arange(batch), torch.tensor(lengths))  # [M]
+    inputs[DATUM_INDEX] = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))  # [M]
     device = rt.precision.torch_device
     if device.type != "cpu":  # everything the loss sees lives where the model does
-        input_ids, mask = input_ids.to(device), mask.to(device)
         inputs = {k: v.to(device) for k, v in inputs.items()}
+    return Prepared(op, adapter, loss, config, bound, lengths, inputs, time.perf_counter())
 
-    params = adapter.parameters()
-    rt.ctx.set_single(adapter.slot)
+
+def padded_tokens(rt: "ModelRuntime", data: list[Datum]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One right-padded batch: input_ids and mask [B, T]; pad positions are masked out and never reach the loss.
+    No datums (a rank given none, engine/sharding.py): one dummy token keeps it in the FSDP collectives."""
+    lengths = [len(d.tokens) for d in data]
+    input_ids = torch.zeros(max(len(data), 1), max(lengths, default=1), dtype=torch.long)  # [B, T]
+    mask = torch.zeros(max(len(data), 1), max(lengths, default=1), dtype=torch.long)  # [B, T]
+    if not data:
+        mask[0, 0] = 1
+    for row, d in enumerate(data):
+        # np.array copies: decoded wire buffers are read-only and torch warns on those.
+        input_ids[row, : lengths[row]] = torch.from_numpy(np.array(d.tokens, dtype=np.int64))
+        mask[row, : lengths[row]] = 1
+    device = rt.precision.torch_device
+    return (input_ids.to(device), mask.to(device)) if device.type != "cpu" else (input_ids, mask)
+
+
+def forward_backward(engine: "Engine", op: ForwardBackwardOp) -> ForwardBackwardResult:
+    rt = engine.runtime_of(op.model_id)
+    p = prepare_forward_backward(rt, op)
+    # With several ranks (engine/sharding.py) this rank's block of datums; the loss sees them all.
+    ranks = None if engine.group is None else DataParallel(engine.group, p.lengths)
+    input_ids, mask = padded_tokens(rt, op.data if ranks is None else op.data[slice(*ranks.block)])
+    rt.ctx.set_single(p.adapter.slot)
     try:
         # Into fresh tensors first: .grad is touched only after the whole batch succeeded.
         # MoE layers count their routing of the real tokens meanwhile (none for a dense model).
         with rt.routing.counting(mask.flatten().bool()) as routing:
             target_logprobs, loss_sum, metrics, grads = _logprobs_and_grads(
-                rt, input_ids, mask, inputs, loss, config, params, op.forward_only, ranks
+                rt, input_ids, mask, p.inputs, p.loss, p.config, p.adapter.parameters(), op.forward_only, ranks
             )
         metrics = {**metrics, **routing.metrics()}  # the SDK's e_frac_with_tokens:mean etc.
     finally:
         rt.ctx.clear()
+    return finish_forward_backward(p, target_logprobs, loss_sum, metrics, grads)
 
+
+def finish_forward_backward(p: Prepared, target_logprobs, loss_sum, metrics, grads) -> ForwardBackwardResult:
+    """Check the pass's numbers, add its gradients to the adapter's .grad, and build the result."""
+    op, adapter, inputs, lengths = p.op, p.adapter, p.inputs, p.lengths
+    batch, params = len(lengths), adapter.parameters()
     offsets = np.cumsum([0] + lengths)
     if grads is not None and not op.allow_non_finite:
         # Forward-only passes change nothing, so a NaN loss there is reported as it is.
         def per_datum_loss(i: int) -> torch.Tensor:
             rows = slice(int(offsets[i]), int(offsets[i + 1]))
-            if bound is not None:  # a custom loss keeps each datum's own inputs
-                return bound.datum_loss(i, target_logprobs[rows])
+            if p.bound is not None:  # a custom loss keeps each datum's own inputs
+                return p.bound.datum_loss(i, target_logprobs[rows])
             alone = {k: v[rows] for k, v in inputs.items()} | {
                 DATUM_INDEX: torch.zeros(lengths[i], dtype=torch.long, device=target_logprobs.device)}
-            return loss(target_logprobs[rows], alone, config)[0]
+            return p.loss(target_logprobs[rows], alone, p.config)[0]
 
         finite.check_forward_backward(adapter, loss_sum, batch, per_datum_loss, params, grads)
 
     if grads is not None:
         with torch.no_grad():
-            for p, g in zip(params, grads):
+            for param, g in zip(params, grads):
                 if g is None:
                     continue
-                if p.grad is None:
-                    p.grad = g
+                if param.grad is None:
+                    param.grad = g
                 else:
-                    p.grad.add_(g)
+                    param.grad.add_(g)
         adapter.pending_grads += 1
 
     logprobs = target_logprobs.detach().cpu().numpy().astype(np.float32, copy=False)
     outputs = [{"logprobs": logprobs[offsets[i] : offsets[i + 1]].copy()} for i in range(batch)]
     log.debug(
         "forward_backward model=%s datums=%d tokens=%d forward_only=%s %.1f ms",
-        op.model_id, batch, int(offsets[-1]), op.forward_only, 1e3 * (time.perf_counter() - started),
+        op.model_id, batch, int(offsets[-1]), op.forward_only, 1e3 * (time.perf_counter() - p.started),
     )
     return ForwardBackwardResult(loss_fn_outputs=outputs, metrics=metrics)
 
