@@ -191,8 +191,15 @@ def _validate(data: list[Datum], rt: "ModelRuntime", loss: LossFn) -> list[dict[
 _HEAD_CHUNK_CELLS = 1 << 22
 
 
-def _hidden(rt: "ModelRuntime", input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The decoder's last hidden state at the M real positions of a right-padded batch: [M, H]."""
+def _hidden(rt: "ModelRuntime", input_ids: torch.Tensor, mask: torch.Tensor, images=None) -> torch.Tensor:
+    """The decoder's last hidden state at the M real positions of a right-padded batch: [M, H].
+    `images`: each row's ImageInputs (a vision-language model), run through the VLM body, which
+    puts the tower's features at the placeholder positions (engine/model/vision.py)."""
+    if images is not None and any(images):
+        extra = rt.loaded.vision.inputs(input_ids, mask, images)
+        extra.pop("rope_deltas")
+        hidden = rt.model.model(input_ids=input_ids, attention_mask=mask, use_cache=False, **extra).last_hidden_state
+        return hidden[mask.bool()]
     decoder = rt.model.get_decoder()
     hidden = decoder(input_ids=input_ids, attention_mask=mask, use_cache=False).last_hidden_state  # [B, T, H]
     return hidden[mask.bool()]  # datum 0's positions first
@@ -218,7 +225,7 @@ def _chunks(rt: "ModelRuntime", m: int) -> list[slice]:
     return [slice(i, min(i + rows, m)) for i in range(0, m, rows)]
 
 
-def _logprobs_and_grads(rt, input_ids, mask, inputs, loss: LossFn, config, params, forward_only: bool):
+def _logprobs_and_grads(rt, input_ids, mask, inputs, loss: LossFn, config, params, forward_only: bool, images=None):
     """Target logprobs, the loss, its metrics, and d loss / d params (None when forward_only).
 
     Every Tinker loss is a function of the target logprobs alone, so the backward splits at them:
@@ -230,7 +237,7 @@ def _logprobs_and_grads(rt, input_ids, mask, inputs, loss: LossFn, config, param
     """
     targets = inputs["target_tokens"]
     with torch.set_grad_enabled(not forward_only):
-        hidden = _hidden(rt, input_ids, mask)  # [M, H]
+        hidden = _hidden(rt, input_ids, mask, images)  # [M, H]
     m = hidden.shape[0]
     with torch.no_grad():
         target_logprobs = torch.cat([_head_logprobs(rt, hidden[c], targets[c]) for c in _chunks(rt, m)])
@@ -281,6 +288,9 @@ def forward_backward(engine: "Engine", op: ForwardBackwardOp) -> ForwardBackward
         bound, loss, data = None, get_loss(op.loss_fn), op.data
     config = loss.resolve_config(op.loss_fn_config)
     per_datum = _validate(data, rt, loss)
+    images = [d.images for d in op.data]
+    if any(images) and rt.loaded.vision is None:
+        raise UserError(f"base model {rt.name!r} is a text-only model and takes no images")
     started = time.perf_counter()
 
     # Pack into one right-padded batch; pad positions are masked out and never reach the loss.
@@ -307,7 +317,7 @@ def forward_backward(engine: "Engine", op: ForwardBackwardOp) -> ForwardBackward
         # MoE layers count their routing of the real tokens meanwhile (none for a dense model).
         with rt.routing.counting(mask.flatten().bool()) as routing:
             target_logprobs, loss_sum, metrics, grads = _logprobs_and_grads(
-                rt, input_ids, mask, inputs, loss, config, params, op.forward_only
+                rt, input_ids, mask, inputs, loss, config, params, op.forward_only, images
             )
         metrics = {**metrics, **routing.metrics()}  # the SDK's e_frac_with_tokens:mean etc.
     finally:

@@ -15,6 +15,7 @@ Saved keys differ from constructor keywords: `Qwen3MoeConfig(num_experts=4)` is 
 | qwen3_moe  | qwen3_moe                        | attention, every routed expert (lora/experts.py), dense MLP layers, lm_head |
 | qwen3_5    | qwen3_5_text; qwen3_5 text only  | Gated DeltaNet in_proj_qkv/in_proj_z/out_proj, gated attention q/k/v/o, MLP, lm_head |
 | qwen3_5_moe | qwen3_5_moe_text; qwen3_5_moe text only | as qwen3_5, with every routed expert and the shared expert instead of the MLP |
+| qwen3_vl   | qwen3_vl (with its vision tower) | the language model's attention, MLP, lm_head; none on the tower |
 
 Qwen3.5 is hybrid linear attention: 3 of every 4 layers are Gated DeltaNet (conv + recurrent
 state, no KV cache; the sampler keeps both, sampler/hybrid.py). A `qwen3_5` checkpoint (the
@@ -40,23 +41,27 @@ class Family:
     layer_types: frozenset[str] = frozenset({"full_attention"})
     # A vision-language checkpoint served through its language model only (its tower is not loaded).
     text_only: bool = False
+    # A vision-language model served with its tower: loaded as image-text-to-text, takes ImageChunks
+    # (engine/model/vision.py).
+    vision: bool = False
 
 
 DENSE = Family("dense")
 QWEN3_MOE = Family("qwen3_moe", experts_class="Qwen3MoeExperts")
 _HYBRID = frozenset({"full_attention", "linear_attention"})
+QWEN3_VL = Family("qwen3_vl", vision=True)
 QWEN3_5 = Family("qwen3_5", layer_types=_HYBRID)
 QWEN3_5_TEXT_ONLY = Family("qwen3_5", layer_types=_HYBRID, text_only=True)
 QWEN3_5_MOE = Family("qwen3_5_moe", experts_class="Qwen3_5MoeExperts", layer_types=_HYBRID)
 QWEN3_5_MOE_TEXT_ONLY = Family("qwen3_5_moe", experts_class="Qwen3_5MoeExperts", layer_types=_HYBRID, text_only=True)
 
 _SERVED = {"llama": DENSE, "mistral": DENSE, "qwen2": DENSE, "qwen3": DENSE, "qwen3_moe": QWEN3_MOE,
-           "qwen3_5_text": QWEN3_5, "qwen3_5_moe_text": QWEN3_5_MOE}
+           "qwen3_5_text": QWEN3_5, "qwen3_5_moe_text": QWEN3_5_MOE, "qwen3_vl": QWEN3_VL}
 # Vision-language checkpoints served as their language model alone (see the module docstring).
 _TEXT_ONLY = {"qwen3_5": QWEN3_5_TEXT_ONLY, "qwen3_5_moe": QWEN3_5_MOE_TEXT_ONLY}
 
 # Known but not (yet) served, with the reason a user reads.
-_VISION = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "kimi_k25",
+_VISION = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl_moe", "kimi_k25",
            "llava", "mllama", "gemma3", "idefics3", "inkling")
 _NOT_YET = {
     "gpt_oss": "gpt-oss MoE (interleaved experts, attention sinks) is not served yet",
@@ -89,6 +94,8 @@ def detect(config: dict, name: str) -> Family:
 
     if model_type in _TEXT_ONLY:
         family = _TEXT_ONLY[model_type]
+    elif model_type in _SERVED and _SERVED[model_type].vision:
+        family = _SERVED[model_type]
     elif model_type in _VISION or "vision_config" in config:
         raise refuse("it is a vision-language model; tinkerd serves text-only models")
     elif model_type in _NOT_YET:

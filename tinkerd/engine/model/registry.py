@@ -13,9 +13,10 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, PretrainedConfig, PreTrainedModel
 
 from tinkerd.engine.model import families, tiny
+from tinkerd.engine.model.vision import Vision
 from tinkerd.engine.precision import Precision
 from tinkerd.errors import UserError
 
@@ -34,6 +35,8 @@ class LoadedModel:
     # (a client on another machine can resolve nothing else), else the server-side directory.
     tokenizer_id: str = ""
     family: families.Family = families.DENSE
+    # A vision-language model's image path (processor, placeholders, M-RoPE); None: text only.
+    vision: Vision | None = None
 
 
 def cache_dir_for(name: str, models_dir: Path) -> Path:
@@ -81,8 +84,12 @@ def _detect(name: str, config: dict) -> families.Family:
 
 def _load_dir(name: str, path: Path, precision: Precision, tokenizer_id: str | None = None) -> LoadedModel:
     family = _detect(name, _saved_config(name, path))
-    model = _place(AutoModelForCausalLM.from_pretrained(path, dtype=precision.torch_dtype), precision)
-    return _finish(name, model, str(path), tokenizer_id, family)
+    auto = AutoModelForImageTextToText if family.vision else AutoModelForCausalLM
+    model = _place(auto.from_pretrained(path, dtype=precision.torch_dtype), precision)
+    loaded = _finish(name, model, str(path), tokenizer_id, family)
+    if family.vision:
+        loaded.vision = Vision(model, path)
+    return loaded
 
 
 def _finish(name: str, model: PreTrainedModel, tokenizer_dir: str, tokenizer_id: str | None = None,
