@@ -10,7 +10,7 @@ sample / compute_logprobs as base64 JSON. A text-only model beside it refuses im
 
 from __future__ import annotations
 
-import asyncio
+import json
 import base64
 import io
 import struct
@@ -153,3 +153,33 @@ def test_bad_images_are_user_errors_and_the_server_carries_on(sc, vl_dir, render
     # And the server carries on: the same clients train and sample with a good image.
     assert tc.forward_backward([example(renderer, "blue")], "cross_entropy").result().metrics["loss:sum"] > 0
     assert len(sampler.sample(prompt_of(renderer, "blue"), 1, types.SamplingParams(max_tokens=2)).result().sequences) == 1
+
+
+def _colour_dataset(per_class: int) -> datasets.Dataset:
+    names = list(COLOURS)
+    rows = [(solid(c, (48 + 8 * i, 40)), names.index(c)) for i in range(per_class) for c in names]
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=names)})
+    return datasets.Dataset.from_dict({"image": [r[0] for r in rows], "label": [r[1] for r in rows]}, features=features)
+
+
+def test_the_cookbooks_vlm_classifier_recipe_trains_above_chance(server, vl_dir, tmp_path, monkeypatch):
+    """`recipes/vlm_classifier` unmodified, on solid-colour images made here (3 classes, chance 1/3):
+    only the dataset download is replaced. Its sampling evaluator's accuracy, before training (step
+    0) and after, through tinkerd's sampler with the image in the prompt."""
+    from tinker_cookbook.recipes.vlm_classifier import train as recipe
+
+    monkeypatch.setenv("TINKER_API_KEY", API_KEY)
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    splits = datasets.DatasetDict({"train": _colour_dataset(4), "test": _colour_dataset(2)})
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, *a, **k: splits)
+    config = recipe.ExperimentConfig(
+        experiment_dir=str(tmp_path), dataset="caltech101", model_name=vl_dir, renderer_name=RENDERER,
+        base_url=server.url, behavior_if_log_dir_exists="delete", learning_rate=2e-2, num_epochs=6,
+        lora_rank=8, batch_size=6, save_every=1000, eval_every=12, infrequent_eval_every=1000, n_eval=6,
+        max_tokens=6, run_nll_evaluator=False)
+    recipe.run_experiment(config)
+    (metrics_file,) = tmp_path.glob("*/metrics.jsonl")
+    rows = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+    accuracy = [(r["step"], v) for r in rows for k, v in r.items() if k.endswith("accuracy")]
+    assert accuracy, rows[-1]
+    assert accuracy[-1][1] > 1 / 3, accuracy

@@ -1,8 +1,9 @@
-"""Images through a vision-language model (Qwen3-VL) with LoRA equal HF + PEFT, and its sampler HF generate.
+"""Images through vision-language models with LoRA equal HF + PEFT, and their sampler HF generate.
 
-The model is `tinkerd/tiny-qwen3-vl` (engine/model/tiny.py): a 2-layer Qwen3-VL language model with
-a one-block vision tower (patch 16, merge 2, DeepStack on block 0) and the released checkpoints'
-`preprocessor_config.json`, built from a config and a seed. Images go in as the API leaves them
+The models (engine/model/tiny.py), built from a config and a seed, each with a one-block vision tower
+(patch 16, merge 2) and the released checkpoints' `preprocessor_config.json`: `tinkerd/tiny-qwen3-vl`,
+a 2-layer Qwen3-VL language model (DeepStack on block 0), and `tinkerd/tiny-qwen3.5-vl`, the 4-layer
+hybrid Qwen3.5 (3 Gated DeltaNet layers, one gated attention) as `Qwen3_5ForConditionalGeneration`. Images go in as the API leaves them
 (tinkerd/images.py: N placeholder positions and the encoded bytes); the oracle is HF's own
 `Qwen3VLForConditionalGeneration` forward on the HF image processor's pixels, its M-RoPE positions
 computed by its own forward, with PEFT `target_modules` LoRA (tinkerd's A/B copied in) in fp64
@@ -29,7 +30,7 @@ from tinkerd.engine.sampler.sample import Sampler, SamplerConfig
 from tinkerd.images import ChunkExpander, ImageLimits
 from tinkerd.types import CreateModelOp, Datum, ForwardBackwardOp, ForwardBackwardResult, LoraSpec, SampleOp, SamplingParams
 
-VL = "tinkerd/tiny-qwen3-vl"
+MODELS = ["tinkerd/tiny-qwen3-vl", "tinkerd/tiny-qwen3.5-vl"]
 SPEC = LoraSpec(rank=4, alpha=8.0, seed=41)
 LIMITS = ImageLimits(max_bytes=1 << 24, max_pixels=1 << 24)
 VISION_START, VISION_END = 151652, 151653
@@ -43,16 +44,22 @@ def striped_png(size=(100, 70), seed=0) -> bytes:
     return buf.getvalue()
 
 
+@pytest.fixture(scope="module", params=MODELS)
+def vl_name(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def vl_engine(models_dir) -> Engine:
+def vl_engine(models_dir, vl_name) -> Engine:
     engine = Engine(models_dir)
-    engine.load_base_model(VL)
+    engine.load_base_model(vl_name)
+    engine.vl = vl_name
     return engine
 
 
 @pytest.fixture(scope="module")
 def vl_dir(vl_engine, models_dir):
-    return cache_dir_for(VL, models_dir)
+    return cache_dir_for(vl_engine.vl, models_dir)
 
 
 def run(engine, op):
@@ -63,9 +70,9 @@ def run(engine, op):
 
 
 def adapter(engine, key: str, seed: int, scale: float = 0.05):
-    rt = engine.runtime(VL)
+    rt = engine.runtime(engine.vl)
     if key not in rt.pool:
-        run(engine, CreateModelOp(key, VL, SPEC))
+        run(engine, CreateModelOp(key, engine.vl, SPEC))
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for _, b in rt.pool.get(key).weights.values():
@@ -75,7 +82,7 @@ def adapter(engine, key: str, seed: int, scale: float = 0.05):
 
 def expand(rt, before: list[int], image: bytes, after: list[int]):
     """The model input the API makes of [text, <|vision_start|>, image, <|vision_end|> + text]."""
-    chunks = ChunkExpander(VL, rt.loaded.vision.spec, LIMITS)
+    chunks = ChunkExpander(rt.name, rt.loaded.vision.spec, LIMITS)
     chunks.text(np.array(before + [VISION_START]))
     chunks.image(image, "png", None, "test")
     chunks.text(np.array([VISION_END] + after))
@@ -112,7 +119,7 @@ def hf_inputs(model_dir, tokens: np.ndarray, pngs: list[bytes], dtype=torch.floa
 
 
 def test_the_image_processor_is_the_released_configuration_and_lora_stays_off_the_tower(vl_engine):
-    rt = vl_engine.runtime(VL)
+    rt = vl_engine.runtime(vl_engine.vl)
     spec = rt.loaded.vision.spec
     assert (spec.patch_size, spec.merge_size, spec.min_pixels, spec.max_pixels) == (16, 2, 65536, 16777216)
     assert type(rt.loaded.vision.processor).__name__ == "Qwen2VLImageProcessorPil"  # no torchvision
@@ -124,7 +131,7 @@ def test_the_image_processor_is_the_released_configuration_and_lora_stays_off_th
 
 
 def test_logprobs_and_lora_grads_with_images_equal_peft(vl_engine, vl_dir):
-    rt = vl_engine.runtime(VL)
+    rt = vl_engine.runtime(vl_engine.vl)
     ad = adapter(vl_engine, "vl-a", seed=1)
     reference = peft_reference(vl_dir, ad)
     rng = np.random.default_rng(2)
@@ -172,7 +179,7 @@ def _forward_logprobs(engine, key, tokens, images):
 
 
 def test_two_different_images_give_different_logprobs_after_them(vl_engine):
-    rt = vl_engine.runtime(VL)
+    rt = vl_engine.runtime(vl_engine.vl)
     ad = adapter(vl_engine, "vl-a", seed=1)
     red = expand(rt, [9707], solid_png((255, 0, 0)), [1879, 374, 2518])
     blue = expand(rt, [9707], solid_png((0, 0, 255)), [1879, 374, 2518])
@@ -197,14 +204,14 @@ def test_greedy_sampling_with_an_image_equals_hf_generate_and_compute_logprobs(v
     """An image prompt (its M-RoPE offset carried into decode) and a text prompt decode in one batch,
     8 greedy steps each, equal to HF generate on the merged adapter; the sampled logprobs equal the
     trainer's forward of prompt + tokens with the image (what compute_logprobs runs)."""
-    rt = vl_engine.runtime(VL)
+    rt = vl_engine.runtime(vl_engine.vl)
     ad = adapter(vl_engine, "vl-a", seed=1)
     monkeypatch.setattr(sample_mod, "acquire_adapter", lambda runtime, path, max_idle: runtime.pool.acquire(path) if path else None)
     png = striped_png(seed=5)
     prompts = [expand(rt, [9707, 11], png, [1879, 374]), (np.array([785, 6722, 315, 9625, 374]), None)]
     sampler = Sampler(rt, SamplerConfig(prefill_tokens_per_step=16))
     for i, (tokens, images) in enumerate(prompts):
-        sampler.admit(i, SampleOp(base_model=VL, adapter_path=ad.key, prompt=tokens, images=images,
+        sampler.admit(i, SampleOp(base_model=rt.name, adapter_path=ad.key, prompt=tokens, images=images,
                                   params=SamplingParams(max_tokens=8, temperature=0.0, stop_at_eos=False),
                                   prompt_logprobs=True))
     done = {}

@@ -69,6 +69,11 @@ def test_qwen3_5_is_served_as_hybrid_and_its_vlm_text_only(tmp_path):
     # language model alone; the registry logs that its tower is not loaded.
     family = families.detect({"model_type": "qwen3_5", "vision_config": {"depth": 1}, "text_config": cfg}, "m")
     assert family.text_only and "linear_attention" in family.layer_types
+    # With its image processor's preprocessor_config.json it is served with the tower (images in).
+    vl = _saved(tmp_path / "vl", "tinkerd/tiny-qwen3.5-vl")
+    assert vl["model_type"] == "qwen3_5" and (tmp_path / "vl" / "preprocessor_config.json").is_file()
+    assert families.detect(vl, "m", has_processor=True) is families.QWEN3_5_VL
+    assert families.detect(vl, "m").text_only
 
 
 def test_qwen3_5_moe_is_served_as_hybrid_moe(tmp_path):

@@ -22,6 +22,9 @@ from tinkerd.errors import UserError
 
 log = logging.getLogger(__name__)
 
+# The image processor's configuration beside a vision-language checkpoint (engine/model/vision.py).
+PROCESSOR_FILE = "preprocessor_config.json"
+
 
 @dataclass
 class LoadedModel:
@@ -70,20 +73,22 @@ def _saved_config(name: str, where: str | Path) -> dict:
         raise UserError(f"cannot load base model {name!r}: {e}") from e
 
 
-def _detect(name: str, config: dict) -> families.Family:
-    family = families.detect(config, name)
+def _detect(name: str, config: dict, path: Path | None = None) -> families.Family:
+    has_processor = path is not None and (Path(path) / PROCESSOR_FILE).is_file()
+    family = families.detect(config, name, has_processor)
     if family.text_only:
         vision = config.get("vision_config") or {}
+        why = "" if has_processor else f" (no {PROCESSOR_FILE})"
         # Loud on purpose: AutoModelForCausalLM drops the tower without a word.
         log.warning("base model %s (%s) is a vision-language model: serving its language model only; the vision "
-                    "tower (%s, depth %s) is NOT loaded and image inputs are refused", name,
+                    "tower (%s, depth %s) is NOT loaded%s and image inputs are refused", name,
                     ",".join(config.get("architectures") or []) or config.get("model_type"),
-                    vision.get("model_type", "vision_config"), vision.get("depth", "?"))
+                    vision.get("model_type", "vision_config"), vision.get("depth", "?"), why)
     return family
 
 
 def _load_dir(name: str, path: Path, precision: Precision, tokenizer_id: str | None = None) -> LoadedModel:
-    family = _detect(name, _saved_config(name, path))
+    family = _detect(name, _saved_config(name, path), path)
     auto = AutoModelForImageTextToText if family.vision else AutoModelForCausalLM
     model = _place(auto.from_pretrained(path, dtype=precision.torch_dtype), precision)
     loaded = _finish(name, model, str(path), tokenizer_id, family)
