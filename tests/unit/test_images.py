@@ -93,3 +93,19 @@ def test_a_text_only_model_refuses_images_and_the_byte_budget_spans_the_request(
     images.ChunkExpander("m", SPEC, LIMITS, budget).image(data, "png", None, "datum 0")
     with pytest.raises(UserError, match="bytes of image data per request"):
         images.ChunkExpander("m", SPEC, LIMITS, budget).image(data, "png", None, "datum 1")
+
+
+def test_an_image_op_survives_the_op_log_bit_exact():
+    """Recovery replays ops from their stored records alone: the image bytes and grid come back."""
+    from tinkerd.control import oplog
+    from tinkerd.types import Datum, ForwardBackwardOp
+
+    chunks = images.ChunkExpander("m", SPEC, LIMITS)
+    chunks.text(np.array([1, 2]))
+    chunks.image(_encoded((100, 70)), "png", None, "chunk 1")
+    tokens = chunks.tokens()
+    op = ForwardBackwardOp("run", [Datum(tokens=tokens, loss_fn_inputs={"target_tokens": tokens},
+                                         images=chunks.image_inputs())], "cross_entropy")
+    back = oplog.loads(oplog.dumps(op))
+    (img,), (want,) = back.data[0].images, op.data[0].images
+    assert img.data.tobytes() == want.data.tobytes() and img.grid == want.grid and img.offset == want.offset

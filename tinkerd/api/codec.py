@@ -84,18 +84,19 @@ def decode_forward_backward(body: bytes, vision_of=None, limits: ImageLimits = _
     if not msg.model_id:
         raise UserError("ForwardBackwardRequest.model_id is required")
     data = []
-    model, vision = ("this model", None)
-    budget = [limits.max_bytes]
+    model: tuple | None = None  # (base model, its VisionSpec), looked up at the first image
+    budget = [limits.max_bytes]  # shared by the request's datums
     for i, d in enumerate(msg.data):
-        chunks = ChunkExpander(model, vision, limits, budget)
+        chunks = ChunkExpander("this model", None, limits, budget)
         for j, chunk in enumerate(d.model_input):
             kind = chunk.WhichOneof("chunk")
             if kind == "encoded_text":
                 chunks.text(_frombuffer(chunk.encoded_text.tokens, np.dtype(np.int32), f"datum {i} tokens"))
             elif kind == "image":
-                if vision_of is not None and chunks.vision is None and model == "this model":
-                    model, vision = vision_of(msg.model_id)
-                    chunks.model, chunks.vision = model, vision
+                if model is None and vision_of is not None:
+                    model = vision_of(msg.model_id)
+                if model is not None:
+                    chunks.model, chunks.vision = model
                 img = chunk.image
                 if img.HasField("override_dimensions"):  # protobuf only; the SDK never sets it
                     raise UserError(f"datum {i} chunk {j}: ImageChunk.override_dimensions is not supported; "

@@ -85,10 +85,6 @@ class Vision:
                 "position_ids": positions, "rope_deltas": deltas.view(-1)}
 
 
-def has_vision(config) -> bool:
-    return getattr(config, "vision_config", None) is not None
-
-
 def tiny_processor_files(out_dir: Path, patch: int, merge: int, temporal: int) -> None:
     """preprocessor_config.json of the released Qwen3-VL / Qwen3.5 checkpoints, for a tiny model:
     patch 16, merge 2, 64 Ki to 16 Mi pixels, mean and std 0.5 (not the processor class defaults,
