@@ -57,6 +57,12 @@ class ServerConfig(BaseModel):
     # heads are ~1 KB; 16 KiB (h11's default) leaves room for a proxy's X-Forwarded-* headers.
     max_request_head_bytes: int = Field(default=16 * 1024, ge=1024)
     max_sample_tokens_default: int = 256
+    # ImageChunks (vision-language models, tinkerd/images.py): the encoded bytes of all images of one
+    # request, and the pixels (width x height, read from the header before decoding) of one image.
+    # 16 Mi pixels is the Qwen3-VL/3.5 processors' max_pixels: a larger image is only scaled down to
+    # it, after its decode took 3 bytes a pixel (a 100-megapixel PNG: 300 MB).
+    max_image_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
+    max_image_pixels: int = Field(default=16 * 1024 * 1024, gt=0)
     # GET /metrics (Prometheus, unauthenticated: control/metrics.py says why); False answers 404.
     metrics: bool = True
     # OpenTelemetry spans per op (control/tracing.py) go to this OTLP/HTTP endpoint; None: no tracing.

@@ -1,6 +1,6 @@
 """Model families through a live `tinkerd serve` and the unmodified SDK.
 
-A base model tinkerd cannot serve (a Qwen3-VL: a vision-language family) is refused at start by
+A base model tinkerd cannot serve (a Qwen3-VL-MoE: a vision-language family it does not serve) is refused at start by
 name, with one log line, and the other base models are served (issue 22 item 5). Before, its
 config stopped the engine from starting at all ("Unrecognized configuration class").
 
@@ -18,7 +18,7 @@ from tinker import types
 from tests.serverproc import API_KEY, start_server
 
 DENSE = "tinkerd/tiny-qwen3"
-VL = "tinkerd/tiny-qwen3-vl"
+VL = "tinkerd/tiny-qwen3-vl-moe"
 MOE = "tinkerd/tiny-qwen3-moe"
 
 
@@ -44,7 +44,7 @@ def test_an_unservable_base_model_is_reported_once_by_name_and_the_others_start(
     assert "Traceback" not in out, out
     mentions = [line for line in server.lines if VL in line and "ready at" not in line]
     assert len(mentions) == 1, out
-    assert "is not served" in mentions[0] and "vision-language" in mentions[0] and "Qwen3VLForConditionalGeneration" in mentions[0]
+    assert "is not served" in mentions[0] and "vision-language" in mentions[0] and "Qwen3VLMoeForConditionalGeneration" in mentions[0]
     ready = next(line for line in server.lines if line.startswith("tinkerd ready at"))
     assert f"serving {DENSE}, {MOE} (not served: {VL})" in ready
 

@@ -27,6 +27,7 @@ FORBIDDEN = {
     "errors.py": {"tinkerd.api", "tinkerd.control", "tinkerd.engine", "tinkerd.cli", "torch"},
     "lossgraph.py": {"tinkerd.api", "tinkerd.control", "tinkerd.engine", "tinkerd.cli", "torch"},
     "artifacts.py": {"tinkerd.api", "tinkerd.control", "tinkerd.engine", "tinkerd.cli", "torch"},
+    "images.py": {"tinkerd.api", "tinkerd.control", "tinkerd.engine", "tinkerd.cli", "torch", "transformers"},
 }
 
 

@@ -20,6 +20,7 @@ from tinkerd.control.runs import Runs
 from tinkerd.control.stability import StabilityRecords
 from tinkerd.control.tokens import InvalidToken, Tokens, looks_like_jwt
 from tinkerd.errors import AuthError, InvalidTokenError, PayloadTooLarge, TinkerdError, UserError
+from tinkerd.images import ImageLimits
 from tinkerd.types import ServedModel, long_context_id
 
 M = TypeVar("M", bound=pydantic.BaseModel)
@@ -39,6 +40,9 @@ class AppState:
     tokenizers: Callable[[str], Any] | None = None
     # Signs and checks the JWTs of the SDK's auth exchange (control/tokens.py); None: API keys only.
     tokens: Tokens | None = None
+
+    def image_limits(self) -> ImageLimits:
+        return ImageLimits(self.config.max_image_bytes, self.config.max_image_pixels)
 
     def served_model(self, name: str) -> ServedModel:
         """The served model `name` resolves to. A long-context id `<base>:peft:<tokens>` is its base

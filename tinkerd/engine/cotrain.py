@@ -133,6 +133,8 @@ def pass_key(engine: "Engine", op: object) -> tuple[str, bool] | None:
     base = engine.model_of.get(op.model_id)
     if base is None or not fusable(engine.runtimes[base]) or sum(len(d.tokens) for d in op.data) < MIN_TOKENS:
         return None
+    if any(d.images for d in op.data):  # the vision-language body runs per op (training._hidden)
+        return None
     return base, op.forward_only
 
 

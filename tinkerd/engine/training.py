@@ -109,9 +109,16 @@ _HEAD_CHUNK_CELLS = 1 << 22
 _HEAD_KEEP_CELLS = 1 << 26
 
 
-def _hidden(rt: "ModelRuntime", input_ids: torch.Tensor, mask: torch.Tensor, **attention) -> torch.Tensor:
+def _hidden(rt: "ModelRuntime", input_ids: torch.Tensor, mask: torch.Tensor, images=None, **attention) -> torch.Tensor:
     """The decoder's last hidden state at the M real positions of a right-padded batch: [M, H].
+    `images`: each row's ImageInputs (a vision-language model), run through the VLM body, which
+    puts the tower's features at the placeholder positions (engine/model/vision.py).
     `attention`: keyword arguments HF hands the attention function (engine/cotrain.py's groups)."""
+    if images is not None and any(images):
+        extra = rt.loaded.vision.inputs(input_ids, mask, images)
+        extra.pop("rope_deltas")
+        hidden = rt.model.model(input_ids=input_ids, attention_mask=mask, use_cache=False, **extra).last_hidden_state
+        return hidden[mask.bool()]
     decoder = rt.model.get_decoder()
     hidden = decoder(input_ids=input_ids, attention_mask=mask, use_cache=False, **attention).last_hidden_state  # [B, T, H]
     return hidden[mask.bool()]  # datum 0's positions first
@@ -144,7 +151,8 @@ def _chunks(rt: "ModelRuntime", m: int) -> list[slice]:
     return [slice(i, min(i + rows, m)) for i in range(0, m, rows)]
 
 
-def _logprobs_and_grads(rt, input_ids, mask, inputs, loss: LossFn, config, params, forward_only: bool, ranks=None):
+def _logprobs_and_grads(rt, input_ids, mask, inputs, loss: LossFn, config, params, forward_only: bool, ranks=None,
+                        images=None):
     """Target logprobs, the loss, its metrics, and d loss / d params (None when forward_only).
 
     Every Tinker loss is a function of the target logprobs alone, so the backward splits at them:
@@ -161,7 +169,7 @@ def _logprobs_and_grads(rt, input_ids, mask, inputs, loss: LossFn, config, param
     """
     targets = inputs["target_tokens"] if ranks is None else ranks.local(inputs["target_tokens"])
     with torch.set_grad_enabled(not forward_only):
-        hidden = _hidden(rt, input_ids, mask)  # [M, H]
+        hidden = _hidden(rt, input_ids, mask, images)  # [M, H]
     m = hidden.shape[0] if ranks is None else ranks.count  # a rank without datums runs one dummy token
     chunks = _chunks(rt, m)
     # Kept graphs are the same kernels on the same inputs as a recompute, so the same bits.
@@ -236,6 +244,8 @@ def prepare_forward_backward(rt: "ModelRuntime", op: ForwardBackwardOp) -> Prepa
         bound, loss, data = None, get_loss(op.loss_fn), op.data
     config = loss.resolve_config(op.loss_fn_config)
     per_datum = datums.validate(data, rt, loss)
+    if any(d.images for d in op.data) and rt.loaded.vision is None:
+        raise UserError(f"base model {rt.name!r} is a text-only model and takes no images")
     lengths = [len(d.tokens) for d in op.data]
     inputs = {k: torch.from_numpy(np.concatenate([x[k] for x in per_datum])) for k in per_datum[0]}  # [M] / [M, K]
     # Which datum each position came from, for losses that aggregate per sequence (gspo).
@@ -267,14 +277,16 @@ def forward_backward(engine: "Engine", op: ForwardBackwardOp) -> ForwardBackward
     p = prepare_forward_backward(rt, op)
     # With several ranks (engine/sharding.py) this rank's block of datums; the loss sees them all.
     ranks = None if engine.group is None else DataParallel(engine.group, p.lengths)
-    input_ids, mask = padded_tokens(rt, op.data if ranks is None else op.data[slice(*ranks.block)])
+    mine = op.data if ranks is None else op.data[slice(*ranks.block)]
+    input_ids, mask = padded_tokens(rt, mine)
     rt.ctx.set_single(p.adapter.slot)
     try:
         # Into fresh tensors first: .grad is touched only after the whole batch succeeded.
         # MoE layers count their routing of the real tokens meanwhile (none for a dense model).
         with rt.routing.counting(mask.flatten().bool()) as routing:
             target_logprobs, loss_sum, metrics, grads = _logprobs_and_grads(
-                rt, input_ids, mask, p.inputs, p.loss, p.config, p.adapter.parameters(), op.forward_only, ranks
+                rt, input_ids, mask, p.inputs, p.loss, p.config, p.adapter.parameters(), op.forward_only, ranks,
+                [d.images for d in mine],
             )
         metrics = {**metrics, **routing.metrics()}  # the SDK's e_frac_with_tokens:mean etc.
     finally:

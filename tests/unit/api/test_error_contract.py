@@ -52,8 +52,9 @@ def problems(cls: type[TinkerdError]) -> list[str]:
         if e.status_code in SDK_RETRIES:
             return [f"{cls.__name__}: user error with {e.status_code}, which the SDK retries"]
     elif e.category == "server":
-        if not 500 <= e.status_code < 600:
-            return [f"{cls.__name__}: a server error must be 5xx, is {e.status_code}"]
+        # 429 is the server's too: a queue over its budget (QueueFull), which the SDK backs off from.
+        if not (500 <= e.status_code < 600 or e.status_code == 429):
+            return [f"{cls.__name__}: a server error must be 5xx or 429, is {e.status_code}"]
     else:
         return [f"{cls.__name__}: category {e.category!r} is neither 'user' nor 'server'"]
     return []

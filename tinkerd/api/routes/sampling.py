@@ -13,6 +13,7 @@ from tinkerd.artifacts import adapter_key
 from tinkerd.control.control import Work
 from tinkerd.control.oplog import OpRecord, OpType, Payer
 from tinkerd.errors import UserError
+from tinkerd.images import ChunkExpander, ImageLimits
 from tinkerd.types import SampleOp, SamplingParams, base_model_of, long_context_id
 
 router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
@@ -58,13 +59,22 @@ def get_sampler(sampler_id: str, request: Request) -> dict:
     return {"sampler_id": row.sampling_session_id, "base_model": row.base_model, "model_path": row.model_path}
 
 
-def _prompt_tokens(prompt: t.ModelInput) -> np.ndarray:
-    tokens: list[int] = []
-    for chunk in prompt.chunks:
-        if chunk.type != "encoded_text":
-            raise UserError(f"{chunk.type} prompt chunks are not supported by tinkerd's text models")
-        tokens.extend(chunk.tokens)
-    return np.asarray(tokens, dtype=np.int64)
+def _prompt_tokens(prompt: t.ModelInput, served, limits: ImageLimits) -> ChunkExpander:
+    """The prompt's tokens, each ImageChunk expanded to its placeholder positions (tinkerd/images.py)."""
+    chunks = ChunkExpander(served.name, served.vision, limits)
+    for j, chunk in enumerate(prompt.chunks):
+        if chunk.type == "encoded_text":
+            chunks.text(np.asarray(chunk.tokens, dtype=np.int64))
+        elif chunk.type == "image":
+            chunks.image(chunk.data, chunk.format, chunk.expected_tokens, f"prompt chunk {j}")
+        elif chunk.type == "image_asset_pointer":
+            # Never produced by the cookbook; a server reading paths or URLs a client names would be
+            # a file-read / fetch primitive for every tenant.
+            raise UserError(f"prompt chunk {j}: image_asset_pointer chunks are not supported; send the image's "
+                            "bytes in an ImageChunk")
+        else:
+            raise UserError(f"{chunk.type} prompt chunks are not supported by tinkerd")
+    return chunks
 
 
 def _sampling_params(st: AppState, p: t.SamplingParams) -> SamplingParams:
@@ -117,7 +127,8 @@ def prepare_asample(st: AppState, body: bytes, account_id: str | None = None) ->
     limits.sample_request(req, served.max_context_length)
     if not 1 <= req.num_samples <= st.config.max_num_samples:
         raise UserError(f"num_samples must be between 1 and {st.config.max_num_samples}, got {req.num_samples}")
-    prompt = _prompt_tokens(req.prompt)
+    chunks = _prompt_tokens(req.prompt, served, st.image_limits())
+    prompt = chunks.tokens()
     params = _sampling_params(st, req.sampling_params)
     if long_context_id(base_model) is not None:  # the engine checks the base's own limit
         limits.sample_context(len(prompt), params.max_tokens, served.max_context_length)
@@ -144,6 +155,7 @@ def prepare_asample(st: AppState, body: bytes, account_id: str | None = None) ->
         target_prompt_ids=target_ids,
         target_prompt_csr=None if target_csr is None else (target_csr.crow, target_csr.col),
         prompt_alt_tokens_k=int(req.prompt_alt_tokens_k),
+        images=chunks.image_inputs(),
     )
     payer = Payer(account_id if account_id is not None else (st.runs.account_of(session_id) if session_id else None),
                   session_id, base_model)

@@ -123,7 +123,11 @@ def prepare_forward_backward(st: AppState, body: bytes, account_id: str | None =
                              completed: bool = False, sequenced: bool = True) -> Prepared:
     """`sequenced=False`: a body transcoded from hpcai's JSON (api/hpcai.py), which has no seq_id (a
     protobuf reads an absent one as 0): the op runs in arrival order on its model."""
-    op = codec.decode_forward_backward(body)
+    def vision_of(model_id: str):
+        served = st.served_model(_trainable(st, model_id, account_id).base_model)
+        return served.name, served.vision
+
+    op = codec.decode_forward_backward(body, vision_of, st.image_limits())
     run = _trainable(st, op.model_id, account_id)
     seq_id = codec.forward_backward_seq_id(body)[1] if sequenced else None
     if not completed and seq_id is not None:

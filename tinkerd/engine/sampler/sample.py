@@ -77,16 +77,20 @@ class Sampler:
         self.rows: list[Row] = []  # the decode batch, in KV cache row order
         self.rules: RowRules | None = None  # aligned with self.rows
         self.hidden: torch.Tensor | None = None  # [B, H] each row's last hidden state, awaiting the head
-        self.cache = new_batch_cache(runtime.model.config, len(self.body.layers))
+        # A vision-language config keeps its language model's shape in text_config.
+        self.text_config = runtime.model.config.get_text_config()
+        self.cache = new_batch_cache(self.text_config, len(self.body.layers))
         self._routing: tuple[tuple[int, ...], list] | None = None  # (slots, ctx.groups) memo
         # Streaming requests' tokens of the steps since the last take_streamed (SampleOp.stream).
         self.streamed: dict[str, list[TokenDelta]] = {}
         dtype = next(runtime.model.parameters()).dtype
-        self.kv_token_bytes = kv_bytes_per_token(runtime.model.config, dtype)
+        self.kv_token_bytes = kv_bytes_per_token(self.text_config, dtype)
         # A hybrid model's linear-attention states, per row whatever its length (sampler/hybrid.py).
-        self.row_state_bytes = state_bytes_per_row(runtime.model.config, dtype)
+        self.row_state_bytes = state_bytes_per_row(self.text_config, dtype)
         # Packing prompts end to end into one row would run them through one recurrent state.
-        self.pack_prompts = not is_hybrid(runtime.model.config)
+        self.pack_prompts = not is_hybrid(self.text_config)
+        # M-RoPE (vision-language models): decode positions carry each row's image offset.
+        self.vision = runtime.loaded.vision
         self.kv_budget = config.kv_cache_bytes or default_kv_budget(self.device)
         if config.pack_weights:
             pack_for_decode(runtime.layers)
@@ -120,10 +124,12 @@ class Sampler:
         adapter = acquire_adapter(self.rt, op.adapter_path, self.config.max_sampler_adapters)
         try:
             prefill = Prefill.start(
-                op.prompt, self.rt.model.config, self.device, op.prompt_logprobs,
+                op.prompt, self.text_config, self.device, op.prompt_logprobs,
                 op.topk_prompt_logprobs, op.prompt_logprobs_last_n,
             )
             prefill.also_score(op)
+            if op.images:
+                self._with_images(prefill, op)
             req = Request(ticket, op, adapter, prefill)
             p = op.params
             stop = StopRule(
@@ -169,7 +175,8 @@ class Sampler:
             if req.prefill.done == 0 and (waiting or not room(req)):
                 waiting = True  # it waits for rows to leave, and those admitted after it wait behind it
                 continue
-            if req.prefill.done == 0 and req.prefill.remaining <= self.config.prefill_tokens_per_step:
+            if req.prefill.done == 0 and req.prefill.remaining <= self.config.prefill_tokens_per_step \
+                    and req.prefill.images is None:
                 # A prompt that fits one step's budget is never split, even past what is left of it
                 # this step: a 23-token prompt cut 22 + 1 costs two more weight streams and joins
                 # the batch a step late, which then ends with steps of one row (-6% on the sampling
@@ -291,6 +298,8 @@ class Sampler:
             self.hidden = None
             return
         positions, mask = self.cache.step_inputs()
+        if self.vision is not None:
+            positions = self._mrope_positions(positions)
         self._set_routing([r.slot for r in self.rows])
         if self.fused is not None:
             adapters = any(row.slot != BASE_SLOT for row in self.rows)
@@ -302,6 +311,25 @@ class Sampler:
             hidden = out.last_hidden_state[:, -1]
         self.cache.advance()
         self.hidden = hidden  # [B, H]
+
+    def _with_images(self, prefill: Prefill, op: SampleOp) -> None:
+        """Give an image prompt's prefill the VLM body and its inputs (pixels, M-RoPE positions);
+        the prompt is then prefilled whole in one forward, so the tower runs once per request."""
+        if self.vision is None:
+            raise UserError(f"base model {self.rt.name!r} is a text-only model and takes no images")
+        extra = self.vision.inputs(prefill.prompt[None], None, [op.images])
+        prefill.rope_delta = int(extra.pop("rope_deltas")[0])
+        prefill.images = extra
+        prefill.vlm_body = self.rt.model.model
+
+    def _mrope_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """[B, 1] cache positions -> [4, B, 1]: the text position (the causal mask's) and the three
+        M-RoPE axes, each the text position plus the row's image offset (0 for a text-only prompt),
+        as HF's generate continues from `rope_deltas`."""
+        delta = torch.tensor([row.request.prefill.rope_delta for row in self.rows], dtype=positions.dtype,
+                             device=positions.device)[:, None]
+        shifted = positions + delta
+        return torch.stack([positions, shifted, shifted, shifted])
 
     def _record_topk(self, rows: list[Row], logprobs: torch.Tensor) -> None:
         want = [b for b, r in enumerate(rows) if r.topk > 0]
@@ -348,7 +376,7 @@ class Sampler:
             self.hidden = self.hidden[torch.tensor(keep, dtype=torch.long)]
         else:
             self.rows, self.rules, self.hidden = [], None, None
-            self.cache = new_batch_cache(self.rt.model.config, len(self.body.layers))
+            self.cache = new_batch_cache(self.text_config, len(self.body.layers))
         return done
 
     # -- completion ------------------------------------------------------------------------------
@@ -370,7 +398,7 @@ class Sampler:
             req.unfinished = 0
             self._finish(req, done, error)
         self.rows, self.rules, self.hidden = [], None, None
-        self.cache = new_batch_cache(self.rt.model.config, len(self.body.layers))
+        self.cache = new_batch_cache(self.text_config, len(self.body.layers))
 
     def _release(self, adapter: Adapter | None) -> None:
         if adapter is not None:
@@ -423,7 +451,7 @@ def split_model(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     """
     if getattr(model.config, "final_logit_softcapping", None):
         raise ServerError(f"{type(model).__name__} soft-caps its logits; the sampler does not support that")
-    layer_types = getattr(model.config, "layer_types", None) or ()
+    layer_types = getattr(model.config.get_text_config(), "layer_types", None) or ()
     if any(t not in ("full_attention", LINEAR) for t in layer_types):
         raise ServerError(f"{type(model).__name__} has {set(layer_types)} layers; the sampler supports full and linear attention only")
     return model.get_decoder(), model.get_output_embeddings()
