@@ -10,6 +10,7 @@ Errors that cross the engine's pipe or Ray are of this hierarchy too (`EngineCra
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Any
 from http import HTTPStatus
 
 
@@ -96,6 +97,19 @@ class EngineCrashed(ServerError):
     def __init__(self, message: str, self_inflicted: bool = False):
         super().__init__(message)
         self.self_inflicted = self_inflicted
+
+
+class EnginesCrashed(EngineCrashed):
+    """Some engines behind a router died in a step (control/engines.py): `base_models` they served
+    (whose runs need rebuilding), `lost` tickets they held (to run again), and `output`, the
+    StepOutput of what the live engines finished in that step (to complete as usual)."""
+
+    def __init__(self, message: str, base_models: frozenset[str] = frozenset(), lost: frozenset[str] = frozenset(),
+                 output: Any = None, self_inflicted: bool = False):
+        super().__init__(message, self_inflicted)
+        self.base_models = base_models
+        self.lost = lost
+        self.output = output
 
 
 class EngineFailure(ServerError):

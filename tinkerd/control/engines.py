@@ -25,22 +25,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
-from tinkerd.errors import EngineCrashed, NotFoundError, TinkerdError, UserError
+from tinkerd.errors import EngineCrashed, EnginesCrashed, NotFoundError, TinkerdError, UserError
 from tinkerd.types import CreateModelOp, LoadWeightsOp, ReleaseAdaptersOp, Resident, ServedModel, StepBatch, \
     StepOutput, UnloadModelOp
-
-
-class EnginesCrashed(EngineCrashed):
-    """Some engines behind a router died in a step: `base_models` they served (whose runs need
-    rebuilding), `lost` tickets they held (to run again), and `output`, what the live engines
-    finished in that step (to complete as usual)."""
-
-    def __init__(self, message: str, base_models: frozenset[str], lost: frozenset[str] = frozenset(),
-                 output: StepOutput | None = None, self_inflicted: bool = False):
-        super().__init__(message, self_inflicted)
-        self.base_models = base_models
-        self.lost = lost
-        self.output = output
 
 
 def run_ops(engine, ops: Sequence[Any]) -> list[object]:
