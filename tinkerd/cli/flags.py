@@ -44,10 +44,16 @@ def add_flags(parser: argparse.ArgumentParser, fields: dict[str, FieldInfo] | No
                             **_value_spec(name, info))
 
 
-def config_values(args: argparse.Namespace) -> dict[str, Any]:
-    """The ServerConfig fields the command line gave, by field name."""
+def config_values(args: argparse.Namespace, fields: dict[str, FieldInfo] | None = None) -> dict[str, Any]:
+    """The ServerConfig fields the command line gave, by field name (only `fields`' when given: a
+    command's own options may share a field's name, as `accounts set-quota --max-concurrent-runs`)."""
     given = vars(args)
-    return {name: given[name] for name in ServerConfig.model_fields if name in given}
+    return {name: given[name] for name in (fields or ServerConfig.model_fields) if name in given}
+
+
+def pick(*names: str) -> dict[str, FieldInfo]:
+    """Some of ServerConfig's fields, for a command that takes their flags too."""
+    return {name: ServerConfig.model_fields[name] for name in names}
 
 
 def _help(info: FieldInfo) -> str:
