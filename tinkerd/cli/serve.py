@@ -2,193 +2,34 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import socket
 import sys
 import threading
-from pathlib import Path
 from urllib.parse import urlparse
 
 import uvicorn
 
 from tinkerd.cli import LOG_FORMAT
-from tinkerd.config import DEFAULT_BASE_MODEL, ServerConfig
+from tinkerd.cli.flags import add_flags, config_values
+from tinkerd.config import ServerConfig
 from tinkerd.errors import UserError
 
 log = logging.getLogger(__name__)
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("serve", help="run the server on embedded defaults (SQLite, in-process engine)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed in the ready line)")
-    p.add_argument("--data-dir", type=Path, default=None, help="default: $TINKERD_DATA_DIR or ~/.tinkerd")
-    p.add_argument("--db-url", default=None, help="the store: postgresql+psycopg://user:pass@host/db "
-                   "(default: $TINKERD_DB_URL, else SQLite in the data directory)")
-    p.add_argument("--base-model", action="append", dest="base_models", default=None,
-                   help=f"a model to serve; repeatable (default: {DEFAULT_BASE_MODEL})")
-    p.add_argument("--api-key", default=None,
-                   help="register this tml- key for the local account (default: a random key is created on first start)")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
-    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="where the engine computes (default cpu)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                   help="base model and activation dtype (default float32, exact); bfloat16 keeps LoRA weights "
-                        "and AdamW state in fp32 (docs/precision.md)")
-    p.add_argument("--engine", choices=["process", "thread"], default=None,
-                   help="process (default): the engine in its own process, restarted and rebuilt if it dies; "
-                        "thread: in the server process")
-    p.add_argument("--role", choices=["all", "api", "worker"], default=None,
-                   help="all (default): the whole server in one process; on a shared PostgreSQL (--db-url): api, a "
-                        "stateless replica for a load balancer, or worker, the one engine driver (docs/deployment.md)")
-    p.add_argument("--engine-ranks", type=_positive_int, default=None,
-                   help="rank processes of the engine; above 1 the base model is FSDP2-sharded across them "
-                        "(gloo on CPU, NCCL on CUDA; docs/sharding.md) (default 1)")
-    p.add_argument("--ray-address", default=None,
-                   help="run each base model's engine as a Ray actor on this Ray cluster (an address, 'auto', or "
-                        "'local' for a private Ray on this machine); default: the embedded engine (--engine)")
-    p.add_argument("--ray-num-cpus", type=_positive, default=None, help="CPUs per engine actor (default 1)")
-    p.add_argument("--ray-num-gpus", type=float, default=None, help="GPUs per engine actor (default 0)")
-    p.add_argument("--snapshot-interval-s", type=float, default=None,
-                   help="least seconds between a run's recovery snapshots, taken after an optim_step (default 10)")
-    p.add_argument("--train-batch-tokens", type=int, default=None,
-                   help="most tokens of one training step whose forward_backward ops of several runs share a pass "
-                        "over the base model (default 2048; 0: one op a step)")
-    p.add_argument("--allow-non-finite", action="store_true",
-                   help="apply training steps whose loss, gradients or update are NaN or inf (default: such a "
-                        "step fails with a user error and changes nothing)")
-    p.add_argument("--checkpoint-sweep-interval-s", type=_positive, default=60.0,
-                   help="how often files of expired checkpoints are deleted (default: 60)")
-    p.add_argument("--session-expiry-s", type=float, default=None,
-                   help="release the engine adapters of a session silent (no heartbeat, no request) this long; "
-                        "they are rebuilt exactly on its next op (default 300; 0: never, though an ended session's runs always go at once)")
-    p.add_argument("--ephemeral-samplers-kept", type=_positive_int, default=None,
-                   help="save_weights_and_get_sampling_client samplers kept per session, newest first; "
-                        "older unused ones are deleted (default 4)")
-    p.add_argument("--max-lora-rank", type=_positive_int, default=None,
-                   help="highest LoRA rank create_model and load_weights accept (default 256); runs accepted "
-                        "under a higher one still recover (docs/op-contract.md)")
-    p.add_argument("--max-concurrent-runs", type=_positive_int, default=None,
-                   help="default per-account limit on training runs of open sessions (default: unlimited; "
-                        "per account: tinkerd accounts set-quota)")
-    p.add_argument("--max-tokens-per-minute", type=_positive_int, default=None,
-                   help="default per-account limit on trained+forward+prefill+sampled tokens per minute "
-                        "(default: unlimited); ops over it wait, they never fail")
-    p.add_argument("--quota-window-s", type=_positive, default=None,
-                   help="the tokens-per-minute sliding window (default 60; shorter for tests)")
-    p.add_argument("--max-queued-ops-per-model", type=_bound, default=None,
-                   help="ops waiting per training run or sampling session before new ones are answered 429, "
-                        "which the SDK retries (default 256; 0: no bound)")
-    p.add_argument("--max-queued-ops", type=_bound, default=None,
-                   help="ops waiting on the whole server before new ones are answered 429 (default 4096; 0: no bound)")
-    p.add_argument("--sample-kv-cache-gb", type=_positive, default=None,
-                   help="memory the sampler's KV cache may take, in GiB (default: a quarter of the machine's); "
-                        "a sample request needing more alone is refused, others wait for room")
-    p.add_argument("--future-retrieved-grace-s", type=_positive, default=None,
-                   help="a finished future's result is deleted this long after it was first retrieved (default 600)")
-    p.add_argument("--future-max-age-s", type=_positive, default=None,
-                   help="a finished future's result is deleted this long after its op finished, even if never retrieved (default 86400)")
-    p.add_argument("--future-tombstone-s", type=_positive, default=None,
-                   help="an expired future answers 'expired' to its owner this long, then is forgotten (default 86400)")
-    p.add_argument("--recorded-sequence-ttl-s", type=_positive, default=None,
-                   help="sequences sampled with record_stability_info can be trained on (stable_reinforce) this long "
-                        "after sampling or their last use (default 86400)")
-    p.add_argument("--min-free-disk-gb", type=float, default=None,
-                   help="free space (GiB) the data directory keeps for accepted work; under it new sessions and ops "
-                        "are refused with 503 (default: 1, or 5%% of the filesystem if less; 0: never refuse)")
-    p.add_argument("--retrieve-future-timeout-s", type=_positive, default=None,
-                   help="how long retrieve_future holds a pending request before try_again (default 20)")
-    p.add_argument("--no-metrics", dest="metrics", action="store_false",
-                   help="do not serve GET /metrics (default: served without a key; docs/configuration.md)")
-    p.add_argument("--otlp-endpoint", default=None,
-                   help="send OpenTelemetry spans per op to this OTLP/HTTP endpoint (default: "
-                        "$OTEL_EXPORTER_OTLP_ENDPOINT; unset: no tracing)")
-    edge = p.add_argument_group("HTTP connections (docs/configuration.md: behind a proxy)")
-    edge.add_argument("--request-head-timeout-s", type=_positive, default=None,
-                      help="close a connection whose request head is not complete this long after it opened "
-                           "or after the request's first byte (default 10)")
-    edge.add_argument("--request-body-timeout-s", type=_positive, default=None,
-                      help="close a connection whose request body is not complete this long after its head (default 60)")
-    edge.add_argument("--keep-alive-timeout-s", type=_positive, default=None,
-                      help="close an idle kept-alive connection after this long (default 75)")
-    edge.add_argument("--max-connections", type=_positive_int, default=None,
-                      help="open connections before new requests get 503, which the SDK retries (default 2048)")
-    edge.add_argument("--listen-backlog", type=_positive_int, default=None,
-                      help="connections waiting to be accepted (default 2048)")
-    edge.add_argument("--max-request-head-bytes", type=_positive_int, default=None,
-                      help="largest request line plus headers; larger is a 400 (default 16384)")
+    # The usage line would list ~50 flags before each error message; --help lists them.
+    p = sub.add_parser("serve", help="run the server on embedded defaults (SQLite, in-process engine)",
+                       usage="%(prog)s [options]",
+                       description="Every option is a ServerConfig field (tinkerd/config.py, docs/configuration.md).")
+    add_flags(p)
     p.set_defaults(func=run)
 
 
-def _positive(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
-
-
-def _bound(text: str) -> int | str:
-    """A positive integer, or 0 for no bound ("none", kept apart from not given)."""
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 (no bound) or a positive integer, got {text}")
-    return value or "none"
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
 def build_config(args) -> ServerConfig:
-    values = {"host": args.host, "port": args.port}
-    if args.data_dir is not None:
-        values["data_dir"] = args.data_dir.expanduser().resolve()
-    if args.db_url:
-        values["db_url"] = args.db_url
-    if args.base_models:
-        values["base_models"] = args.base_models
-    if args.api_key:
-        values["api_key"] = args.api_key
-    if args.threads:
-        values["torch_threads"] = args.threads
-    if args.engine:
-        values["engine"] = args.engine
-    if getattr(args, "role", None):
-        values["role"] = args.role
-    if args.engine_ranks:
-        values["engine_ranks"] = args.engine_ranks
-    for name in ("ray_address", "ray_num_cpus", "ray_num_gpus"):
-        if getattr(args, name) is not None:
-            values[name] = getattr(args, name)
-    for name in ("device", "dtype"):
-        if getattr(args, name, None):
-            values[name] = getattr(args, name)
-    if args.snapshot_interval_s is not None:
-        values["snapshot_interval_s"] = args.snapshot_interval_s
-    if args.allow_non_finite:
-        values["allow_non_finite"] = True
-    if args.session_expiry_s is not None:
-        values["session_expiry_s"] = args.session_expiry_s
-    if args.ephemeral_samplers_kept is not None:
-        values["ephemeral_samplers_kept"] = args.ephemeral_samplers_kept
-    for name in ("max_lora_rank", "max_concurrent_runs", "max_tokens_per_minute", "quota_window_s", "retrieve_future_timeout_s",
-                 "sample_kv_cache_gb", "future_retrieved_grace_s", "future_max_age_s", "future_tombstone_s",
-                 "recorded_sequence_ttl_s", "min_free_disk_gb", "request_head_timeout_s", "request_body_timeout_s", "keep_alive_timeout_s",
-                 "max_connections", "listen_backlog", "max_request_head_bytes", "train_batch_tokens"):
-        if getattr(args, name) is not None:
-            values[name] = getattr(args, name)
-    for name in ("max_queued_ops_per_model", "max_queued_ops"):
-        if getattr(args, name) is not None:
-            values[name] = None if getattr(args, name) == "none" else getattr(args, name)
-    if not args.metrics:
-        values["metrics"] = False
-    if args.otlp_endpoint:  # else ServerConfig reads $OTEL_EXPORTER_OTLP_*: the only place env vars are read
-        values["otlp_endpoint"] = args.otlp_endpoint
-    return ServerConfig(**values)
+    return ServerConfig(**config_values(args))
 
 
 def build_app(config: ServerConfig, client=None):
@@ -417,7 +258,7 @@ def run(args) -> int:
         state["control"] = control
         runs = app.state.tinkerd.runs
         if config.role != "api":  # one process deletes expired checkpoints' files: the driver
-            state["sweeper"] = CheckpointSweeper(runs, args.checkpoint_sweep_interval_s)
+            state["sweeper"] = CheckpointSweeper(runs, config.checkpoint_sweep_interval_s)
         state["key"] = local_key(config, app.state.tinkerd.accounts)
         # A resolver can take seconds to fail: asked here, off the loop, while the engine starts.
         state["offline_env"] = " HF_HUB_OFFLINE=1" if hub_unreachable() else ""
