@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from tests.unit.control.test_cancel import CancellingEngine, finalize
 from tests.unit.control.test_scheduler import _wait_done, sample_op, train_op
+from tinkerd.artifacts import LocalArtifactStore
 from tinkerd.control.control import Control, Work
 from tinkerd.control.recovery import Recovery
 from tinkerd.control.store.db import Store
@@ -61,7 +62,7 @@ def test_an_api_replicas_ops_are_claimed_and_run_by_the_driver_and_its_cancel_re
     engine = CancellingEngine()
     engine.release_first_step.set()  # the engine holds no step until the sample below
     store = Store.sqlite(db)
-    driver = Control(store, engine, Recovery(store, tmp_path / "snapshots", rebuild=_rebuild), worker_id="w1")
+    driver = Control(store, engine, Recovery(store, LocalArtifactStore(tmp_path), rebuild=_rebuild), worker_id="w1")
     bus.driver = driver
     driver.start()  # claims `before` at start, with recovery
     try:
