@@ -15,6 +15,7 @@ import pytest
 import tinker
 from tinker import types
 
+from tests.conformance.sft import next_token_datum
 from tests.serverproc import API_KEY, start_server
 
 DENSE = "tinkerd/tiny-qwen3"
@@ -27,16 +28,6 @@ def server(tmp_path_factory):
     srv = start_server(tmp_path_factory.mktemp("tinkerd-families"), [DENSE, MOE, VL], ["--threads", "1"])
     yield srv
     srv.stop()
-
-
-@pytest.fixture
-def service_client(server):
-    return tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
-
-
-def _datum(tokens: list[int]) -> types.Datum:
-    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                       loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
 
 
 def test_an_unservable_base_model_is_reported_once_by_name_and_the_others_start(server):
@@ -64,7 +55,7 @@ def test_a_training_client_on_it_is_a_user_error_naming_the_reason(service_clien
 def test_the_dense_model_beside_it_trains_and_samples(service_client):
     tc = service_client.create_lora_training_client(base_model=DENSE, rank=4, seed=1).result()
     tok = tc.get_tokenizer()
-    data = [_datum(tok.encode("Paris is the capital of France, said the model."))]
+    data = [next_token_datum(tok.encode("Paris is the capital of France, said the model."))]
     losses = []
     for _ in range(6):
         fb = tc.forward_backward(data, "cross_entropy")
@@ -94,7 +85,7 @@ def _train(tc, data, steps: int) -> list[float]:
 
 @pytest.fixture(scope="module")
 def moe_data():
-    return [_datum(TOKENS)]
+    return [next_token_datum(TOKENS)]
 
 
 def test_moe_sl_loss_falls_and_save_state_resumes_exactly(service_client, moe_data):

@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Collection, Protocol
+from typing import Any, Protocol
 
 from anyio import to_thread
 
@@ -24,6 +24,7 @@ from tinkerd.control import oplog
 from tinkerd.control.bookkeeping import Bookkeeper
 from tinkerd.control.backpressure import QueueBudget
 from tinkerd.control.claims import Claimer
+from tinkerd.control.crashes import EngineCrashes
 from tinkerd.control.diskspace import DiskReserve
 from tinkerd.control.futures import FutureHub
 from tinkerd.control.metering import Meter
@@ -43,14 +44,6 @@ from tinkerd.errors import EngineCrashed, ServerError, TinkerdError, Unrecoverab
 from tinkerd.types import ServedModel, StepBatch, StepOutput
 
 log = logging.getLogger(__name__)
-
-# Consecutive failed engine starts after a crash before its in-flight ops are failed (~1 min of backoff).
-_MAX_ENGINE_RESTARTS = 20
-# Self-inflicted engine deaths (EngineCrashed.self_inflicted) an op may be in flight for, the last
-# with nothing else in flight, before it is failed instead of run again. An op that kills the engine
-# (one too big for memory, one that hits a native crash) would otherwise be re-queued after every
-# restart and take everyone's in-flight work down with it, forever.
-_POISON_CRASHES = 2
 
 class EngineClient(Protocol):
     """The seam between control and compute.
@@ -106,8 +99,7 @@ class Control:
         # Bounds on ops waiting (backpressure.py): new work beyond them is answered 429; None never refuses.
         self.budget: QueueBudget | None = None
         self.queue = OpQueue(lane_of=lambda work: Scheduler.lane_of(work.op))
-        # Ops in flight when the engine died of what it was doing: request_id -> such deaths. The
-        # scheduler runs them apart from other work (scheduler.py), so a death with one alone names it.
+        # Ops suspected of killing the engine: request_id -> such deaths (crashes.py, scheduler.py).
         self._suspects: dict[str, int] = {}
         # Per-account quotas: the scheduler passes over paused accounts; metered usage fills their windows.
         self.scheduler = Scheduler(self.queue, quotas=quotas, suspects=self._suspects,
@@ -127,16 +119,22 @@ class Control:
         self._stopping = threading.Event()
         # Stores finished ops' outcomes, retrying storage faults until they land (results.py).
         self.results = ResultStore(store, self.meter, self.hub, self._stopping.is_set, finalize=self._finalize)
-        # "running", "restarting" (rebuilding after a crash), or "down" (the last restart gave up).
-        self.engine_state = "running"
         # GET /metrics (control/metrics.py): events counted at the calls below, state read when scraped.
         self.metrics = Metrics()
         self.meter.listeners.append(self.metrics.on_usage)
         self.metrics.bind(self)
         self.results.on_stored = self.metrics.completed
+        # Restarts a crashed engine and re-queues or fails what it held (crashes.py).
+        self.crashes = EngineCrashes(engine, recovery, residency, self.metrics, self.queue, self._inflight,
+                                     self._suspects, self._complete)
         # Sampling tickets to stop, handed to the engine with the next step (cancel_future).
         self._cancels: set[str] = set()
         self._cancels_lock = threading.Lock()
+
+    @property
+    def engine_state(self) -> str:
+        """The engine's state: "running", "restarting" (rebuilding after a crash), or "down" (the last restart gave up)."""
+        return self.crashes.state
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -410,12 +408,12 @@ class Control:
                 for q in picked.ops:
                     self.residency.before_step(q.op.op, self.engine, self.busy)
         except EngineCrashed as e:  # died rebuilding a released run: this step's ops never reached it
-            self._recover_engine(e, unsent={q.request_id for q in picked.ops})
+            self.crashes.recover(e, unsent={q.request_id for q in picked.ops})
             return 0
         try:
             out = self.engine.step(picked.batch)
         except EngineCrashed as e:
-            self._recover_engine(e)
+            self.crashes.recover(e)
             # Behind a router, only the dead engine's work is lost: the live ones' results complete.
             out = getattr(e, "output", None)
             if out is None:
@@ -439,71 +437,6 @@ class Control:
             # Wall time in the engine: one step for a training op, admission to last token for a sample.
             self._complete(q, result, now - admitted_at, admitted_at - q.op.accepted_at)
         return out.active_rows
-
-    def _recover_engine(self, crash: Exception, unsent: Collection[str] = ()) -> None:
-        """An engine died mid-step: start a new one, rebuild its adapters from snapshots and the log,
-        and queue again everything it held (nothing of it was stored), except an op that has now
-        killed it _POISON_CRASHES times, the last alone: that one is failed. Behind a router the
-        crash names the dead engine's tickets and base models (control/engines.py: EnginesCrashed):
-        only those are re-queued and rebuilt, and the live engines' work goes on untouched.
-        `unsent`: this step's ops, which never reached an engine (re-queued, suspected of nothing)."""
-        t0 = time.perf_counter()
-        self.engine_state = "restarting"
-        lost = getattr(crash, "lost", None)
-        if lost is None:  # one engine: everything in flight was in it
-            inflight = [q for q, _ in self._inflight.values()]
-            self._inflight.clear()
-        else:
-            gone = set(lost) | set(unsent)
-            inflight = [self._inflight.pop(rid)[0] for rid in list(self._inflight) if rid in gone]
-        bases = getattr(crash, "base_models", None)  # None: every run
-        poison = self._suspect([q for q in inflight if q.request_id not in unsent], crash)
-        for attempt in range(_MAX_ENGINE_RESTARTS):
-            try:
-                restart_s = self.engine.restart()
-                released = self.residency.unloaded if self.residency is not None else ()
-                report = self.recovery.rebuild_engine(self.engine, skip=released, base_models=bases) \
-                    if self.recovery is not None else None
-                self.metrics.engine_recovery("recovered", attempt + 1)
-                break
-            except EngineCrashed as e:  # died again while starting or rebuilding: start over
-                log.warning("engine restart %d failed: %s", attempt + 1, e)
-                more = getattr(e, "base_models", None)  # what is down now needs its rebuild too
-                bases = None if bases is None or more is None else bases | more
-                time.sleep(min(0.1 * 2**attempt, 5.0))
-        else:
-            # It cannot come back (a model that no longer loads, say): fail what it held, keep serving.
-            self.engine_state = "down"
-            self.metrics.engine_recovery("down", _MAX_ENGINE_RESTARTS)
-            for q in inflight:
-                self._complete(q, ServerError(f"the engine crashed and could not restart: {crash}"), 0.0)
-            return
-        for q in inflight:
-            if q is poison:
-                self._complete(q, UserError(
-                    f"this request was in flight each time the engine process died, {_POISON_CRASHES} times, the last "
-                    f"time alone ({crash}); it is failed so that other work can go on. If it is large (samples x "
-                    f"tokens, or a batch's tokens), send it smaller"), 0.0)
-            else:
-                self.queue.put(q.request_id, q.target, q.seq_id, q.request_type, q.op)
-        self.engine_state = "running"
-        replayed = report.replayed_ops if report else 0
-        log.warning("engine recovered in %.2f s (restart %.2f s) after %s; replayed %d ops, re-queued %d; "
-                    "restarted the engine(s) of %s", time.perf_counter() - t0, restart_s, crash, replayed,
-                    len(inflight), "every base model" if bases is None else ", ".join(sorted(bases)))
-
-    def _suspect(self, inflight: list[QueuedOp], crash: Exception) -> QueuedOp | None:
-        """Count a self-inflicted death against the ops in flight; returns the op to fail, if any: one
-        in flight alone at its _POISON_CRASHES-th. A SIGKILL from outside counts against nobody."""
-        if not getattr(crash, "self_inflicted", False):
-            return None
-        for q in inflight:
-            self._suspects[q.request_id] = self._suspects.get(q.request_id, 0) + 1
-        if len(inflight) == 1 and self._suspects[inflight[0].request_id] >= _POISON_CRASHES:
-            log.error("failing %s %s: the engine died with it in flight %d times, the last alone",
-                      inflight[0].request_type, inflight[0].request_id, _POISON_CRASHES)
-            return inflight[0]
-        return None
 
     def _complete(self, q: QueuedOp, result: Any, compute_s: float, queue_wait_s: float = 0.0) -> None:
         self._suspects.pop(q.request_id, None)

@@ -18,12 +18,16 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tinkerd.artifacts import ArtifactStore
 from tinkerd.engine.malloc import children_use_huge_pages
 from tinkerd.engine.precision import Precision
 from tinkerd.errors import EngineCrashed, EngineFailure, EngineStartFailed, TinkerdError
 from tinkerd.types import ServedModel
+
+if TYPE_CHECKING:
+    from tinkerd.engine.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +53,21 @@ class EngineSpec:
     # engine reaches the data directory through it alone. None: keys are absolute paths (tests).
     artifacts: ArtifactStore | None = None
 
+    def build(self) -> Engine:
+        """The Engine this spec describes, its base models loaded: what an engine process or a Ray
+        actor runs (a rank of --engine-ranks builds its own, sharded: engine/sharding.py)."""
+        import torch
+
+        from tinkerd.engine.engine import Engine
+        from tinkerd.engine.sampler.sample import SamplerConfig
+
+        if self.torch_threads:
+            torch.set_num_threads(self.torch_threads)
+        engine = Engine(self.models_dir, self.max_lora_rank, SamplerConfig(kv_cache_bytes=self.sample_kv_cache_bytes),
+                        self.precision, self.artifacts)
+        engine.load_base_models(self.base_models)
+        return engine
+
 
 def _worker_main(conn, spec: EngineSpec) -> None:
     # Runs in the child: build the engine, report what it serves, then serve steps until EOF.
@@ -73,8 +92,6 @@ def _worker_main(conn, spec: EngineSpec) -> None:
     import torch
 
     from tinkerd.engine.client import InProcessEngineClient
-    from tinkerd.engine.engine import Engine
-    from tinkerd.engine.sampler.sample import SamplerConfig
 
     if spec.torch_threads:
         torch.set_num_threads(spec.torch_threads)
@@ -84,10 +101,7 @@ def _worker_main(conn, spec: EngineSpec) -> None:
 
             client = RankedEngineClient(spec, followers)
         else:
-            engine = Engine(spec.models_dir, spec.max_lora_rank, SamplerConfig(kv_cache_bytes=spec.sample_kv_cache_bytes),
-                            spec.precision, spec.artifacts)
-            engine.load_base_models(spec.base_models)
-            client = InProcessEngineClient(engine)
+            client = InProcessEngineClient(spec.build())
     except Exception as e:
         reason = getattr(e, "message", None) or f"{type(e).__name__}: {e}"
         if not isinstance(e, TinkerdError):  # a user-facing reason needs no traceback; a bug does

@@ -43,21 +43,6 @@ NAME_PREFIX = "tinkerd-engine:"
 MAX_RESTARTS = -1
 
 
-def build_engine(spec: EngineSpec):
-    """The Engine a spec describes, its base models loaded (what an engine process or actor runs)."""
-    import torch
-
-    from tinkerd.engine.engine import Engine
-    from tinkerd.engine.sampler.sample import SamplerConfig
-
-    if spec.torch_threads:
-        torch.set_num_threads(spec.torch_threads)
-    engine = Engine(spec.models_dir, spec.max_lora_rank, SamplerConfig(kv_cache_bytes=spec.sample_kv_cache_bytes),
-                    spec.precision, spec.artifacts)
-    engine.load_base_models(spec.base_models)
-    return engine
-
-
 class EngineActor:
     """Runs in the Ray worker: one Engine, reached through the in-process client."""
 
@@ -71,7 +56,7 @@ class EngineActor:
         try:
             from tinkerd.engine.client import InProcessEngineClient
 
-            self.client = InProcessEngineClient(build_engine(spec))
+            self.client = InProcessEngineClient(spec.build())
         except Exception as e:  # reported by ready(), not raised: Ray would restart a failing start forever
             if not isinstance(e, TinkerdError):
                 log.exception("engine actor: building the engine failed")

@@ -25,8 +25,8 @@ from torch import nn
 
 from tinkerd.engine.lora.layers import pack_for_decode
 from tinkerd.engine.sampler.decode import FusedDecode
-from tinkerd.engine.sampler.hybrid import LINEAR, is_hybrid, new_batch_cache, state_bytes_per_row
-from tinkerd.engine.sampler.kv import default_kv_budget, kv_bytes_per_token
+from tinkerd.engine.sampler.budget import KvBudget
+from tinkerd.engine.sampler.hybrid import LINEAR, is_hybrid, new_batch_cache
 from tinkerd.engine.sampler import prompt_scores
 from tinkerd.engine.sampler.prefill import Prefill, advance_packed
 from tinkerd.engine.sampler.rows import BASE_SLOT, Request, Row
@@ -83,15 +83,13 @@ class Sampler:
         self._routing: tuple[tuple[int, ...], list] | None = None  # (slots, ctx.groups) memo
         # Streaming requests' tokens of the steps since the last take_streamed (SampleOp.stream).
         self.streamed: dict[str, list[TokenDelta]] = {}
-        dtype = next(runtime.model.parameters()).dtype
-        self.kv_token_bytes = kv_bytes_per_token(self.text_config, dtype)
-        # A hybrid model's linear-attention states, per row whatever its length (sampler/hybrid.py).
-        self.row_state_bytes = state_bytes_per_row(self.text_config, dtype)
+        # What the decode batch's KV cache may take, and what a row of it takes (budget.py).
+        self.kv = KvBudget.of(self.text_config, next(runtime.model.parameters()).dtype, self.device,
+                              config.kv_cache_bytes)
         # Packing prompts end to end into one row would run them through one recurrent state.
         self.pack_prompts = not is_hybrid(self.text_config)
         # M-RoPE (vision-language models): decode positions carry each row's image offset.
         self.vision = runtime.loaded.vision
-        self.kv_budget = config.kv_cache_bytes or default_kv_budget(self.device)
         if config.pack_weights:
             pack_for_decode(runtime.layers)
         # After packing: the fused step binds each linear's packed weight once.
@@ -103,6 +101,18 @@ class Sampler:
         return self.cache.rows * (self.cache.capacity * self.kv_token_bytes + self.row_state_bytes)
 
     @property
+    def kv_token_bytes(self) -> int:
+        return self.kv.token_bytes
+
+    @property
+    def row_state_bytes(self) -> int:
+        return self.kv.state_bytes
+
+    @property
+    def kv_budget(self) -> int:
+        return self.kv.limit
+
+    @property
     def active_rows(self) -> int:
         return len(self.rows) + sum(r.op.num_samples for r in self.joining)
 
@@ -112,15 +122,7 @@ class Sampler:
         """Queue a request for prefill; raises (a UserError for bad input) with nothing changed."""
         validate(op, self.rt.vocab_size, self.rt.loaded.max_context_length)
         prompt_scores.validate(op, self.rt.vocab_size)
-        tokens = int(op.prompt.shape[0]) + op.params.max_tokens
-        need = op.num_samples * (tokens * self.kv_token_bytes + self.row_state_bytes)
-        if need > self.kv_budget:
-            state = f", + {_size(self.row_state_bytes)} of linear-attention state each" if self.row_state_bytes else ""
-            raise UserError(
-                f"this request's KV cache would take {_size(need)} ({op.num_samples} samples x {tokens} prompt + "
-                f"max_tokens positions x {_size(self.kv_token_bytes)}{state}), more than the sampler's {_size(self.kv_budget)}: "
-                f"lower num_samples or max_tokens, or split the request"
-            )
+        self.kv.check(op)
         adapter = acquire_adapter(self.rt, op.adapter_path, self.config.max_sampler_adapters)
         try:
             prefill = Prefill.start(
@@ -168,7 +170,7 @@ class Sampler:
         budget = self.config.prefill_tokens_per_step
         ready: list[Request] = []
         packed: dict[int, list[Request]] = {}  # unstarted prompts that fit whole, by adapter slot
-        room, waiting = self._kv_room(), False
+        room, waiting = self.kv.room(self.rows, self.joining), False
         for req in list(self.joining):
             if budget <= 0:
                 break
@@ -220,28 +222,6 @@ class Sampler:
                         req.unfinished = 0
                         self._finish(req, done, error)
                 self._fail_batch(done, error)
-
-    def _kv_room(self):
-        """A check, for unstarted requests in admission order, of whether each fits the KV budget
-        beside the rows decoding and the requests already prefilling (and those it said yes to).
-
-        The bound is rows x the widest final length among them: rows share one cache width, which
-        can grow to the longest row's prompt + max_tokens. A request alone always fits (admission
-        refused it otherwise), so the batch never waits on an empty engine.
-        """
-        started = [req for req in self.joining if req.prefill.done > 0]
-        rows = len(self.rows) + sum(len(req.rows) for req in started)
-        width = max([row.request.final_len for row in self.rows] + [req.final_len for req in started], default=0)
-
-        def room(req: Request) -> bool:
-            nonlocal rows, width
-            new_rows, new_width = rows + len(req.rows), max(width, req.final_len)
-            if rows and new_rows * (new_width * self.kv_token_bytes + self.row_state_bytes) > self.kv_budget:
-                return False
-            rows, width = new_rows, new_width
-            return True
-
-        return room
 
     def _fail_prefill(self, reqs: list[Request], done: list, e: Exception) -> None:
         log.exception("prefill failed")
@@ -488,13 +468,6 @@ def _read_adapter(store, key: str):
     from tinkerd.engine import checkpoints
 
     return checkpoints.read_adapter_from(store, key)
-
-
-def _size(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
 
 
 def _decoder(runtime: ModelRuntime):
