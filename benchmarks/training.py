@@ -1,20 +1,49 @@
-"""Training throughput: the official SDK through tinkerd vs an in-process HF + PEFT loop.
+"""Training throughput: the official SDK through tinkerd vs a tuned in-process HF + PEFT loop.
 
-Both sides train the same model with the same LoRA (rank, layers), batch and thread count, with
-AdamW, interleaved A B A B so machine noise hits both alike. Prints tokens/s of each and the ratio
-last. The tinkerd side is the whole path a user pays for: SDK -> HTTP -> control -> engine.
+Both sides train the same model with the same LoRA (rank, layers), batch, dtype and thread count,
+with AdamW, interleaved A B A B in one run so machine noise hits both alike. The tinkerd side is
+the whole path a user pays for: SDK -> HTTP -> control -> engine. The baseline gets what the engine
+gets: glibc malloc tuned the same way (engine/malloc.py: freed memory kept, huge pages asked for),
+the same torch thread count, a `foreach` AdamW over the adapter only (`--hf-adamw fused` for
+torch's fused CPU kernel), bf16 as PEFT does it (model loaded in bf16, step under autocast, fp32
+adapters, logits upcast before the loss: docs/precision.md).
 
-    python benchmarks/training.py                   # SmolLM2-135M, 2 x 256 tokens, 1 thread
-    python benchmarks/training.py --threads 2 --rounds 5
+`--baseline-tree DIR` adds a third side, a server run from another checkout (main, say) with the
+same arguments: before vs after of an engine change in one interleaved run.
+
+Share of the FLOP ceiling. The work a LoRA step must do, with B rows of S tokens (N = B * S):
+
+    F = N * (4 * P_mm + 6 * P_lora) + 3 * L * 4 * B * S^2 * n_heads * head_dim
+
+P_mm: parameters of every matmul a token passes (each decoder linear and the LM head; not the
+embedding lookup). Frozen, they cost 2 FLOPs per parameter forward and 2 for the gradient of their
+input (no weight gradient). P_lora: the adapter's parameters, 2 + 2 + 2 (their weight gradient
+too). Attention: Q K^T and A V, 2 * 2 * B * S^2 * n_heads * head_dim per layer forward, twice that
+backward, counted over the full S x S (no causal halving). What either side recomputes (tinkerd's
+second head forward, engine/training.py) is not counted: F is the useful work. The ceiling is this
+machine's GEMM rate at the run's dtype and thread count, measured in the same run on a
+transformer-shaped matmul ([N, H] x [H, 4H], best of several) before and after the steps; the
+share is F / median step / ceiling. On a loaded machine wall times inflate, so the same share is
+also given per CPU-second: F / median CPU-seconds of a step (this process and the servers, the
+engine included) / the GEMM's FLOP per CPU-second.
+
+    python benchmarks/training.py                                  # SmolLM2-135M, 2 x 256, 1 thread, fp32
+    python benchmarks/training.py --threads 1,2 --dtypes float32,bfloat16 --rounds 3
+    python benchmarks/training.py --baseline-tree /work/main       # + the same server from main
+
+Concurrent tenants on one base model: benchmarks/training_tenants.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,9 +52,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from tests.serverproc import API_KEY, start_server  # noqa: E402
+from tests.serverproc import API_KEY, ServerProcess, share_models, start_server  # noqa: E402
+from tinkerd.engine.malloc import keep_freed_memory, with_huge_pages  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def cpu_jiffies() -> tuple[int, int]:
@@ -49,46 +80,62 @@ def tree_jiffies(pid: int) -> int:
     return total
 
 
+def load_average() -> str:
+    return " ".join(open("/proc/loadavg").read().split()[:3])
+
+
 @dataclass
 class Interleaved:
     """An A B A B run: each side's step times and step results, and the CPU that other processes
     used meanwhile (the machine is shared, so absolute times are inflated by that much)."""
 
     times: dict[str, list[float]]
+    # CPU seconds each step used in this process and the servers (engine included): less inflated
+    # than wall time by other processes on the machine, as long as no side waits on a descheduled thread.
+    cpu: dict[str, list[float]]
     results: dict[str, list]
     other_cpu_s: float
     wall_s: float
 
-    def print_rates(self, tokens: int, width: int) -> dict[str, float]:
-        """Prints each side's median step and tokens/s; returns the tokens/s."""
-        rates = {}
-        for name, ts in self.times.items():
-            med = float(np.median(ts))
-            rates[name] = tokens / med
-            print(f"{name:{width}s} median step {med * 1e3:8.1f} ms   {rates[name]:8.1f} tokens/s")
-        return rates
 
-
-def interleave(sides: dict[str, Callable[[], object]], rounds: int, steps: int, server_pid: int) -> Interleaved:
-    """One warm-up step of each side (first-step allocations, lazy inits), then `rounds` rounds in
-    which each side runs `steps` steps in turn, so machine noise hits both alike."""
-    for step in sides.values():
-        step()
+def interleave(sides: dict[str, Callable[[], object]], rounds: int, steps: int, server_pids: list[int]) -> Interleaved:
+    """`rounds` rounds in which each side runs `steps` steps in turn, so machine noise hits both
+    alike; the caller warms each side up first."""
     times: dict[str, list[float]] = {k: [] for k in sides}
+    cpu: dict[str, list[float]] = {k: [] for k in sides}
     results: dict[str, list] = {k: [] for k in sides}
+    hz = os.sysconf("SC_CLK_TCK")
+
+    def own() -> int:
+        return proc_jiffies(os.getpid()) + sum(tree_jiffies(p) for p in server_pids)
+
     busy0, total0 = cpu_jiffies()
-    own0 = proc_jiffies(os.getpid()) + tree_jiffies(server_pid)
+    own0 = own()
     for _ in range(rounds):
         for name, step in sides.items():
             for _ in range(steps):
-                t0 = time.perf_counter()
+                j0, t0 = own(), time.perf_counter()
                 results[name].append(step())
                 times[name].append(time.perf_counter() - t0)
+                cpu[name].append((own() - j0) / hz)
     busy1, total1 = cpu_jiffies()
-    own1 = proc_jiffies(os.getpid()) + tree_jiffies(server_pid)
-    wall_s = (total1 - total0) / os.cpu_count() / os.sysconf("SC_CLK_TCK")
-    other_cpu_s = max(0, (busy1 - busy0) - (own1 - own0)) / os.sysconf("SC_CLK_TCK")
-    return Interleaved(times, results, other_cpu_s, wall_s)
+    own1 = own()
+    wall_s = (total1 - total0) / os.cpu_count() / hz
+    other_cpu_s = max(0, (busy1 - busy0) - (own1 - own0)) / hz
+    return Interleaved(times, cpu, results, other_cpu_s, wall_s)
+
+
+def engine_seconds(url: str) -> dict[str, tuple[float, float]]:
+    """type -> (sum, count) of the server's tinkerd_op_engine_seconds: time in the engine per op."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
+        for s in family.samples:
+            if s.name in ("tinkerd_op_engine_seconds_sum", "tinkerd_op_engine_seconds_count"):
+                out.setdefault(s.labels["type"], [0.0, 0.0])[s.name.endswith("_count")] += s.value
+    return {k: (v[0], v[1]) for k, v in out.items()}
 
 
 def make_batch(vocab: int, rows: int, tokens: int, seed: int = 0) -> np.ndarray:
@@ -96,20 +143,54 @@ def make_batch(vocab: int, rows: int, tokens: int, seed: int = 0) -> np.ndarray:
     return rng.integers(0, vocab, size=(rows, tokens + 1))
 
 
+def step_flops(config, rank: int, rows: int, tokens: int) -> float:
+    """F of the module docstring for a Llama-shaped config (SmolLM2, Qwen3)."""
+    h, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    kv = config.num_key_value_heads * head_dim
+    q = heads * head_dim
+    # (in, out) of each adapted linear in one layer: q, k, v, o, gate, up, down.
+    shapes = [(h, q), (h, kv), (h, kv), (q, h), (h, inter), (h, inter), (inter, h)]
+    p_mm = layers * sum(i * o for i, o in shapes) + h * config.vocab_size
+    p_lora = layers * sum(rank * (i + o) for i, o in shapes)
+    n = rows * tokens
+    return n * (4 * p_mm + 6 * p_lora) + 3 * layers * 4 * rows * tokens**2 * heads * head_dim
+
+
+def gemm_rate(n: int, h: int, dtype: torch.dtype, repeats: int = 5) -> tuple[float, float]:
+    """Best FLOP per second of [n, h] x [h, 4h] in `dtype` at the current thread count, by wall
+    time and by this process's CPU time (which a loaded machine inflates far less)."""
+    x = torch.randn(n, h).to(dtype)
+    w = torch.randn(4 * h, h).to(dtype)
+    torch.nn.functional.linear(x, w)
+    wall = cpu = float("inf")
+    for _ in range(repeats):
+        t0, c0 = time.perf_counter(), time.process_time()
+        torch.nn.functional.linear(x, w)
+        wall, cpu = min(wall, time.perf_counter() - t0), min(cpu, time.process_time() - c0)
+    return 2 * n * h * 4 * h / wall, 2 * n * h * 4 * h / cpu
+
+
 class HFPeft:
-    def __init__(self, model_dir: str, rank: int, batch: np.ndarray):
+    def __init__(self, model_dir: str, rank: int, batch: np.ndarray, dtype: str, adamw: str):
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype])
+        # PEFT keeps the adapter fp32 on a bf16 model (autocast_adapter_dtype), as tinkerd does.
         self.model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=32, target_modules=TARGETS, lora_dropout=0.0))
-        self.opt = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0,
+                                     **{adamw: True})
+        self.autocast = dtype == "bfloat16"
         self.input_ids = torch.from_numpy(batch[:, :-1]).long()
         self.labels = torch.from_numpy(batch[:, 1:]).long()
 
     def step(self) -> float:
-        logits = self.model(input_ids=self.input_ids).logits
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), self.labels.flatten(), reduction="sum")
+        with torch.autocast("cpu", dtype=torch.bfloat16) if self.autocast else nullcontext():
+            logits = self.model(input_ids=self.input_ids).logits
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), self.labels.flatten(), reduction="sum")
         loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -137,42 +218,118 @@ class TinkerdSDK:
         return loss
 
 
+_made: list[Path] = []  # the data dirs this run made, removed at its end
+
+
+def serve(base: Path, label: str, model: str, args: list[str], tree: str | None) -> ServerProcess:
+    """A server on a fresh data dir under `base` (models shared); from `tree` when given."""
+    data_dir = Path(tempfile.mkdtemp(prefix=f"{label}-", dir=base))
+    _made.append(data_dir)
+    return start_server(data_dir, [model], args, launcher=["env", "-C", tree] if tree else ())
+
+
+def run_config(args, base: Path, dtype: str, threads: int) -> dict:
+    torch.set_num_threads(threads)
+    server_args = ["--threads", str(threads), "--engine", args.engine, "--dtype", dtype]
+    with ExitStack() as stack:
+        servers = {"tinkerd": serve(base, "tinkerd", args.model, server_args, None)}
+        stack.callback(servers["tinkerd"].stop)
+        if args.baseline_tree:
+            servers["baseline"] = serve(base, "baseline", args.model, server_args, args.baseline_tree)
+            stack.callback(servers["baseline"].stop)
+        from transformers import AutoConfig
+
+        from tinkerd.engine.model.registry import cache_dir_for
+
+        model_dir = cache_dir_for(args.model, base / "models")
+        model_dir = str(model_dir) if model_dir.exists() else args.model
+        config = AutoConfig.from_pretrained(model_dir)
+        batch = make_batch(config.vocab_size, args.rows, args.tokens)
+        sides = {"tinkerd (SDK->HTTP->engine)": TinkerdSDK(servers["tinkerd"].url, args.model, args.rank, batch)}
+        if "baseline" in servers:
+            sides[f"tinkerd @ {args.baseline_tree}"] = TinkerdSDK(servers["baseline"].url, args.model, args.rank, batch)
+        sides["HF+PEFT in-process, tuned"] = HFPeft(model_dir, args.rank, batch, dtype, args.hf_adamw)
+        load_before = load_average()
+        probes = [gemm_rate(args.rows * args.tokens, config.hidden_size, DTYPES[dtype])]
+        for side in sides.values():  # one warm-up step each: first-step allocations, lazy inits
+            side.step()
+        engine0 = engine_seconds(servers["tinkerd"].url)
+        run = interleave({name: side.step for name, side in sides.items()}, args.rounds, args.steps,
+                         [s.proc.pid for s in servers.values()])
+        engine1 = engine_seconds(servers["tinkerd"].url)
+        probes.append(gemm_rate(args.rows * args.tokens, config.hidden_size, DTYPES[dtype]))
+    ceiling, cpu_ceiling = (max(p[i] for p in probes) for i in (0, 1))
+    flops = step_flops(config, args.rank, args.rows, args.tokens)
+    tokens = args.rows * args.tokens
+    print(f"\n== dtype={dtype} threads={threads} model={args.model} engine={args.engine} batch={args.rows}x{args.tokens} "
+          f"rank={args.rank} steps/side={args.rounds * args.steps} cpus={os.cpu_count()}")
+    print(f"load average before: {load_before}, after: {load_average()}; CPU used by other processes during the "
+          f"run: {run.other_cpu_s:.1f} s over {run.wall_s:.1f} s wall")
+    print(f"F = {flops / 1e9:.1f} GFLOP per step; ceiling ({dtype} GEMM, {threads} threads) {ceiling / 1e9:.1f} GFLOP "
+          f"per second of wall time, {cpu_ceiling / 1e9:.1f} per CPU-second")
+    rates, cpu_rates = {}, {}
+    for name, ts in run.times.items():
+        med, cpu = float(np.median(ts)), float(np.median(run.cpu[name]))
+        rates[name], cpu_rates[name] = tokens / med, tokens / cpu
+        print(f"{name:36s} median step {med * 1e3:8.1f} ms  {rates[name]:8.1f} tokens/s  "
+              f"{100 * flops / med / ceiling:5.1f}% of ceiling   CPU {cpu:6.2f} s/step  {cpu_rates[name]:7.1f} tokens/CPU-s  "
+              f"{100 * flops / cpu / cpu_ceiling:5.1f}% of the CPU-time ceiling")
+    # Where the tinkerd side's step goes: the engine's own time per op (its /metrics) and the rest
+    # (SDK, HTTP, control, the pipe to the engine process, snapshots).
+    per_op = {k: (engine1[k][0] - engine0.get(k, (0, 0))[0]) / max(1, engine1[k][1] - engine0.get(k, (0, 0))[1])
+              for k in ("ForwardBackward", "OptimStep") if k in engine1}
+    first = next(iter(run.times))
+    rest = float(np.mean(run.times[first])) - sum(per_op.values())
+    print("tinkerd step, mean: " + ", ".join(f"engine {k} {v * 1e3:.0f} ms" for k, v in per_op.items())
+          + f", the rest {rest * 1e3:.0f} ms")
+    names = list(rates)
+    pairs = [(n, names[-1]) for n in names[:-1]] + ([(names[0], names[1])] if len(names) == 3 else [])
+    for a, b in pairs:
+        print(f"ratio {a} / {b}: {rates[a] / rates[b]:.3f} (wall), {cpu_rates[a] / cpu_rates[b]:.3f} (CPU)")
+    return {"dtype": dtype, "threads": threads, "rates": rates, "cpu_rates": cpu_rates,
+            "pct": {n: 100 * flops * r / tokens / ceiling for n, r in rates.items()},
+            "cpu_pct": {n: 100 * flops * r / tokens / cpu_ceiling for n, r in cpu_rates.items()}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
-    ap.add_argument("--data-dir", default="/tmp/tinkerd-bench", help="reused, so the model is converted once")
+    ap.add_argument("--data-dir", default="/tmp/tinkerd-bench", help="its models/ is reused, so a model is converted once")
     ap.add_argument("--rows", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--rank", type=int, default=32)
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", default="1", help="comma-separated thread counts, one interleaved run each")
+    ap.add_argument("--dtypes", default="float32", help="comma-separated: float32,bfloat16")
     ap.add_argument("--rounds", type=int, default=4, help="A B rounds; each side runs --steps steps per round")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--engine", choices=["process", "thread"], default="process")
+    ap.add_argument("--hf-adamw", choices=["foreach", "fused"], default="foreach")
+    ap.add_argument("--baseline-tree", default=None, help="also run a server from this checkout (e.g. /work/main)")
     args = ap.parse_args()
-
-    torch.set_num_threads(args.threads)
+    if "glibc.malloc.hugetlb" not in os.environ.get("GLIBC_TUNABLES", ""):
+        # The tunable is read at process start: re-exec with it, as the engine process is started.
+        os.execve(sys.executable, [sys.executable, *sys.argv], with_huge_pages(os.environ))
+    keep_freed_memory()  # the HF side runs in this process
     os.environ.setdefault("TINKER_TELEMETRY", "0")
-    server = start_server(Path(args.data_dir), [args.model], ["--threads", str(args.threads), "--engine", args.engine])
-    try:
-        from tinkerd.engine.model.registry import cache_dir_for
-
-        model_dir = cache_dir_for(args.model, Path(args.data_dir) / "models")
-        model_dir = str(model_dir) if model_dir.exists() else args.model
-        from transformers import AutoConfig
-
-        vocab = AutoConfig.from_pretrained(model_dir).vocab_size
-        batch = make_batch(vocab, args.rows, args.tokens)
-        sides = {"tinkerd (SDK->HTTP->engine)": TinkerdSDK(server.url, args.model, args.rank, batch),
-                 "HF+PEFT in-process": HFPeft(model_dir, args.rank, batch)}
-        run = interleave({name: side.step for name, side in sides.items()}, args.rounds, args.steps, server.proc.pid)
-    finally:
-        server.stop()
-
-    print(f"model={args.model} engine={args.engine} batch={args.rows}x{args.tokens} rank={args.rank} threads={args.threads} "
-          f"steps/side={args.rounds * args.steps} cpus={os.cpu_count()}")
-    print(f"CPU used by other processes during the run: {run.other_cpu_s:.1f} s over {run.wall_s:.1f} s wall")
-    a, b = run.print_rates(args.rows * args.tokens, 32).values()
-    print(f"ratio tinkerd / HF+PEFT: {a / b:.3f}")
+    base = Path(args.data_dir).resolve()
+    (base / "models").mkdir(parents=True, exist_ok=True)
+    share_models((base / "models").resolve())
+    summary = []
+    for dtype in args.dtypes.split(","):
+        for threads in [int(t) for t in args.threads.split(",")]:
+            summary.append(run_config(args, base, dtype, threads))
+    for path in _made:  # models/ stays for the next run
+        shutil.rmtree(path, ignore_errors=True)
+    print("\n| dtype | threads | " + " | ".join(f"{n} tok/s (% ceiling; tok/CPU-s, % CPU-time ceiling)"
+                                              for n in summary[0]["rates"])
+          + " | tinkerd / HF, wall | tinkerd / HF, CPU |")
+    print("|---|---|" + "---|" * (len(summary[0]["rates"]) + 2))
+    for s in summary:
+        names = list(s["rates"])
+        cells = " | ".join(f"{s['rates'][n]:.1f} ({s['pct'][n]:.0f}%; {s['cpu_rates'][n]:.1f}, {s['cpu_pct'][n]:.0f}%)"
+                           for n in names)
+        wall, cpu = (s[k][names[0]] / s[k][names[-1]] for k in ("rates", "cpu_rates"))
+        print(f"| {s['dtype']} | {s['threads']} | {cells} | {wall:.3f} | {cpu:.3f} |")
 
 
 if __name__ == "__main__":

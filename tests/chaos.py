@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sqlite3
 import random
 import re
 import signal
@@ -16,7 +15,7 @@ import httpx
 import tinker
 from tinker import types
 
-from tests.serverproc import API_KEY
+from tests.serverproc import API_KEY, logged_ops
 
 TINY = "tinkerd/tiny-qwen3"
 
@@ -128,13 +127,10 @@ def recoveries(server_lines: list[str]) -> list[tuple[float, int]]:
 
 def assert_nothing_stranded(url: str, data: Path) -> int:
     """Every future in the store is complete and its result retrievable; returns how many there are."""
-    db = sqlite3.connect(data / "tinkerd.sqlite")
-    try:
-        statuses = dict(db.execute("SELECT status, count(*) FROM futures GROUP BY status").fetchall())
-        ids = [r for (r,) in db.execute("SELECT request_id FROM futures")]
-    finally:
-        db.close()
-    assert set(statuses) == {"complete"}, statuses  # nothing pending, nothing failed
+    rows = logged_ops(data)
+    statuses = {r.status for r in rows}
+    ids = [r.request_id for r in rows]
+    assert statuses == {"complete"}, statuses  # nothing pending, nothing failed
     with httpx.Client(base_url=url, headers={"X-API-Key": API_KEY}, timeout=30) as http:
         for request_id in ids:
             got = http.post("/api/v1/retrieve_future", json={"request_id": request_id})

@@ -50,8 +50,14 @@ class Cluster:
                         "--no-sync", "-E", "UTF8"], check=True, capture_output=True)
         # fsync off: a test cluster need not survive an OS crash; a process kill it does survive.
         opts = f"-k {self.dir} -c listen_addresses='' -c fsync=off -c max_connections=200"
-        subprocess.run([*self._as, pg_ctl, "-D", str(self.data), "-o", opts, "-l", str(self.dir / "log"),
-                        "-w", "start"], check=True, capture_output=True)
+        self._ctl = [*self._as, pg_ctl, "-D", str(self.data), "-o", opts, "-l", str(self.dir / "log"), "-w"]
+        subprocess.run([*self._ctl, "start"], check=True, capture_output=True)
+        self.pid = int((self.data / "postmaster.pid").read_text().split()[0])
+
+    def restart(self) -> None:
+        """A fast restart in place (every session aborted, same data and socket): what an operator's
+        `systemctl restart postgresql` does to the clients."""
+        subprocess.run([*self._ctl, "-m", "fast", "restart"], check=True, capture_output=True)
         self.pid = int((self.data / "postmaster.pid").read_text().split()[0])
 
     def url(self, db: str = "postgres") -> str:

@@ -7,8 +7,15 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
+
+from tinkerd.config import ServerConfig
+from tinkerd.control.store.db import Store
+from tinkerd.control.store.futures import FutureRepository
+from tinkerd.control.store.tables import FutureRow
 
 API_KEY = "tml-tinkerd-test"
 
@@ -45,6 +52,25 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+@contextmanager
+def server_store(data_dir: Path, db_url: str | None = None) -> Iterator[Store]:
+    """The store a server at `data_dir` (or `db_url`) keeps, opened beside it, for tests that read
+    what the server recorded: through the store and its repositories, so the same test reads a
+    PostgreSQL-backed server too, never the SQLite file's SQL."""
+    store = Store.open(ServerConfig(data_dir=Path(data_dir), db_url=db_url))
+    try:
+        yield store
+    finally:
+        store.engine.dispose()
+
+
+def logged_ops(data_dir: Path, target: str | None = None, request_type: str | None = None,
+               status: str | None = None) -> list[FutureRow]:
+    """The op log's rows (control/store/futures.py: FutureRepository.of) of a server's data dir."""
+    with server_store(data_dir) as store:
+        return FutureRepository(store).of(target, request_type, status)
 
 
 def start_server(data_dir: Path, base_models: list[str], extra_args: list[str] = (), timeout_s: float = 300,

@@ -56,6 +56,32 @@ class ProvenanceSpan:
 
 
 @dataclass
+class ImageInput:
+    """One image of a model input (an ImageChunk), expanded by the API into `n_tokens` placeholder
+    positions (the model's image_token_id) starting at `offset`; the engine turns `data` back into
+    pixels with the model's own image processor (engine/model/vision.py)."""
+
+    offset: int
+    n_tokens: int
+    format: str  # "png" | "jpeg", as sent (and checked against the bytes)
+    data: np.ndarray  # uint8, the encoded image as sent
+    grid: tuple[int, int, int]  # (t, h, w) patches, as the processor will make them
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """What the API needs to count a vision-language model's image tokens without the model: its
+    placeholder id and the image processor's patching and pixel bounds (preprocessor_config.json)."""
+
+    image_token_id: int
+    patch_size: int
+    merge_size: int
+    temporal_patch_size: int
+    min_pixels: int
+    max_pixels: int
+
+
+@dataclass
 class Datum:
     """One training example: the model input tokens and the loss inputs aligned to them.
 
@@ -73,6 +99,8 @@ class Datum:
     # never from the client: the sampler's log-prob of each target that is a sampled token, NaN at
     # every other position (prompt targets). Set for stable_reinforce only.
     sampler_logprobs: np.ndarray | None = None
+    # ImageChunks, in order; their placeholder positions are in `tokens` (vision-language models only).
+    images: list[ImageInput] | None = None
 
 
 @dataclass
@@ -136,7 +164,8 @@ class CreateModelOp:
 
 @dataclass
 class SaveWeightsOp:
-    """Write the adapter to `dir_path`; `with_optimizer` for training state, False for sampler."""
+    """Write the adapter to the artifact `dir_path` (a key, tinkerd/artifacts.py); `with_optimizer` for
+    training state, False for sampler."""
 
     model_id: str
     dir_path: str
@@ -238,6 +267,8 @@ class SampleOp:
     # when the last row ends. Set on the queued op only, never logged: after a server restart no
     # reader is left. It changes nothing the sampler computes.
     stream: bool = False
+    # ImageChunks of the prompt, their placeholders in `prompt` (vision-language models only).
+    images: list[ImageInput] | None = None
 
 
 @dataclass
@@ -314,6 +345,8 @@ class StepOutput:
     # (ticket, one TokenDelta per row that generated a token) of streaming requests (SampleOp.stream)
     # in flight in this step, those finishing in it included; empty when no request streams.
     partial: list[tuple[str, list[TokenDelta]]] = field(default_factory=list)
+    # Ops per training pass that served several runs at once (engine/cotrain.py), for /metrics.
+    shared_passes: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -344,6 +377,8 @@ class ServedModel:
     # Where the server's own tokenizer files are (a directory or a hub name): the OpenAI endpoints
     # tokenize and detokenize on the server.
     tokenizer_dir: str = ""
+    # A vision-language model's image token counting (None: text only, image chunks are refused).
+    vision: VisionSpec | None = None
 
 
 # The hosted service's long-context model ids, `<hf id>:peft:<tokens>` (e.g.

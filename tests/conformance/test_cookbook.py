@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import sqlite3
 from pathlib import Path
 
 import numpy as np
@@ -22,10 +21,12 @@ from tinker_cookbook.preference.dpo_datasets import DPODatasetBuilderFromCompari
 from tinker_cookbook.preference.preference_datasets import ComparisonBuilderFromJsonl
 from tinker_cookbook.recipes.math_rl import train as math_rl
 from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig
+from sqlalchemy import select
 from transformers import AutoTokenizer
 
 from tests.conformance.conftest import TINY
-from tests.serverproc import API_KEY
+from tests.serverproc import API_KEY, server_store
+from tinkerd.control.store.tables import RecordedSampleRow
 from tinkerd.engine.model.tiny import qwen3_tokenizer_dir
 
 pytestmark = pytest.mark.slow
@@ -167,8 +168,7 @@ def test_math_rl_arithmetic_with_its_default_loss_stable_reinforce_raises_reward
         assert "/sampler_weights/" in final
         # Every group's sample request was recorded for the run's session (2 groups x 4 steps).
         session_id = final.removeprefix("tinker://").split(":")[0]
-        with sqlite3.connect(Path(server.data_dir) / "tinkerd.sqlite") as db:
-            assert db.execute("SELECT count(*) FROM recorded_samples WHERE session_id = ?", (session_id,)).fetchone()[0] >= 8
+        assert len(_recorded(server, session_id)) >= 8
         rewards = [m["env/all/reward/total"] for m in steps]
         base, trained = _seeded_rates(server, cookbook_env, final, max_tokens=5)
         print(f"math_rl reward curve {rewards}; seeded rate base {base:.3f} -> trained {trained:.3f}")
@@ -186,15 +186,20 @@ def _starts_with_a_space(response: str, answer: str = "") -> float:
     return float(response.startswith(" "))
 
 
+def _recorded(server, session_id: str) -> list[RecordedSampleRow]:
+    """The session's recorded samples (control/stability.py), oldest first, read through the store."""
+    with server_store(server.data_dir) as store:
+        return store.query(select(RecordedSampleRow).where(RecordedSampleRow.session_id == session_id)
+                           .order_by(RecordedSampleRow.created_at))
+
+
 def _seeded_rates(server, url: str, final_sampler: str, max_tokens: int) -> tuple[float, float]:
     """The stand-in reward's rate over 64 seeded samples of the base model and of the run's final
     weights, on the recipe's own first prompt (read back from the server's record of the run's samples)."""
     from tinker_cookbook import renderers
 
     session_id = final_sampler.removeprefix("tinker://").split(":")[0]
-    with sqlite3.connect(Path(server.data_dir) / "tinkerd.sqlite") as db:
-        prompt = db.execute("SELECT prompt FROM recorded_samples WHERE session_id = ? ORDER BY created_at LIMIT 1",
-                            (session_id,)).fetchone()[0]
+    prompt = _recorded(server, session_id)[0].prompt
     prompt = tinker.types.ModelInput.from_ints(np.frombuffer(prompt, dtype=np.int32).tolist())
     renderer = renderers.get_renderer(RENDERER, tokenizer_utils.get_tokenizer(TINY))
     service = tinker.ServiceClient(base_url=url, api_key=API_KEY)

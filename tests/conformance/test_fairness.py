@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import sqlite3
-
 import tinker
 from tinker import types
 
 from tests.conformance.conftest import TINY
-from tests.serverproc import API_KEY
+from tests.serverproc import API_KEY, logged_ops
 
 
 def test_single_step_of_b_overtakes_fifty_queued_steps_of_a(server):
@@ -24,10 +22,8 @@ def test_single_step_of_b_overtakes_fifty_queued_steps_of_a(server):
         f.result()
     # Order of completion from the server's own log of futures: while B's op waited, A may finish
     # the op already running and at most one more before B's turn comes round.
-    db = sqlite3.connect(server.data_dir / "tinkerd.sqlite")
-    rows = db.execute(
-        "SELECT target, created_at, completed_at FROM futures WHERE target IN (?, ?) AND request_type='ForwardBackward'",
-        (a.model_id, b.model_id)).fetchall()
+    rows = [(r.target, r.created_at, r.completed_at) for m in (a.model_id, b.model_id)
+            for r in logged_ops(server.data_dir, m, "ForwardBackward")]
     (b_created, b_done), = [(c, d) for t, c, d in rows if t == b.model_id]
     a_done_while_b_waited = [d for t, _, d in rows if t == a.model_id and b_created <= d <= b_done]
     assert len(a_done_while_b_waited) <= 2, len(a_done_while_b_waited)

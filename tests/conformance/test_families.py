@@ -1,6 +1,6 @@
 """Model families through a live `tinkerd serve` and the unmodified SDK.
 
-A base model tinkerd cannot serve (a Qwen3-VL: a vision-language family) is refused at start by
+A base model tinkerd cannot serve (a Qwen3-VL-MoE: a vision-language family it does not serve) is refused at start by
 name, with one log line, and the other base models are served (issue 22 item 5). Before, its
 config stopped the engine from starting at all ("Unrecognized configuration class").
 
@@ -15,10 +15,11 @@ import pytest
 import tinker
 from tinker import types
 
+from tests.conformance.sft import next_token_datum
 from tests.serverproc import API_KEY, start_server
 
 DENSE = "tinkerd/tiny-qwen3"
-VL = "tinkerd/tiny-qwen3-vl"
+VL = "tinkerd/tiny-qwen3-vl-moe"
 MOE = "tinkerd/tiny-qwen3-moe"
 
 
@@ -29,22 +30,12 @@ def server(tmp_path_factory):
     srv.stop()
 
 
-@pytest.fixture
-def service_client(server):
-    return tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
-
-
-def _datum(tokens: list[int]) -> types.Datum:
-    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                       loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
-
-
 def test_an_unservable_base_model_is_reported_once_by_name_and_the_others_start(server):
     out = "".join(server.lines)
     assert "Traceback" not in out, out
     mentions = [line for line in server.lines if VL in line and "ready at" not in line]
     assert len(mentions) == 1, out
-    assert "is not served" in mentions[0] and "vision-language" in mentions[0] and "Qwen3VLForConditionalGeneration" in mentions[0]
+    assert "is not served" in mentions[0] and "vision-language" in mentions[0] and "Qwen3VLMoeForConditionalGeneration" in mentions[0]
     ready = next(line for line in server.lines if line.startswith("tinkerd ready at"))
     assert f"serving {DENSE}, {MOE} (not served: {VL})" in ready
 
@@ -64,7 +55,7 @@ def test_a_training_client_on_it_is_a_user_error_naming_the_reason(service_clien
 def test_the_dense_model_beside_it_trains_and_samples(service_client):
     tc = service_client.create_lora_training_client(base_model=DENSE, rank=4, seed=1).result()
     tok = tc.get_tokenizer()
-    data = [_datum(tok.encode("Paris is the capital of France, said the model."))]
+    data = [next_token_datum(tok.encode("Paris is the capital of France, said the model."))]
     losses = []
     for _ in range(6):
         fb = tc.forward_backward(data, "cross_entropy")
@@ -94,7 +85,7 @@ def _train(tc, data, steps: int) -> list[float]:
 
 @pytest.fixture(scope="module")
 def moe_data():
-    return [_datum(TOKENS)]
+    return [next_token_datum(TOKENS)]
 
 
 def test_moe_sl_loss_falls_and_save_state_resumes_exactly(service_client, moe_data):

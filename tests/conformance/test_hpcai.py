@@ -17,7 +17,6 @@ import hashlib
 import json
 import math
 import os
-import sqlite3
 import subprocess
 import sys
 import time
@@ -165,8 +164,9 @@ def test_archive_download_and_bare_names(loop, server):
 def test_unload_model_releases_the_runs_adapter(loop, server):
     assert loop["unloaded"] == loop["model_id"]
     deadline = time.monotonic() + 120  # the release runs in its turn on the worker
-    with sqlite3.connect(server.data_dir / "tinkerd.sqlite") as db:
-        while not db.execute("select 1 from unloaded_runs where model_id = ?", (loop["model_id"],)).fetchall():
+    with httpx.Client(base_url=server.url, headers={"X-API-Key": API_KEY}, timeout=30) as http:
+        # GET /api/v1/engine_status names the caller's runs released from the engine (routes/service.py).
+        while loop["model_id"] not in http.get("/api/v1/engine_status").json()["released_model_ids"]:
             assert time.monotonic() < deadline, "unload_model did not release the run"
             time.sleep(0.5)
 

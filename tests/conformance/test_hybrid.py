@@ -19,6 +19,7 @@ import tinker
 import torch
 from tinker import types
 
+from tests.conformance.sft import next_token_datum
 from tests.serverproc import API_KEY, start_server
 
 HYBRID = "tinkerd/tiny-qwen3.5"
@@ -77,16 +78,6 @@ def server(tmp_path_factory, vlm_dir):
     srv.stop()
 
 
-@pytest.fixture
-def service_client(server):
-    return tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
-
-
-def _datum(tokens: list[int]) -> types.Datum:
-    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                       loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
-
-
 def _train(tc, data, steps: int) -> list[float]:
     futures = []
     for _ in range(steps):
@@ -115,7 +106,7 @@ def test_the_vision_language_checkpoint_is_served_text_only_and_says_so(server, 
 
 def test_sl_loss_falls_and_save_state_resumes_exactly(service_client):
     tc = service_client.create_lora_training_client(base_model=HYBRID, rank=4, seed=3).result()
-    data = [_datum(TOKENS)]
+    data = [next_token_datum(TOKENS)]
     first = _train(tc, data, 8)
     assert first[-1] < 0.5 * first[0], first
     path = tc.save_state("k8").result().path
@@ -128,7 +119,7 @@ def test_sl_loss_falls_and_save_state_resumes_exactly(service_client):
 def trained(server):
     sc = tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
     tc = sc.create_lora_training_client(base_model=HYBRID, rank=4, seed=9).result()
-    _train(tc, [_datum(TOKENS)], 4)
+    _train(tc, [next_token_datum(TOKENS)], 4)
     sampler = tc.save_weights_and_get_sampling_client().result()
     reference = sampler.compute_logprobs(types.ModelInput.from_ints(PROMPT)).result()[1:]
     base = sc.create_sampling_client(base_model=HYBRID).result().compute_logprobs(types.ModelInput.from_ints(PROMPT)).result()[1:]
@@ -198,9 +189,9 @@ def test_qwen3_5_moe_trains_samples_and_its_export_merges(service_client, server
     from tinker_cookbook import weights
 
     tc = service_client.create_lora_training_client(base_model=HMOE, rank=4, seed=5).result()
-    losses = _train(tc, [_datum(TOKENS)], 6)
+    losses = _train(tc, [next_token_datum(TOKENS)], 6)
     assert losses[-1] < 0.5 * losses[0], losses
-    assert "e_frac_with_tokens:mean" in tc.forward([_datum(TOKENS)], "cross_entropy").result().metrics
+    assert "e_frac_with_tokens:mean" in tc.forward([next_token_datum(TOKENS)], "cross_entropy").result().metrics
     sampler = tc.save_weights_and_get_sampling_client().result()
     seq = sampler.sample(types.ModelInput.from_ints(PROMPT), 1, types.SamplingParams(max_tokens=5, temperature=0.0)).result().sequences[0]
     scored = sampler.compute_logprobs(types.ModelInput.from_ints(PROMPT + seq.tokens)).result()

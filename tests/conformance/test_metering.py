@@ -130,6 +130,11 @@ def test_tinkerd_usage_cli(metered):
     assert int(lines["trained_tokens"]) == TRAINED and int(lines["prefill_tokens"]) == PREFILL
     assert int(lines["sampled_tokens"]) == SAMPLED and float(lines["queue_wait_s"]) > 0
     assert "(not billed)" in out
+    # The server's --price-* options, here too: $3 more per million trained tokens adds exactly that.
+    dearer = _tinkerd(metered["data_dir"], "usage", "--account", ACCOUNT, "--price-train-usd-per-mtok", "6",
+                      env=metered["env"])
+    estimate = lambda text: float(text.splitlines()[0].rsplit("$", 1)[1])  # noqa: E731
+    assert estimate(dearer) == pytest.approx(estimate(out) + 3 * TRAINED / 1e6, abs=2e-6)
 
 
 def _usage(metered, *args) -> subprocess.CompletedProcess:

@@ -22,7 +22,8 @@ from tests.conformance.test_retention import (  # the same SDK loop and data
     _train,
 )
 from tests.history import checkout_of
-from tests.serverproc import API_KEY, start_server
+from tinkerd.control.oplog import SCHEMA_VERSION
+from tests.serverproc import API_KEY, logged_ops, start_server
 
 LLAMA = "tinkerd/tiny-llama"
 # Snapshots only at the first optim_step: a restart replays every op after it from the log.
@@ -56,8 +57,7 @@ def _kill(srv) -> None:
 
 
 def _op_versions(data_dir: Path, model_id: str) -> set:
-    with sqlite3.connect(data_dir / "tinkerd.sqlite") as db:
-        return {v for (v,) in db.execute("SELECT op_version FROM futures WHERE target = ?", (model_id,))}
+    return {r.op_version for r in logged_ops(data_dir, model_id)}
 
 
 def test_a_run_recovers_exactly_after_lowering_max_lora_rank(tmp_path):
@@ -120,8 +120,8 @@ def test_a_data_dir_written_before_the_op_log_recovers_after_the_upgrade(tmp_pat
         try:
             step.result()
             rest = [fb.result().metrics["loss:sum"]] + _train(tc, range(4, 6))
-            assert any("converted" in line and "op schema v1" in line for line in new.lines)
-            assert _op_versions(tmp_path, tc.model_id) == {1}  # converted on start, and new ops logged typed
+            assert any("converted" in line and f"op schema v{SCHEMA_VERSION}" in line for line in new.lines)
+            assert _op_versions(tmp_path, tc.model_id) == {SCHEMA_VERSION}  # converted on start, and new ops logged typed
         finally:
             new.stop()
     finally:

@@ -1,6 +1,7 @@
 """Ray placement through the official SDK: two base models, each on its own Ray actor of a real
 local Ray head, trained and sampled at the same time; one actor SIGKILLed mid-loop. Both loops end
-with exactly the losses and samples of uninterrupted runs on the shared server's process engine."""
+with exactly the losses and samples of uninterrupted runs on the shared server's process engine, and
+only the dead actor recovers: the other is neither restarted nor rebuilt."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from tests.serverproc import start_server  # noqa: E402
 BASES = ("tinkerd/tiny-qwen3", "tinkerd/tiny-llama")
 STEPS = 8
 SAMPLE_EVERY = 4
-VICTIM = BASES[1]
+VICTIM, SURVIVOR = BASES[1], BASES[0]
 # The head and the server agree on Ray's token authentication whatever ~/.ray holds: Ray 2.60 turns it
 # on for a cluster when a token file exists there (a `ray.init()` on this machine writes one), and a
 # driver left at the default then fails to connect ("InvalidAuthToken").
@@ -111,5 +112,13 @@ def test_two_base_models_on_two_ray_actors_lose_nothing_when_one_is_killed(serve
             assert results[base].samples == reference[base].samples, base
         assert len(recoveries(srv.lines)) >= 1  # the kill was noticed and recovered from, not missed
         assert _actor_pid(srv.lines, VICTIM) != first_pids[VICTIM]  # Ray restarted it in a new process
+        # Only the dead engine recovered: the survivor's actor never restarted (one ready line, same
+        # pid), every recovery restarted the victim's engine alone, and its run was never replayed.
+        assert sum(f"engine actor of {SURVIVOR} is ready" in line for line in srv.lines) == 1
+        restarted = [line for line in srv.lines if "engine recovered in" in line]
+        assert restarted and all(line.rstrip().endswith(f"restarted the engine(s) of {VICTIM}") for line in restarted), restarted
+        rebuilt = [line for line in srv.lines if re.search(r"rebuilt \d+ adapters from", line)]
+        assert any(results[VICTIM].model_id in line for line in rebuilt), rebuilt
+        assert not any(results[SURVIVOR].model_id in line for line in rebuilt), rebuilt
     finally:
         srv.stop()

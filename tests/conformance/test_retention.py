@@ -9,7 +9,6 @@ import os
 import random
 import signal
 import socket
-import sqlite3
 import time
 
 import pytest
@@ -18,7 +17,7 @@ from tinker import types
 from tinker.lib.api_future_impl import _APIFuture
 
 from tests.conformance.conftest import TINY
-from tests.serverproc import API_KEY, start_server
+from tests.serverproc import API_KEY, logged_ops, start_server
 
 GRACE_S, TOMBSTONE_S = 1, 2
 RETENTION = ["--threads", "1", "--future-retrieved-grace-s", str(GRACE_S), "--future-max-age-s", "60",
@@ -42,9 +41,7 @@ def _train(tc, steps: range) -> list[float]:
 
 
 def _rows(data_dir, model_id: str) -> list[tuple]:
-    with sqlite3.connect(data_dir / "tinkerd.sqlite") as db:
-        return db.execute("SELECT seq_id, request_type, request_id, expired_at FROM futures WHERE target = ? "
-                          "ORDER BY seq_id", (model_id,)).fetchall()
+    return [(r.seq_id, r.request_type, r.request_id, r.expired_at) for r in logged_ops(data_dir, model_id)]
 
 
 def _latest_snapshot(data_dir, model_id: str) -> int:

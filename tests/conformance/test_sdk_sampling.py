@@ -15,18 +15,12 @@ import tinker
 from tinker import types
 
 from tests.conformance.conftest import TINY
+from tests.conformance.sft import next_token_datum
 from tests.serverproc import API_KEY
 
 PROMPT = [9707, 11, 1879, 0, 220, 3555, 13, 1416, 2585, 525, 498, 30]  # 12 ids
 VOCAB = 151669
 GREEDY = types.SamplingParams(max_tokens=8, temperature=0.0, stop=[])
-
-
-def _datum(tokens: list[int]) -> types.Datum:
-    return types.Datum(
-        model_input=types.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
-    )
 
 
 def _mi(tokens: list[int]) -> types.ModelInput:
@@ -47,7 +41,7 @@ def _trained(sc, seed: int, text: list[int]):
     """A training client trained 4 steps (non-zero LoRA B) and its ephemeral sampler."""
     tc = sc.create_lora_training_client(base_model=TINY, rank=8, seed=seed).result()
     for _ in range(4):
-        tc.forward_backward([_datum(text)], "cross_entropy")
+        tc.forward_backward([next_token_datum(text)], "cross_entropy")
         tc.optim_step(types.AdamParams(learning_rate=2e-2))
     return tc, tc.save_weights_and_get_sampling_client().result()
 
@@ -74,7 +68,7 @@ def test_greedy_equals_naive_generate_and_logprobs_equal_the_trainers(trained):
     # The trainer's forward of the whole sequence scores the sampled tokens the same (fp32, 1e-4).
     sampled = sampler.sample(_mi(PROMPT), 2, types.SamplingParams(max_tokens=8, temperature=1.0, seed=3, stop=[])).result()
     for s in [seq, *sampled.sequences]:
-        out = tc.forward([_datum(PROMPT + s.tokens)], "cross_entropy").result()
+        out = tc.forward([next_token_datum(PROMPT + s.tokens)], "cross_entropy").result()
         trainer = out.loss_fn_outputs[0]["logprobs"].to_numpy()[-len(s.tokens):]
         np.testing.assert_allclose(s.logprobs, trainer, atol=1e-4)
 

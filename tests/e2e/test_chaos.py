@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import sqlite3
 import threading
 import time
 
@@ -17,7 +16,7 @@ from safetensors.torch import load_file
 from tinker import types
 
 from tests.chaos import TINY, Killer, engine_pid, recoveries, training_loop
-from tests.serverproc import API_KEY, start_server
+from tests.serverproc import API_KEY, logged_ops, start_server
 from tinkerd.engine.checkpoints import read_adapter
 
 STEPS = 40
@@ -103,10 +102,8 @@ def test_whole_server_sigkilled_and_restarted(reference, tmp_path):
     _assert_same_adapter(_adapter_dir(ref_dir, ref.final_path), _adapter_dir(tmp_path, result.final_path))
 
 
-def _pending(db_path, request_type: str) -> int:
-    with sqlite3.connect(db_path) as db:
-        return db.execute("SELECT count(*) FROM futures WHERE request_type = ? AND status = 'pending'",
-                          (request_type,)).fetchone()[0]
+def _pending(data_dir, request_type: str) -> int:
+    return len(logged_ops(data_dir, request_type=request_type, status="pending"))
 
 
 @pytest.mark.slow
@@ -126,7 +123,7 @@ def test_save_weights_external_accepted_before_a_server_restart_completes_after_
         engine = engine_pid(srv.proc.pid)
         os.kill(engine, signal.SIGSTOP)
         export = tc.save_weights_external("exported")
-        while _pending(tmp_path / "tinkerd.sqlite", "SaveWeightsExternal") == 0:
+        while _pending(tmp_path, "SaveWeightsExternal") == 0:
             time.sleep(0.1)
         os.kill(srv.proc.pid, signal.SIGKILL)
         srv.proc.wait()

@@ -174,7 +174,7 @@ def _wait_gone(pid: int, timeout_s: float = 20) -> None:
 
 @pytest.mark.slow
 def test_engine_sigkilled_inside_a_checkpoint_write(reference, tmp_path, models_dir, capsys):
-    """Exercises the engine-crash recovery path (Control._recover_engine): the in-flight save_state,
+    """Exercises the engine-crash recovery path (control/crashes.py: EngineCrashes.recover): the in-flight save_state,
     never stored, is re-queued and written again; the frozen write's temp dir is swept before the
     rebuild (control/debris.py), so fsck finds nothing. Without the temp-then-rename write the kill
     would leave a half checkpoint under its real name (read_adapter would fail on it)."""

@@ -12,85 +12,36 @@ flattened tokens [B * T, H], so a batch mixing tenants routes its LoRA by token,
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM
 
+from tests.parity.peft_oracle import (logits, loaded_engine, merged_generate, peft_lora_tensors, peft_reference,
+                                      random_adapter, run)
 from tests.parity.test_lora_parity import assert_close_scaled
-from tests.parity.test_moe_parity import EXPERT_PARAMS, peft_lora_tensors
 from tinkerd.engine.engine import Engine
 from tinkerd.engine.model.registry import cache_dir_for
 from tinkerd.engine.sampler import sample as sample_mod
 from tinkerd.engine.sampler.hybrid import HybridBatchCache
 from tinkerd.engine.sampler.sample import Sampler, SamplerConfig
-from tinkerd.types import CreateModelOp, Datum, ForwardBackwardOp, ForwardBackwardResult, LoraSpec, SampleOp, SamplingParams
+from tinkerd.types import Datum, ForwardBackwardOp, ForwardBackwardResult, LoraSpec, SampleOp, SamplingParams
 
 HMOE = "tinkerd/tiny-qwen3.5-moe"
 FULL = LoraSpec(rank=4, alpha=8.0, seed=41)
 SECOND = LoraSpec(rank=2, alpha=4.0, seed=42)
+adapter = functools.partial(random_adapter, base=HMOE)
 
 
 @pytest.fixture(scope="module")
 def hmoe_engine(models_dir) -> Engine:
-    engine = Engine(models_dir)
-    engine.load_base_model(HMOE)
-    return engine
+    return loaded_engine(models_dir, HMOE)
 
 
 @pytest.fixture(scope="module")
 def hmoe_dir(hmoe_engine, models_dir):
     return cache_dir_for(HMOE, models_dir)
-
-
-def run(engine, op):
-    (result,) = engine.run_ops([op])
-    if isinstance(result, Exception):
-        raise result
-    return result
-
-
-def adapter(engine, key: str, spec: LoraSpec, seed: int, scale: float = 0.05):
-    rt = engine.runtime(HMOE)
-    if key not in rt.pool:
-        run(engine, CreateModelOp(key, HMOE, spec))
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for _, b in rt.pool.get(key).weights.values():
-                b.copy_(torch.randn(b.shape, generator=gen) * scale)
-    return rt.pool.get(key)
-
-
-def peft_reference(model_dir, ad, dtype=torch.float64):
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    base.set_experts_implementation("eager")
-    short = {n.rsplit(".", 1)[-1] for n in ad.weights if ".experts." not in n}
-    config = LoraConfig(r=ad.spec.rank, lora_alpha=ad.spec.alpha, lora_dropout=0.0, target_modules=sorted(short),
-                        target_parameters=EXPERT_PARAMS if any(".experts." in n for n in ad.weights) else None)
-    model = get_peft_model(base, config).eval()
-    for name, module in model.base_model.model.named_modules():
-        if not (hasattr(module, "lora_A") and "default" in module.lora_A):
-            continue
-        pname = getattr(module, "parameter_name", None)
-        a, b = ad.weights[f"{name.removesuffix('.base_layer')}.{pname}" if pname else name]
-        with torch.no_grad():
-            if pname:  # A [E, R, in] -> [E*R, in]; B [E, out, R] -> [out, R*E], expert the fast axis
-                module.lora_A["default"].weight.copy_(a.reshape(-1, a.shape[-1]).to(dtype))
-                module.lora_B["default"].weight.copy_(b.permute(1, 2, 0).reshape(b.shape[1], -1).to(dtype))
-            else:
-                module.lora_A["default"].weight.copy_(a.to(dtype))
-                module.lora_B["default"].weight.copy_(b.to(dtype))
-    return model
-
-
-def logits(rt, ids, slots):
-    rt.ctx.set_rows(slots) if len(slots) > 1 else rt.ctx.set_single(slots[0])
-    try:
-        with torch.no_grad():
-            return rt.model(input_ids=ids).logits
-    finally:
-        rt.ctx.clear()
 
 
 def test_logits_logprobs_and_grads_equal_peft(hmoe_engine, hmoe_dir):
@@ -158,13 +109,7 @@ def test_greedy_sampling_of_concurrent_tenants_equals_hf_generate_with_the_merge
     while len(done) < 2:
         done.update(dict(sampler.step()))
     for i, (ad, prompt) in enumerate(zip(ads, prompts)):
-        merged = peft_reference(hmoe_dir, ad, dtype=torch.float32).merge_and_unload().eval()
-        with torch.no_grad():
-            ids = torch.tensor([prompt])
-            out = merged.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
-                                  output_logits=True, return_dict_in_generate=True, eos_token_id=None, pad_token_id=151643)
-        want = out.sequences[0, len(prompt):].tolist()
+        want, lps = merged_generate(hmoe_dir, ad, prompt, 6)
         (seq,) = done[i].sequences
         assert seq.tokens == want, i
-        lps = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.logits, want)]
         np.testing.assert_allclose(seq.logprobs, lps, atol=1e-4)

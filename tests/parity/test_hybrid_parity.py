@@ -11,78 +11,37 @@ layers (sampler/hybrid.py); it is pinned against HF `generate` on the merged ada
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
+from tests.parity.peft_oracle import logits, loaded_engine, merged_generate, peft_reference, random_adapter, run
 from tests.parity.test_lora_parity import assert_close_scaled
 from tinkerd.engine.engine import Engine
 from tinkerd.engine.model.registry import cache_dir_for
 from tinkerd.engine.sampler import sample as sample_mod
 from tinkerd.engine.sampler.hybrid import HybridBatchCache, state_bytes_per_row
 from tinkerd.engine.sampler.sample import Sampler, SamplerConfig
-from tinkerd.types import CreateModelOp, Datum, ForwardBackwardOp, ForwardBackwardResult, LoraSpec, SampleOp, SamplingParams
+from tinkerd.types import Datum, ForwardBackwardOp, ForwardBackwardResult, LoraSpec, SampleOp, SamplingParams
 
 HYBRID = "tinkerd/tiny-qwen3.5"
 LINEAR = ("in_proj_qkv", "in_proj_z", "out_proj")
 FULL = LoraSpec(rank=4, alpha=8.0, seed=31)
 SECOND = LoraSpec(rank=2, alpha=4.0, seed=32, train_mlp=False)
+adapter = functools.partial(random_adapter, base=HYBRID)
 
 
 @pytest.fixture(scope="module")
 def hybrid_engine(models_dir) -> Engine:
-    engine = Engine(models_dir)
-    engine.load_base_model(HYBRID)
-    return engine
+    return loaded_engine(models_dir, HYBRID)
 
 
 @pytest.fixture(scope="module")
 def hybrid_dir(hybrid_engine, models_dir):
     return cache_dir_for(HYBRID, models_dir)
-
-
-def run(engine, op):
-    (result,) = engine.run_ops([op])
-    if isinstance(result, Exception):
-        raise result
-    return result
-
-
-def adapter(engine, key: str, spec: LoraSpec, seed: int, scale: float = 0.05):
-    """An adapter with random non-zero B everywhere, so every LoRA really moves the outputs."""
-    rt = engine.runtime(HYBRID)
-    if key not in rt.pool:
-        run(engine, CreateModelOp(key, HYBRID, spec))
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for _, b in rt.pool.get(key).weights.values():
-                b.copy_(torch.randn(b.shape, generator=gen) * scale)
-    return rt.pool.get(key)
-
-
-def peft_reference(model_dir, ad, dtype=torch.float64):
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    short = sorted({n.rsplit(".", 1)[-1] for n in ad.weights})
-    model = get_peft_model(base, LoraConfig(r=ad.spec.rank, lora_alpha=ad.spec.alpha, lora_dropout=0.0,
-                                            target_modules=short)).eval()
-    for name, module in model.base_model.model.named_modules():
-        if hasattr(module, "lora_A") and "default" in module.lora_A:
-            a, b = ad.weights[name]
-            with torch.no_grad():
-                module.lora_A["default"].weight.copy_(a.to(dtype))
-                module.lora_B["default"].weight.copy_(b.to(dtype))
-    return model
-
-
-def logits(rt, ids, slots):
-    rt.ctx.set_rows(slots) if len(slots) > 1 else rt.ctx.set_single(slots[0])
-    try:
-        with torch.no_grad():
-            return rt.model(input_ids=ids).logits
-    finally:
-        rt.ctx.clear()
 
 
 def test_lora_lands_on_the_deltanet_and_gated_attention_projections(hybrid_engine):
@@ -159,18 +118,6 @@ def test_two_tenants_in_one_batch_equal_each_alone(hybrid_engine):
     assert (logits(rt, ids[:1], [first.slot]) - logits(rt, ids[:1], [second.slot])).abs().max() > 1e-2
 
 
-def _merged_generate(model_dir, ad, prompt: list[int], n: int):
-    """HF generate (greedy) with the adapter merged in (PEFT merge_and_unload, fp32)."""
-    merged = peft_reference(model_dir, ad, dtype=torch.float32).merge_and_unload().eval()
-    with torch.no_grad():
-        ids = torch.tensor([prompt])
-        out = merged.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                              output_logits=True, return_dict_in_generate=True, eos_token_id=None, pad_token_id=151643)
-    tokens = out.sequences[0, len(prompt):].tolist()
-    lps = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.logits, tokens)]
-    return tokens, np.array(lps)
-
-
 PROMPTS = [[9707, 11, 1879, 0, 220, 3555], [785, 6722, 315, 9625, 374, 12095, 13, 576, 1156, 3283, 374], [17]]
 
 
@@ -208,7 +155,7 @@ def test_greedy_sampling_of_concurrent_tenants_equals_hf_generate_with_the_merge
             want_tokens = out.sequences[0, len(prompt):].tolist()
             want_lps = np.array([torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.logits, want_tokens)])
         else:
-            want_tokens, want_lps = _merged_generate(hybrid_dir, ad, prompt, n)
+            want_tokens, want_lps = merged_generate(hybrid_dir, ad, prompt, n)
         (seq,) = done[i].sequences
         assert seq.tokens == want_tokens, i
         np.testing.assert_allclose(seq.logprobs, want_lps, atol=1e-4)

@@ -10,103 +10,33 @@ default on CPU is grouped_mm, which has no fp64 kernel).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM
 
+from tests.parity.peft_oracle import (logits, loaded_engine, merged_generate, peft_lora_tensors, peft_reference,
+                                      random_adapter, run)
 from tests.parity.test_lora_parity import assert_close_scaled
 from tinkerd.engine.engine import Engine
 from tinkerd.engine.model.registry import cache_dir_for
 from tinkerd.engine.sampler import sample as sample_mod
 from tinkerd.engine.sampler.sample import Sampler
-from tinkerd.types import CreateModelOp, Datum, ForwardBackwardOp, ForwardBackwardResult, LoraSpec, SampleOp, SamplingParams
+from tinkerd.types import Datum, ForwardBackwardOp, ForwardBackwardResult, LoraSpec, SampleOp, SamplingParams
 
 MOE = "tinkerd/tiny-qwen3-moe"
-EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+adapter = functools.partial(random_adapter, base=MOE)
 
 
 @pytest.fixture(scope="module")
 def moe_engine(models_dir) -> Engine:
-    engine = Engine(models_dir)
-    engine.load_base_model(MOE)
-    return engine
+    return loaded_engine(models_dir, MOE)
 
 
 @pytest.fixture(scope="module")
 def moe_dir(moe_engine, models_dir):
     return cache_dir_for(MOE, models_dir)
-
-
-def run(engine, op):
-    (result,) = engine.run_ops([op])
-    if isinstance(result, Exception):
-        raise result
-    return result
-
-
-def adapter(engine, key: str, spec: LoraSpec, seed: int, scale: float = 0.05):
-    """An adapter with random non-zero B everywhere, so the expert LoRA really moves the outputs."""
-    rt = engine.runtime(MOE)
-    if key not in rt.pool:
-        run(engine, CreateModelOp(key, MOE, spec))
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for _, b in rt.pool.get(key).weights.values():
-                b.copy_(torch.randn(b.shape, generator=gen) * scale)
-    return rt.pool.get(key)
-
-
-def peft_reference(model_dir, ad, dtype=torch.float64):
-    """HF + PEFT with the adapter's tensors copied in; expert A/B converted to ParamWrapper's layout."""
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    base.set_experts_implementation("eager")
-    short = {n.rsplit(".", 1)[-1] for n in ad.weights}
-    config = LoraConfig(r=ad.spec.rank, lora_alpha=ad.spec.alpha, lora_dropout=0.0,
-                        target_modules=sorted(short & {"q_proj", "k_proj", "v_proj", "o_proj", "lm_head"}),
-                        target_parameters=EXPERT_PARAMS if "gate_up_proj" in short else None)
-    model = get_peft_model(base, config).eval()
-    for name, module in model.base_model.model.named_modules():
-        if not (hasattr(module, "lora_A") and "default" in module.lora_A):
-            continue
-        pname = getattr(module, "parameter_name", None)
-        a, b = ad.weights[f"{name.removesuffix('.base_layer')}.{pname}" if pname else name]
-        with torch.no_grad():
-            if pname:  # A [E, R, in] -> [E*R, in]; B [E, out, R] -> [out, R*E], expert the fast axis
-                module.lora_A["default"].weight.copy_(a.reshape(-1, a.shape[-1]).to(dtype))
-                module.lora_B["default"].weight.copy_(b.permute(1, 2, 0).reshape(b.shape[1], -1).to(dtype))
-            else:
-                module.lora_A["default"].weight.copy_(a.to(dtype))
-                module.lora_B["default"].weight.copy_(b.to(dtype))
-    return model
-
-
-def peft_lora_tensors(model, ad) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """The reference's LoRA tensors (grads included) under tinkerd's names and layouts."""
-    out = {}
-    for name, module in model.base_model.model.named_modules():
-        if not (hasattr(module, "lora_A") and "default" in module.lora_A):
-            continue
-        pname = getattr(module, "parameter_name", None)
-        a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
-        if pname:
-            e = module.num_experts
-            out[f"{name.removesuffix('.base_layer')}.{pname}"] = (
-                a.grad.reshape(e, -1, a.shape[-1]), b.grad.reshape(b.shape[0], -1, e).permute(2, 0, 1))
-        else:
-            out[name] = (a.grad, b.grad)
-    assert set(out) == set(ad.weights)
-    return out
-
-
-def logits(rt, ids, slots):
-    rt.ctx.set_rows(slots) if len(slots) > 1 else rt.ctx.set_single(slots[0])
-    try:
-        with torch.no_grad():
-            return rt.model(input_ids=ids).logits
-    finally:
-        rt.ctx.clear()
 
 
 FULL = LoraSpec(rank=4, alpha=8.0, seed=21)
@@ -183,18 +113,6 @@ def test_two_tenants_in_one_batch_equal_each_alone(moe_engine):
     assert (logits(rt, ids[:1], [first.slot]) - logits(rt, ids[:1], [second.slot])).abs().max() > 1e-2
 
 
-def _merged_generate(moe_dir, ad, prompt: list[int], n: int):
-    """HF generate (greedy) on the base with the adapter merged in (PEFT merge_and_unload, fp32)."""
-    merged = peft_reference(moe_dir, ad, dtype=torch.float32).merge_and_unload().eval()
-    with torch.no_grad():
-        ids = torch.tensor([prompt])  # an explicit mask: generate would take token 0 in the prompt for padding
-        out = merged.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                              output_logits=True, return_dict_in_generate=True, eos_token_id=None, pad_token_id=151643)
-    tokens = out.sequences[0, len(prompt):].tolist()
-    lps = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.logits, tokens)]
-    return tokens, np.array(lps)
-
-
 def test_greedy_sampling_of_two_tenants_equals_hf_generate_with_the_merged_adapter(moe_engine, moe_dir, monkeypatch):
     rt = moe_engine.runtime(MOE)
     ads = [adapter(moe_engine, "moe-full", FULL, seed=1),
@@ -211,7 +129,7 @@ def test_greedy_sampling_of_two_tenants_equals_hf_generate_with_the_merged_adapt
     while len(done) < 2:
         done.update(dict(sampler.step()))
     for i, (ad, prompt) in enumerate(zip(ads, prompts)):
-        want_tokens, want_lps = _merged_generate(moe_dir, ad, prompt, 6)
+        want_tokens, want_lps = merged_generate(moe_dir, ad, prompt, 6)
         (seq,) = done[i].sequences
         assert seq.tokens == want_tokens, i
         np.testing.assert_allclose(seq.logprobs, want_lps, atol=1e-4)

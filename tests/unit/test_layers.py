@@ -26,6 +26,8 @@ FORBIDDEN = {
     "types.py": {"tinkerd.api", "tinkerd.control", "tinkerd.engine", "tinkerd.cli", "torch"},
     "errors.py": {"tinkerd.api", "tinkerd.control", "tinkerd.engine", "tinkerd.cli", "torch"},
     "lossgraph.py": {"tinkerd.api", "tinkerd.control", "tinkerd.engine", "tinkerd.cli", "torch"},
+    "artifacts.py": {"tinkerd.api", "tinkerd.control", "tinkerd.engine", "tinkerd.cli", "torch"},
+    "images.py": {"tinkerd.api", "tinkerd.control", "tinkerd.engine", "tinkerd.cli", "torch", "transformers"},
 }
 
 

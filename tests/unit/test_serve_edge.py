@@ -29,3 +29,15 @@ def test_defaults():
     assert (u.http.head_timeout_s, u.http.body_timeout_s) == (10, 60)
     assert (u.timeout_keep_alive, u.limit_concurrency, u.backlog, u.h11_max_incomplete_event_size) == (75, 2048, 2048, 16384)
     assert ServerConfig().request_head_timeout_s == 10  # the same defaults without the CLI
+
+
+def test_the_otlp_endpoint_comes_from_the_flag_else_opentelemetrys_variables_read_by_serverconfig(monkeypatch):
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318")
+    assert ServerConfig().otlp_endpoint == "http://collector:4318"
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://traces:4318/v1/traces")
+    assert serve.build_config(_args()).otlp_endpoint == "http://traces:4318/v1/traces"
+    assert serve.build_config(_args("--otlp-endpoint", "http://flag:4318")).otlp_endpoint == "http://flag:4318"
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT")
+    assert ServerConfig().otlp_endpoint is None

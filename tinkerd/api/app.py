@@ -14,11 +14,12 @@ from starlette.requests import ClientDisconnect
 
 from tinkerd.api import openai_schema
 from tinkerd.api.deps import AppState, error_response
+from tinkerd.api.looplag import LoopLag
 from tinkerd.api.routes import account, admin, custom_loss, export, futures, rest, sampling, service, sessions, training
 from tinkerd.api.routes import archive
 from tinkerd.api.routes import metrics, openai
 from tinkerd.api.console import pages as console
-from tinkerd.errors import TinkerdError, UserError
+from tinkerd.errors import Category, TinkerdError, UserError
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +28,10 @@ def create_app(app_state: AppState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         app_state.control.hub.bind_loop(asyncio.get_running_loop())
+        lag = LoopLag(app_state.control.metrics.registry)  # the loop's lag on /metrics (api/looplag.py)
+        lag.start()
         yield
+        await lag.stop()
 
     app = FastAPI(title="tinkerd", lifespan=lifespan)
     app.state.tinkerd = app_state
@@ -50,7 +54,7 @@ def create_app(app_state: AppState) -> FastAPI:
             return openai_schema.error_response(e.status_code, f"{e.detail}", headers=e.headers)
         # Unknown routes (404) and wrong methods (405, with its Allow header) in the SDK's error shape
         # rather than FastAPI's {"detail": ...}: the SDK puts the body in its error's message.
-        category = "user" if e.status_code < 500 else "server"
+        category = Category.USER if e.status_code < 500 else Category.SERVER
         return JSONResponse({"error": f"{e.detail}", "category": category}, status_code=e.status_code,
                             headers=e.headers)
 

@@ -14,6 +14,7 @@ from tinker.proto import tinker_public_pb2 as pb
 
 from tinkerd.api import prompt_scores
 from tinkerd.errors import UserError
+from tinkerd.images import ChunkExpander, ImageLimits
 from tinkerd.types import Datum, ForwardBackwardOp, ForwardBackwardResult, ProvenanceSpan, SampleResult
 
 PROTO_MEDIA_TYPE = "application/x-protobuf"
@@ -68,7 +69,13 @@ def _frombuffer(buf: bytes, dtype: np.dtype, where: str) -> np.ndarray:
     return np.frombuffer(buf, dtype=dtype).copy()
 
 
-def decode_forward_backward(body: bytes) -> ForwardBackwardOp:
+# Image chunks without a model to count them for (fsck's re-decoding of stored wire bodies).
+_NO_IMAGES = ImageLimits(max_bytes=0, max_pixels=0)
+
+
+def decode_forward_backward(body: bytes, vision_of=None, limits: ImageLimits = _NO_IMAGES) -> ForwardBackwardOp:
+    """`vision_of(model_id)` -> (base model name, its VisionSpec or None): how image chunks are
+    expanded (tinkerd/images.py); without it an image chunk is refused."""
     msg = pb.ForwardBackwardRequest()
     try:
         msg.ParseFromString(body)
@@ -77,14 +84,28 @@ def decode_forward_backward(body: bytes) -> ForwardBackwardOp:
     if not msg.model_id:
         raise UserError("ForwardBackwardRequest.model_id is required")
     data = []
+    model: tuple | None = None  # (base model, its VisionSpec), looked up at the first image
+    budget = [limits.max_bytes]  # shared by the request's datums
     for i, d in enumerate(msg.data):
-        tokens = []
-        for chunk in d.model_input:
+        chunks = ChunkExpander("this model", None, limits, budget)
+        for j, chunk in enumerate(d.model_input):
             kind = chunk.WhichOneof("chunk")
-            if kind != "encoded_text":
-                raise UserError(f"datum {i}: {kind} chunks are not supported by tinkerd's text models")
-            tokens.append(_frombuffer(chunk.encoded_text.tokens, np.dtype(np.int32), f"datum {i} tokens"))
-        toks = np.concatenate(tokens).astype(np.int64) if tokens else np.zeros(0, dtype=np.int64)
+            if kind == "encoded_text":
+                chunks.text(_frombuffer(chunk.encoded_text.tokens, np.dtype(np.int32), f"datum {i} tokens"))
+            elif kind == "image":
+                if model is None and vision_of is not None:
+                    model = vision_of(msg.model_id)
+                if model is not None:
+                    chunks.model, chunks.vision = model
+                img = chunk.image
+                if img.HasField("override_dimensions"):  # protobuf only; the SDK never sets it
+                    raise UserError(f"datum {i} chunk {j}: ImageChunk.override_dimensions is not supported; "
+                                    "send the image at the size it should be read at")
+                expected = img.expected_tokens if img.HasField("expected_tokens") else None
+                chunks.image(img.data, img.format, expected, f"datum {i} chunk {j}")
+            else:
+                raise UserError(f"datum {i}: {kind} chunks are not supported by tinkerd")
+        toks = chunks.tokens()
         inputs = {name: decode_tensor(t, f"datum {i} loss_fn_inputs[{name!r}]") for name, t in d.loss_fn_inputs.items()}
         for name, arr in inputs.items():
             # Weights or advantages of inf or NaN make the loss NaN; refused here (a 400) before
@@ -95,7 +116,8 @@ def decode_forward_backward(body: bytes) -> ForwardBackwardOp:
         # records); the cookbook's rl/train.py attaches it to every RL datum whatever the loss.
         data.append(Datum(tokens=toks, loss_fn_inputs=inputs,
                           model_input_spans=_spans(d.model_input_spans, f"datum {i} model_input_spans"),
-                          loss_fn_input_spans=_spans(d.loss_fn_input_spans, f"datum {i} loss_fn_input_spans")))
+                          loss_fn_input_spans=_spans(d.loss_fn_input_spans, f"datum {i} loss_fn_input_spans"),
+                          images=chunks.image_inputs()))
     config: dict[str, float | str] = {k: float(v) for k, v in msg.loss_fn_config.items()}
     for k, v in msg.loss_fn_config_v2.items():
         config[k] = v.text if v.WhichOneof("value") == "text" else float(v.number)

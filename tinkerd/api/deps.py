@@ -19,7 +19,8 @@ from tinkerd.control.control import Control, Work
 from tinkerd.control.runs import Runs
 from tinkerd.control.stability import StabilityRecords
 from tinkerd.control.tokens import InvalidToken, Tokens, looks_like_jwt
-from tinkerd.errors import TinkerdError, UserError
+from tinkerd.errors import AuthError, InvalidTokenError, PayloadTooLarge, TinkerdError, UserError
+from tinkerd.images import ImageLimits
 from tinkerd.types import ServedModel, long_context_id
 
 M = TypeVar("M", bound=pydantic.BaseModel)
@@ -39,6 +40,9 @@ class AppState:
     tokenizers: Callable[[str], Any] | None = None
     # Signs and checks the JWTs of the SDK's auth exchange (control/tokens.py); None: API keys only.
     tokens: Tokens | None = None
+
+    def image_limits(self) -> ImageLimits:
+        return ImageLimits(self.config.max_image_bytes, self.config.max_image_pixels)
 
     def served_model(self, name: str) -> ServedModel:
         """The served model `name` resolves to. A long-context id `<base>:peft:<tokens>` is its base
@@ -62,11 +66,6 @@ class AppState:
                                 f"supports 1 to {model.max_context_length}")
             model = replace(model, max_context_length=limit)
         return model
-
-
-class AuthError(TinkerdError):
-    category = "user"
-    status_code = 401
 
 
 def state(request: Request) -> AppState:
@@ -109,10 +108,6 @@ def _authenticate_jwt(request: Request, st: AppState, token: str) -> None:
     request.state.key_id = row.key_id
 
 
-class InvalidTokenError(AuthError):
-    headers = {"WWW-Authenticate": 'Bearer error="invalid_token"'}
-
-
 def _source(request: Request) -> str:
     """Where a request came from, for the audit log: the peer address (tinkerd does not trust
     X-Forwarded-For, which any client can set)."""
@@ -153,10 +148,6 @@ def _unzstd(body: bytes, limit: int) -> bytes:
     except zstandard.ZstdError as e:
         raise UserError(f"cannot decompress zstd body: {e}") from e
     return bytes(out)
-
-
-class PayloadTooLarge(UserError):
-    status_code = 413
 
 
 # The deepest JSON the SDK sends is 5 levels (asample: prompt.chunks[].tokens[], measured on a whole
@@ -225,7 +216,7 @@ def json_bytes(obj: dict) -> tuple[bytes, str]:
 
 
 def error_response(e: TinkerdError) -> JSONResponse:
-    # `headers`: Retry-After of a 503 StorageUnavailable (errors.py); other errors have none.
+    # `headers`: Retry-After of a 503 StorageUnavailable or a 429 QueueFull (errors.py); others have none.
     return JSONResponse({"error": e.message, "category": e.category}, status_code=e.status_code,
                         headers=getattr(e, "headers", None))
 

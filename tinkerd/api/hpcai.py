@@ -130,18 +130,6 @@ def load_weights_body(body: bytes) -> bytes:
     return json.dumps(obj).encode()
 
 
-def paths_body(body: bytes, *fields: str) -> bytes:
-    """`body` with the named path fields in the tinker form (unchanged bytes when none is hpcai)."""
-    if SCHEME.encode() not in body:
-        return body
-    obj = load_json(body)
-    if isinstance(obj, dict):
-        for f in fields:
-            if f in obj:
-                obj[f] = to_tinker(obj[f])
-    return json.dumps(obj).encode()
-
-
 def retrieve_body(body: bytes) -> bytes:
     """hpcai's retrieve_future names the future's model_id too; the request id alone finds it."""
     if b'"model_id"' not in body:

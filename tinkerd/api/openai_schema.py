@@ -17,20 +17,10 @@ import pydantic
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from tinkerd.errors import UserError
+from tinkerd.errors import OpenAIError
 
 # OpenAI's own bounds for top_logprobs (chat) and logprobs (completions).
 MAX_TOP_LOGPROBS = 20
-
-
-class OpenAIError(UserError):
-    """A 400 that names the offending parameter, as OpenAI's errors do."""
-
-    def __init__(self, message: str, param: str | None = None, status_code: int = 400, code: str | None = None):
-        super().__init__(message)
-        self.param = param
-        self.code = code
-        self.status_code = status_code
 
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",

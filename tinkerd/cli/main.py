@@ -7,8 +7,7 @@ import logging
 import sys
 
 from tinkerd.cli import LOG_FORMAT, accounts, fsck, keys, serve, usage
-from tinkerd.engine.process import EngineStartFailed
-from tinkerd.errors import TinkerdError
+from tinkerd.errors import EngineStartFailed, TinkerdError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,11 +23,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     try:
         return args.func(args)
-    except TinkerdError as e:  # an unknown account or key, a bad value: a message, not a traceback
-        print(f"tinkerd {args.command}: {e.message}", file=sys.stderr)
-        return 1
     except EngineStartFailed as e:  # a model that does not load: the engine's own reason
         print(f"tinkerd {args.command}: the engine could not start: {e}", file=sys.stderr)
+        return 1
+    except TinkerdError as e:  # an unknown account or key, a bad value: a message, not a traceback
+        print(f"tinkerd {args.command}: {e.message}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # Ctrl-C before the server was up (loading, converting): stop, quietly
         print(f"tinkerd {args.command}: interrupted", file=sys.stderr)

@@ -2,166 +2,34 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
-import os
 import socket
 import sys
 import threading
-from pathlib import Path
 from urllib.parse import urlparse
 
 import uvicorn
 
 from tinkerd.cli import LOG_FORMAT
-from tinkerd.config import DEFAULT_BASE_MODEL, ServerConfig
+from tinkerd.cli.flags import add_flags, config_values
+from tinkerd.config import ServerConfig
+from tinkerd.errors import UserError
 
 log = logging.getLogger(__name__)
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("serve", help="run the server on embedded defaults (SQLite, in-process engine)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed in the ready line)")
-    p.add_argument("--data-dir", type=Path, default=None, help="default: $TINKERD_DATA_DIR or ~/.tinkerd")
-    p.add_argument("--db-url", default=None, help="the store: postgresql+psycopg://user:pass@host/db "
-                   "(default: $TINKERD_DB_URL, else SQLite in the data directory)")
-    p.add_argument("--base-model", action="append", dest="base_models", default=None,
-                   help=f"a model to serve; repeatable (default: {DEFAULT_BASE_MODEL})")
-    p.add_argument("--api-key", default=None,
-                   help="register this tml- key for the local account (default: a random key is created on first start)")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
-    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="where the engine computes (default cpu)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                   help="base model and activation dtype (default float32, exact); bfloat16 keeps LoRA weights "
-                        "and AdamW state in fp32 (docs/precision.md)")
-    p.add_argument("--engine", choices=["process", "thread"], default=None,
-                   help="process (default): the engine in its own process, restarted and rebuilt if it dies; "
-                        "thread: in the server process")
-    p.add_argument("--ray-address", default=None,
-                   help="run each base model's engine as a Ray actor on this Ray cluster (an address, 'auto', or "
-                        "'local' for a private Ray on this machine); default: the embedded engine (--engine)")
-    p.add_argument("--ray-num-cpus", type=_positive, default=None, help="CPUs per engine actor (default 1)")
-    p.add_argument("--ray-num-gpus", type=float, default=None, help="GPUs per engine actor (default 0)")
-    p.add_argument("--snapshot-interval-s", type=float, default=None,
-                   help="least seconds between a run's recovery snapshots, taken after an optim_step (default 10)")
-    p.add_argument("--allow-non-finite", action="store_true",
-                   help="apply training steps whose loss, gradients or update are NaN or inf (default: such a "
-                        "step fails with a user error and changes nothing)")
-    p.add_argument("--checkpoint-sweep-interval-s", type=_positive, default=60.0,
-                   help="how often files of expired checkpoints are deleted (default: 60)")
-    p.add_argument("--session-expiry-s", type=float, default=None,
-                   help="release the engine adapters of a session silent (no heartbeat, no request) this long; "
-                        "they are rebuilt exactly on its next op (default 300; 0: never, though an ended session's runs always go at once)")
-    p.add_argument("--ephemeral-samplers-kept", type=_positive_int, default=None,
-                   help="save_weights_and_get_sampling_client samplers kept per session, newest first; "
-                        "older unused ones are deleted (default 4)")
-    p.add_argument("--max-lora-rank", type=_positive_int, default=None,
-                   help="highest LoRA rank create_model and load_weights accept (default 256); runs accepted "
-                        "under a higher one still recover (docs/op-contract.md)")
-    p.add_argument("--max-concurrent-runs", type=_positive_int, default=None,
-                   help="default per-account limit on training runs of open sessions (default: unlimited; "
-                        "per account: tinkerd accounts set-quota)")
-    p.add_argument("--max-tokens-per-minute", type=_positive_int, default=None,
-                   help="default per-account limit on trained+forward+prefill+sampled tokens per minute "
-                        "(default: unlimited); ops over it wait, they never fail")
-    p.add_argument("--quota-window-s", type=_positive, default=None,
-                   help="the tokens-per-minute sliding window (default 60; shorter for tests)")
-    p.add_argument("--sample-kv-cache-gb", type=_positive, default=None,
-                   help="memory the sampler's KV cache may take, in GiB (default: a quarter of the machine's); "
-                        "a sample request needing more alone is refused, others wait for room")
-    p.add_argument("--future-retrieved-grace-s", type=_positive, default=None,
-                   help="a finished future's result is deleted this long after it was first retrieved (default 600)")
-    p.add_argument("--future-max-age-s", type=_positive, default=None,
-                   help="a finished future's result is deleted this long after its op finished, even if never retrieved (default 86400)")
-    p.add_argument("--future-tombstone-s", type=_positive, default=None,
-                   help="an expired future answers 'expired' to its owner this long, then is forgotten (default 86400)")
-    p.add_argument("--recorded-sequence-ttl-s", type=_positive, default=None,
-                   help="sequences sampled with record_stability_info can be trained on (stable_reinforce) this long "
-                        "after sampling or their last use (default 86400)")
-    p.add_argument("--min-free-disk-gb", type=float, default=None,
-                   help="free space (GiB) the data directory keeps for accepted work; under it new sessions and ops "
-                        "are refused with 503 (default: 1, or 5%% of the filesystem if less; 0: never refuse)")
-    p.add_argument("--retrieve-future-timeout-s", type=_positive, default=None,
-                   help="how long retrieve_future holds a pending request before try_again (default 20)")
-    p.add_argument("--no-metrics", dest="metrics", action="store_false",
-                   help="do not serve GET /metrics (default: served without a key; docs/configuration.md)")
-    p.add_argument("--otlp-endpoint", default=None,
-                   help="send OpenTelemetry spans per op to this OTLP/HTTP endpoint (default: "
-                        "$OTEL_EXPORTER_OTLP_ENDPOINT; unset: no tracing)")
-    edge = p.add_argument_group("HTTP connections (docs/configuration.md: behind a proxy)")
-    edge.add_argument("--request-head-timeout-s", type=_positive, default=None,
-                      help="close a connection whose request head is not complete this long after it opened "
-                           "or after the request's first byte (default 10)")
-    edge.add_argument("--request-body-timeout-s", type=_positive, default=None,
-                      help="close a connection whose request body is not complete this long after its head (default 60)")
-    edge.add_argument("--keep-alive-timeout-s", type=_positive, default=None,
-                      help="close an idle kept-alive connection after this long (default 75)")
-    edge.add_argument("--max-connections", type=_positive_int, default=None,
-                      help="open connections before new requests get 503, which the SDK retries (default 2048)")
-    edge.add_argument("--listen-backlog", type=_positive_int, default=None,
-                      help="connections waiting to be accepted (default 2048)")
-    edge.add_argument("--max-request-head-bytes", type=_positive_int, default=None,
-                      help="largest request line plus headers; larger is a 400 (default 16384)")
+    # The usage line would list ~50 flags before each error message; --help lists them.
+    p = sub.add_parser("serve", help="run the server on embedded defaults (SQLite, in-process engine)",
+                       usage="%(prog)s [options]",
+                       description="Every option is a ServerConfig field (tinkerd/config.py, docs/configuration.md).")
+    add_flags(p)
     p.set_defaults(func=run)
 
 
-def _positive(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
 def build_config(args) -> ServerConfig:
-    values = {"host": args.host, "port": args.port}
-    if args.data_dir is not None:
-        values["data_dir"] = args.data_dir.expanduser().resolve()
-    if args.db_url:
-        values["db_url"] = args.db_url
-    if args.base_models:
-        values["base_models"] = args.base_models
-    if args.api_key:
-        values["api_key"] = args.api_key
-    if args.threads:
-        values["torch_threads"] = args.threads
-    if args.engine:
-        values["engine"] = args.engine
-    for name in ("ray_address", "ray_num_cpus", "ray_num_gpus"):
-        if getattr(args, name) is not None:
-            values[name] = getattr(args, name)
-    for name in ("device", "dtype"):
-        if getattr(args, name, None):
-            values[name] = getattr(args, name)
-    if args.snapshot_interval_s is not None:
-        values["snapshot_interval_s"] = args.snapshot_interval_s
-    if args.allow_non_finite:
-        values["allow_non_finite"] = True
-    if args.session_expiry_s is not None:
-        values["session_expiry_s"] = args.session_expiry_s
-    if args.ephemeral_samplers_kept is not None:
-        values["ephemeral_samplers_kept"] = args.ephemeral_samplers_kept
-    for name in ("max_lora_rank", "max_concurrent_runs", "max_tokens_per_minute", "quota_window_s", "retrieve_future_timeout_s",
-                 "sample_kv_cache_gb", "future_retrieved_grace_s", "future_max_age_s", "future_tombstone_s",
-                 "recorded_sequence_ttl_s", "min_free_disk_gb", "request_head_timeout_s", "request_body_timeout_s", "keep_alive_timeout_s",
-                 "max_connections", "listen_backlog", "max_request_head_bytes"):
-        if getattr(args, name) is not None:
-            values[name] = getattr(args, name)
-    if not args.metrics:
-        values["metrics"] = False
-    otlp = args.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
-        "OTEL_EXPORTER_OTLP_ENDPOINT")
-    if otlp:
-        values["otlp_endpoint"] = otlp
-    return ServerConfig(**values)
+    return ServerConfig(**config_values(args))
 
 
 def build_app(config: ServerConfig, client=None):
@@ -170,9 +38,11 @@ def build_app(config: ServerConfig, client=None):
     from tinkerd.api.app import create_app
     from tinkerd.api.deps import AppState
     from tinkerd.api import legacy
+    from tinkerd.artifacts import LocalArtifactStore
     from tinkerd.cli.tokenizers import Tokenizers
     from tinkerd.control.accounts import Accounts
     from tinkerd.control.audit import AuditLog
+    from tinkerd.control.backpressure import QueueBudget
     from tinkerd.control.control import Control
     from tinkerd.control.diskspace import DiskReserve
     from tinkerd.control.quotas import Quotas
@@ -185,22 +55,32 @@ def build_app(config: ServerConfig, client=None):
     from tinkerd.control.store.db import Store
     from tinkerd.control.tokens import Tokens
 
+    from tinkerd.control import replicas
+
     config.data_dir.mkdir(parents=True, exist_ok=True)
-    if client is None:
+    if client is None and config.role != "api":  # an api replica has no engine (docs/deployment.md)
         client = build_engine_client(config)
     store = Store.open(config)
+    replicas.check(config.role, store)
+    worker_id = replicas.worker_id(config.role)
     reserve = DiskReserve(config.data_dir, config.min_free_disk_bytes)
-    recovery = Recovery(store, config.data_dir / "snapshots", snapshot_interval_s=config.snapshot_interval_s)
+    artifacts = LocalArtifactStore(config.data_dir)  # checkpoints, snapshots, exports (tinkerd/artifacts.py)
+    recovery = Recovery(store, artifacts, snapshot_interval_s=config.snapshot_interval_s)
     # One audit log for the accounts' events and the checkpoints': only one instance folds failed
     # authentications in memory, and the audit route reads through it.
     audit = AuditLog(store)
-    runs = Runs(store, config.checkpoints_dir, audit=audit)
+    runs = Runs(store, artifacts, audit=audit)
     runs.reserve = reserve
     control = Control(store, client, recovery, quotas=Quotas(store, config),
                       residency=Residency(store, recovery, config.session_expiry_s),
                       retention=FutureRetention(store, recovery, config.future_retrieved_grace_s,
                                                 config.future_max_age_s, config.future_tombstone_s),
-                      reserve=reserve, runs=runs, ephemeral_samplers_kept=config.ephemeral_samplers_kept)
+                      reserve=reserve, runs=runs, ephemeral_samplers_kept=config.ephemeral_samplers_kept,
+                      worker_id=worker_id)
+    if config.role != "all":
+        replicas.use_database_notifier(control, store)
+    control.budget = QueueBudget(config.max_queued_ops_per_model, config.max_queued_ops)
+    control.scheduler.batch_tokens = config.train_batch_tokens
     if not config.metrics:
         control.metrics.disable()
     if config.otlp_endpoint:
@@ -209,7 +89,7 @@ def build_app(config: ServerConfig, client=None):
         control.metrics.tracer = OpTracer.otlp(config.otlp_endpoint)
     # Crash debris of checkpoint saves, swept with the snapshots' at start and after engine restarts.
     recovery.sweeps.append(lambda: runs.sweep_stale_temp(older_than_s=0))
-    served = {m.name: m for m in client.models()}  # a process engine: waits here until its child is ready
+    served = {m.name: m for m in replicas.served_models(config.role, store, client, worker_id)}
     accounts = Accounts(store, audit)
     records = StabilityRecords(store, config.recorded_sequence_ttl_s)
     control.results.recorders.append(records.record)
@@ -226,6 +106,8 @@ def build_engine_client(config: ServerConfig, wait: bool = True):
     only): return once the child is spawned; its first use waits."""
     from tinkerd.control.engines import EngineRouter
 
+    if config.engine_ranks > 1 and (config.ray_address or config.engine != "process"):
+        raise UserError("--engine-ranks above 1 needs the process engine (no --engine thread, no --ray-address)")
     if config.ray_address:
         from tinkerd.engine.ray_engine import ray_engines, shutdown
 
@@ -234,6 +116,8 @@ def build_engine_client(config: ServerConfig, wait: bool = True):
 
 
 def _embedded_engine_client(config: ServerConfig, wait: bool):
+    from tinkerd.artifacts import LocalArtifactStore
+
     if config.engine == "process":
         from tinkerd.engine.precision import Precision
         from tinkerd.engine.process import EngineSpec, ProcessEngineClient
@@ -242,7 +126,8 @@ def _embedded_engine_client(config: ServerConfig, wait: bool):
         return ProcessEngineClient(EngineSpec(config.models_dir, tuple(config.base_models), config.max_lora_rank,
                                               config.torch_threads, config.sample_kv_cache_bytes,
                                               precision=Precision(config.device, config.dtype),
-                                              log_level=logging.getLogger().getEffectiveLevel(), log_format=LOG_FORMAT),
+                                              log_level=logging.getLogger().getEffectiveLevel(), log_format=LOG_FORMAT,
+                                              ranks=config.engine_ranks, artifacts=LocalArtifactStore(config.data_dir)),
                                    wait=wait)
     import torch
 
@@ -256,7 +141,7 @@ def _embedded_engine_client(config: ServerConfig, wait: bool):
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     engine = Engine(config.models_dir, config.max_lora_rank, SamplerConfig(kv_cache_bytes=config.sample_kv_cache_bytes),
-                    Precision(config.device, config.dtype))
+                    Precision(config.device, config.dtype), LocalArtifactStore(config.data_dir))
     engine.load_base_models(config.base_models)
     return InProcessEngineClient(engine)
 
@@ -267,7 +152,13 @@ def local_key(config: ServerConfig, accounts) -> str | None:
     path = config.data_dir / "local_api_key"
     if config.api_key:
         if accounts.verify(config.api_key) is None:
-            accounts.create_key("serve --api-key", key=config.api_key)
+            from tinkerd.errors import UserError
+
+            try:
+                accounts.create_key("serve --api-key", key=config.api_key)
+            except UserError:  # replicas starting together on one database: another registered it
+                if accounts.verify(config.api_key) is None:
+                    raise
         return config.api_key
     if not accounts.has_keys():
         key = accounts.create_key("local").key
@@ -344,7 +235,7 @@ def run(args) -> int:
     API imports, store, key and hub check run meanwhile on a thread; then the engine's first use
     waits for its child, and recovery replays. Ready (the ready line) is when the app serves."""
     config = build_config(args)
-    client = build_engine_client(config, wait=False)
+    client = build_engine_client(config, wait=False) if config.role != "api" else None
     if config.engine == "process":
         import_sdk_types_without_torch()
     from tinkerd.api.gate import StartupGate
@@ -366,12 +257,14 @@ def run(args) -> int:
         app, control = build_app(config, client)
         state["control"] = control
         runs = app.state.tinkerd.runs
-        state["sweeper"] = CheckpointSweeper(runs, args.checkpoint_sweep_interval_s)
+        if config.role != "api":  # one process deletes expired checkpoints' files: the driver
+            state["sweeper"] = CheckpointSweeper(runs, config.checkpoint_sweep_interval_s)
         state["key"] = local_key(config, app.state.tinkerd.accounts)
         # A resolver can take seconds to fail: asked here, off the loop, while the engine starts.
         state["offline_env"] = " HF_HUB_OFFLINE=1" if hub_unreachable() else ""
         control.start()  # recovery: rebuilds adapters, queues pending ops again
-        state["sweeper"].start()
+        if "sweeper" in state:
+            state["sweeper"].start()
         state["app"] = app
 
     async def main() -> None:
@@ -410,7 +303,7 @@ def run(args) -> int:
                 state["sweeper"].stop()
             if "control" in state:
                 state["control"].stop()
-            else:
+            elif client is not None:
                 client.close()
 
     try:

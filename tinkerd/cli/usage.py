@@ -9,21 +9,23 @@ from __future__ import annotations
 
 import re
 from datetime import datetime, timedelta, timezone
-from pathlib import Path
-
+from tinkerd.cli.flags import add_flags, config_values, pick
 from tinkerd.config import ServerConfig
 from tinkerd.errors import UserError
 
 _AGO = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
 _UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
+PRICES = {name: info for name, info in ServerConfig.model_fields.items() if name.startswith("price_")}
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("usage", help="show metered usage (tokens, checkpoints, storage, compute and queue time) per account")
-    p.add_argument("--data-dir", type=Path, default=None, help="default: $TINKERD_DATA_DIR or ~/.tinkerd")
+    add_flags(p, pick("data_dir"))
     p.add_argument("--account", default=None, help="only this account (by name)")
     p.add_argument("--since", default=None, help="window start: ISO 8601 (UTC unless zoned) or a span ago: 90m, 6h, 7d")
     p.add_argument("--until", default=None, help="window end (exclusive), same forms (default: now)")
+    # The server's --price-* options: the same prices as its billing routes when given the same.
+    add_flags(p.add_argument_group("prices (as tinkerd serve's)"), PRICES)
     p.set_defaults(func=run)
 
 
@@ -44,7 +46,7 @@ def run(args) -> int:
     from tinkerd.control.storage import StorageLedger, gb_hour_buckets, storage_cost_usd
     from tinkerd.control.store.db import Store, utcnow
 
-    config = ServerConfig(**({"data_dir": args.data_dir.expanduser().resolve()} if args.data_dir else {}))
+    config = ServerConfig(**config_values(args, pick("data_dir") | PRICES))
     now = utcnow()
     since = parse_when("--since", args.since, now) if args.since else None
     until = parse_when("--until", args.until, now) if args.until else None

@@ -18,15 +18,21 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from anyio import to_thread
+
 from tinkerd.control import oplog
 from tinkerd.control.bookkeeping import Bookkeeper
+from tinkerd.control.backpressure import QueueBudget
+from tinkerd.control.claims import Claimer
+from tinkerd.control.crashes import EngineCrashes
 from tinkerd.control.diskspace import DiskReserve
 from tinkerd.control.futures import FutureHub
 from tinkerd.control.metering import Meter
 from tinkerd.control.metrics import Metrics
+from tinkerd.control.notify import LocalNotifier, Notifier
 from tinkerd.control.queue import Finalize, OpQueue, QueuedOp, Work
 from tinkerd.control.quotas import Quotas
-from tinkerd.control.recovery import Recovery, UnrecoverableRun
+from tinkerd.control.recovery import Recovery
 from tinkerd.control.residency import Residency
 from tinkerd.control.results import ResultStore
 from tinkerd.control.retention import FutureRetention, forgotten
@@ -34,18 +40,10 @@ from tinkerd.control.scheduler import Picked, Scheduler
 from tinkerd.control.store.db import Store, utcnow
 from tinkerd.control.store.futures import FutureRepository
 from tinkerd.control.store.tables import FutureRow
-from tinkerd.errors import EngineCrashed, ServerError, TinkerdError, UserError
+from tinkerd.errors import EngineCrashed, ServerError, TinkerdError, UnrecoverableRun, UserError
 from tinkerd.types import ServedModel, StepBatch, StepOutput
 
 log = logging.getLogger(__name__)
-
-# Consecutive failed engine starts after a crash before its in-flight ops are failed (~1 min of backoff).
-_MAX_ENGINE_RESTARTS = 20
-# Self-inflicted engine deaths (EngineCrashed.self_inflicted) an op may be in flight for, the last
-# with nothing else in flight, before it is failed instead of run again. An op that kills the engine
-# (one too big for memory, one that hits a native crash) would otherwise be re-queued after every
-# restart and take everyone's in-flight work down with it, forever.
-_POISON_CRASHES = 2
 
 class EngineClient(Protocol):
     """The seam between control and compute.
@@ -58,7 +56,8 @@ class EngineClient(Protocol):
 
     def restart(self) -> float:
         """A fresh engine after a crash (EngineCrashed); returns the seconds it took. Control then
-        rebuilds every adapter through `step` (docs/op-contract.md)."""
+        rebuilds its adapters through `step` (docs/op-contract.md). A router restarts only the
+        engines that died (control/engines.py)."""
         ...
 
     def models(self) -> list[ServedModel]: ...
@@ -77,8 +76,12 @@ class Control:
     def __init__(self, store: Store, engine: EngineClient, recovery: Recovery | None = None,
                  quotas: Quotas | None = None, residency: Residency | None = None,
                  retention: FutureRetention | None = None, reserve: DiskReserve | None = None,
-                 runs=None, ephemeral_samplers_kept: int = 2):
+                 runs=None, ephemeral_samplers_kept: int = 2, worker_id: str | None = None):
         self.store = store
+        # Replicas on one PostgreSQL (docs/deployment.md): `engine` None is an api replica, which
+        # stores ops for the driver and runs none; `worker_id` names the driver, which claims what
+        # api replicas stored (claims.py). Both None: the embedded server, one process.
+        self.worker_id = worker_id
         # What an accepted op's success does (registers checkpoints, creates samplers) in the runs
         # (control/runs.py); without runs (unit tests) only ops without such effects can run.
         self.bookkeeper = Bookkeeper(runs, ephemeral_samplers_kept, self.busy)
@@ -93,16 +96,20 @@ class Control:
         # The data directory's free-space reserve: new work is refused under it (diskspace.py); None
         # never refuses.
         self.reserve = reserve
+        # Bounds on ops waiting (backpressure.py): new work beyond them is answered 429; None never refuses.
+        self.budget: QueueBudget | None = None
         self.queue = OpQueue(lane_of=lambda work: Scheduler.lane_of(work.op))
-        # Ops in flight when the engine died of what it was doing: request_id -> such deaths. The
-        # scheduler runs them apart from other work (scheduler.py), so a death with one alone names it.
+        # Ops suspected of killing the engine: request_id -> such deaths (crashes.py, scheduler.py).
         self._suspects: dict[str, int] = {}
         # Per-account quotas: the scheduler passes over paused accounts; metered usage fills their windows.
         self.scheduler = Scheduler(self.queue, quotas=quotas, suspects=self._suspects,
                                    engine_of=getattr(engine, "engine_key", None))
         self.hub = FutureHub()
+        # Wakes this process's waiters, or every replica's (use_notifier; control/notify.py).
+        self.notifier: Notifier = LocalNotifier(self.hub)
         # The op log's reads and writes for the api layer (retrieve_future's owner check, the legacy conversion).
         self.futures = FutureRepository(store)
+        self.claimer = Claimer(self.futures, worker_id, self._take) if worker_id else None
         self.meter = Meter(store)
         if quotas is not None:
             self.meter.listeners.append(quotas.on_usage)
@@ -112,25 +119,45 @@ class Control:
         self._stopping = threading.Event()
         # Stores finished ops' outcomes, retrying storage faults until they land (results.py).
         self.results = ResultStore(store, self.meter, self.hub, self._stopping.is_set, finalize=self._finalize)
-        # "running", "restarting" (rebuilding after a crash), or "down" (the last restart gave up).
-        self.engine_state = "running"
         # GET /metrics (control/metrics.py): events counted at the calls below, state read when scraped.
         self.metrics = Metrics()
         self.meter.listeners.append(self.metrics.on_usage)
         self.metrics.bind(self)
         self.results.on_stored = self.metrics.completed
+        # Restarts a crashed engine and re-queues or fails what it held (crashes.py).
+        self.crashes = EngineCrashes(engine, recovery, residency, self.metrics, self.queue, self._inflight,
+                                     self._suspects, self._complete)
         # Sampling tickets to stop, handed to the engine with the next step (cancel_future).
         self._cancels: set[str] = set()
         self._cancels_lock = threading.Lock()
 
+    @property
+    def engine_state(self) -> str:
+        """The engine's state: "running", "restarting" (rebuilding after a crash), or "down" (the last restart gave up)."""
+        return self.crashes.state
+
     # -- lifecycle -------------------------------------------------------------------------------
+
+    def use_notifier(self, notifier: Notifier) -> None:
+        """Before start: wake-ups, work and cancels go through `notifier` (store/listen.py on PostgreSQL)."""
+        self.notifier = notifier
+        self.results.hub = notifier  # ResultStore calls its notify() once an outcome is stored
 
     def start(self) -> None:
         """Recover what a previous server process left (adapters, pending ops), then serve."""
+        self.notifier.start()
+        if self.engine is None:
+            return  # an api replica: the driver recovers and runs the ops
+        if self.worker_id is not None:
+            # Every pending op is this driver's now, a previous driver's claims included; ops api
+            # replicas store from here on are left unclaimed for the claimer, which starts after recovery.
+            self.futures.claim_all_pending(self.worker_id)
         if self.recovery is not None:
             self._recover_from_store()
         self._worker = threading.Thread(target=self._run, name="tinkerd-engine", daemon=True)
         self._worker.start()
+        if self.claimer is not None:
+            self.claimer.start()
         if self.residency is not None:
             self.residency.start(self._enqueue_internal, self.busy)
         if self.retention is not None:  # after recovery, which reads the rows it may delete
@@ -142,23 +169,36 @@ class Control:
         report = self.recovery.rebuild_engine(self.engine, skip=released)
         requeued = 0
         for row in self.recovery.pending():
-            reason = self.recovery.failure(row.target)
-            try:
-                if reason is not None:
-                    raise UnrecoverableRun(reason)
-                work = self.recovery.rebuild(row)
-            except TinkerdError as e:  # unreadable record, or its run could not be rebuilt: say why
-                self.store.update(FutureRow, row.request_id, status="failed", error=e.message,
-                                  error_category=e.category, completed_at=utcnow())
-                continue
-            self.queue.put(row.request_id, row.target, row.seq_id, row.request_type, work)
-            requeued += 1
+            if self.worker_id is not None and row.claimed_by != self.worker_id:
+                continue  # stored by an api replica after this driver's claim above: the claimer takes it
+            requeued += self._take(row)
         if report.replayed_ops or requeued:
             log.warning("server recovered: rebuilt %d adapters from %d ops in %.2f s, re-queued %d pending ops",
                         report.models, report.replayed_ops, report.seconds, requeued)
 
+    def _take(self, row: FutureRow) -> bool:
+        """Queue a stored pending op (recovery, or a claim of an api replica's op); False: failed instead."""
+        reason = self.recovery.failure(row.target) if self.recovery is not None else None
+        try:
+            if reason is not None:
+                raise UnrecoverableRun(reason)
+            work = self.recovery.rebuild(row)
+        except TinkerdError as e:  # unreadable record, or its run could not be rebuilt: say why
+            self.store.update(FutureRow, row.request_id, status="failed", error=e.message,
+                              error_category=e.category, completed_at=utcnow())
+            self.notifier.notify(row.request_id, row.target)
+            return False
+        self.queue.put(row.request_id, row.target, row.seq_id, row.request_type, work)
+        return True
+
     def stop(self) -> None:
         self._stopping.set()  # a result stuck on storage is abandoned: it stays pending in the log
+        if self.claimer is not None:
+            self.claimer.stop()
+        self.notifier.close()
+        if self.engine is None:
+            self.metrics.close()
+            return
         if self.retention is not None:
             self.retention.stop()
         if self.residency is not None:
@@ -201,6 +241,8 @@ class Control:
                                 f"since expired; it is not run again. New work needs a new seq_id")
         if self.reserve is not None:  # after the re-send check: a re-sent op is not new work
             self.reserve.check()
+        if self.budget is not None:  # after the re-send check too: what was accepted is never refused
+            self.budget.check(self.queue, target, self.metrics.refused)
         if self.recovery is not None and seq_id is not None:
             reason = self.recovery.failure(target)
             if reason is not None:
@@ -221,6 +263,7 @@ class Control:
             op_version=op_version,
             status="pending",
             created_at=utcnow(),
+            claimed_by=self.worker_id,
         )
         if not self.store.add(row):
             # Lost a race with an identical concurrent submission: return the winner's future.
@@ -228,7 +271,10 @@ class Control:
             if existing is None:
                 raise ServerError("could not store the request")
             return Accepted(existing.request_id, new=False)
-        self.queue.put(request_id, target, seq_id, request_type, work)
+        if self.engine is None:
+            self.notifier.work()  # an api replica: the driver claims it (claims.py)
+        else:
+            self.queue.put(request_id, target, seq_id, request_type, work)
         self.metrics.accepted(request_type, Scheduler.lane_of(work.op), request_id)
         return Accepted(request_id, new=True)
 
@@ -272,19 +318,20 @@ class Control:
         return oplog.dumps(self.bookkeeper.outcome(work.record, result)), oplog.DOMAIN_RESULT
 
     async def retrieve(self, request_id: str, timeout_s: float) -> FutureRow | None:
-        """The future's row once it is done, or still pending after `timeout_s`; None if unknown."""
-        row = self.store.get(FutureRow, request_id)
+        """The future's row once it is done, or still pending after `timeout_s`; None if unknown.
+        A coroutine on the server's loop; every store call goes to the thread pool (api/routes/futures.py)."""
+        row = await to_thread.run_sync(self.store.get, FutureRow, request_id)
         if row is None or row.status != "pending":
-            return self._retrieved(row)
+            return await to_thread.run_sync(self._retrieved, row)
 
         def is_done() -> bool:
             done = self.store.get(FutureRow, request_id)
             return done is not None and done.status != "pending"
 
-        if await self.hub.wait(request_id, timeout_s, is_done):
+        if await self.hub.wait(request_id, timeout_s, lambda: to_thread.run_sync(is_done)):
             # Read again: the wake-up means the result is stored now, whatever an earlier check read
             # (returning that stale pending row cost every op a second round trip and a warning).
-            return self._retrieved(self.store.get(FutureRow, request_id))
+            return await to_thread.run_sync(lambda: self._retrieved(self.store.get(FutureRow, request_id)))
         return row
 
     def cancel(self, row: FutureRow) -> None:
@@ -298,10 +345,19 @@ class Control:
             return
         if row.request_type != "Sample":
             raise UserError(f"only sampling requests can be cancelled; {row.request_id} is a {row.request_type}")
+        if self.engine is None:
+            self.notifier.cancel(row.request_id)  # the driver holds it (cancel_id there)
+            return
         if self.queue.withdraw(row.request_id):
             return
         with self._cancels_lock:
             self._cancels.add(row.request_id)
+
+    def cancel_id(self, request_id: str) -> None:
+        """On the driver, from the notifier: an api replica's cancel_future (checked there)."""
+        row = self.futures.get(request_id)
+        if row is not None and row.request_type == "Sample":
+            self.cancel(row)
 
     def expired_message(self, request_id: str) -> str:
         if self.retention is not None:
@@ -351,15 +407,23 @@ class Control:
             if self.residency is not None:
                 for q in picked.ops:
                     self.residency.before_step(q.op.op, self.engine, self.busy)
+        except EngineCrashed as e:  # died rebuilding a released run: this step's ops never reached it
+            self.crashes.recover(e, unsent={q.request_id for q in picked.ops})
+            return 0
+        try:
             out = self.engine.step(picked.batch)
         except EngineCrashed as e:
-            self._recover_engine(e)
-            return 0
+            self.crashes.recover(e)
+            # Behind a router, only the dead engine's work is lost: the live ones' results complete.
+            out = getattr(e, "output", None)
+            if out is None:
+                return 0
         except Exception as e:  # the engine client itself broke: fail all it holds, keep serving
             log.exception("engine step failed")
             out = StepOutput([(rid, ServerError(f"engine failure: {e}")) for rid in self._inflight], active_rows=0)
         now = time.perf_counter()
         self.scheduler.charge(picked, now - t0)
+        self.metrics.shared_passes(out.shared_passes)
         if self.residency is not None and out.resident is not None:
             self.residency.resident = out.resident
         for request_id, deltas in out.partial:  # before `done`: a stream's last tokens precede its end
@@ -373,58 +437,6 @@ class Control:
             # Wall time in the engine: one step for a training op, admission to last token for a sample.
             self._complete(q, result, now - admitted_at, admitted_at - q.op.accepted_at)
         return out.active_rows
-
-    def _recover_engine(self, crash: Exception) -> None:
-        """The engine process died mid-step: start a new one, rebuild every adapter from snapshots
-        and the log, and queue again everything it held (nothing of it was stored), except an op
-        that has now killed it _POISON_CRASHES times, the last alone: that one is failed."""
-        t0 = time.perf_counter()
-        self.engine_state = "restarting"
-        inflight = [q for q, _ in self._inflight.values()]
-        self._inflight.clear()
-        poison = self._suspect(inflight, crash)
-        for attempt in range(_MAX_ENGINE_RESTARTS):
-            try:
-                restart_s = self.engine.restart()
-                released = self.residency.unloaded if self.residency is not None else ()
-                report = self.recovery.rebuild_engine(self.engine, skip=released) if self.recovery is not None else None
-                self.metrics.engine_recovery("recovered", attempt + 1)
-                break
-            except EngineCrashed as e:  # died again while starting or rebuilding: start over
-                log.warning("engine restart %d failed: %s", attempt + 1, e)
-                time.sleep(min(0.1 * 2**attempt, 5.0))
-        else:
-            # It cannot come back (a model that no longer loads, say): fail what it held, keep serving.
-            self.engine_state = "down"
-            self.metrics.engine_recovery("down", _MAX_ENGINE_RESTARTS)
-            for q in inflight:
-                self._complete(q, ServerError(f"the engine crashed and could not restart: {crash}"), 0.0)
-            return
-        for q in inflight:
-            if q is poison:
-                self._complete(q, UserError(
-                    f"this request was in flight each time the engine process died, {_POISON_CRASHES} times, the last "
-                    f"time alone ({crash}); it is failed so that other work can go on. If it is large (samples x "
-                    f"tokens, or a batch's tokens), send it smaller"), 0.0)
-            else:
-                self.queue.put(q.request_id, q.target, q.seq_id, q.request_type, q.op)
-        self.engine_state = "running"
-        replayed = report.replayed_ops if report else 0
-        log.warning("engine recovered in %.2f s (restart %.2f s) after %s; replayed %d ops, re-queued %d",
-                    time.perf_counter() - t0, restart_s, crash, replayed, len(inflight))
-
-    def _suspect(self, inflight: list[QueuedOp], crash: Exception) -> QueuedOp | None:
-        """Count a self-inflicted death against the ops in flight; returns the op to fail, if any: one
-        in flight alone at its _POISON_CRASHES-th. A SIGKILL from outside counts against nobody."""
-        if not getattr(crash, "self_inflicted", False):
-            return None
-        for q in inflight:
-            self._suspects[q.request_id] = self._suspects.get(q.request_id, 0) + 1
-        if len(inflight) == 1 and self._suspects[inflight[0].request_id] >= _POISON_CRASHES:
-            log.error("failing %s %s: the engine died with it in flight %d times, the last alone",
-                      inflight[0].request_type, inflight[0].request_id, _POISON_CRASHES)
-            return inflight[0]
-        return None
 
     def _complete(self, q: QueuedOp, result: Any, compute_s: float, queue_wait_s: float = 0.0) -> None:
         self._suspects.pop(q.request_id, None)
@@ -453,7 +465,8 @@ class Control:
             reasons.append("a finished op's result cannot be stored")
         if self.engine_state != "running":
             reasons.append(f"engine {self.engine_state}")
-        worker_alive = self._worker is not None and self._worker.is_alive()
+        # An api replica has no worker: the driver's state is its own readyz's.
+        worker_alive = self.engine is None or (self._worker is not None and self._worker.is_alive())
         if not worker_alive:
             reasons.append("engine worker not running")
         return {

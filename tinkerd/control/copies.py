@@ -1,8 +1,8 @@
 """copy_weights: a checkpoint the caller may read (its own, or a published one), copied into a
 training run the caller owns.
 
-The copy is a checkpoint like any other: its own row and its own files (copied into a temporary
-`.<name>.tmp-*` directory and renamed into place, so a crash leaves debris the sweeper clears,
+The copy is a checkpoint like any other: its own row and its own files (copied through the
+ArtifactStore, which makes it visible whole or not at all: a crash leaves debris the sweeper clears,
 never a half copy under the real name), listed, loadable, billed as storage to its owner.
 
 The SDK sends either a session and a model slot (`{session_id}:train:{model_seq_id}` must not
@@ -15,10 +15,7 @@ made. With a session, the copy is in that session's project.
 from __future__ import annotations
 
 import hashlib
-import os
 import secrets
-import shutil
-from pathlib import Path
 
 from tinkerd.control.projects import check_project_id
 from tinkerd.control.runs import Runs, TinkerPath, check_ttl, parse_tinker_path
@@ -69,7 +66,7 @@ def copy_weights(runs: Runs, source_path: str, account_id: str | None, *, sessio
         user_metadata=dict(source_run.user_metadata or {}), created_at=now, last_request_at=now))
     # Never in the engine: marked so, residency does not try to release it or count it as loaded.
     runs.store.add(UnloadedRunRow(model_id=model_id, unloaded_at=now))
-    _copy_files(runs, Path(ckpt.dir_path), runs.checkpoint_dir(dest))
+    _copy_files(runs, runs.key_of(ckpt), runs.checkpoint_key(dest))
     row = runs.register_checkpoint(dest, ttl, ckpt.user_metadata)
     runs._audit_checkpoint("checkpoint_copied", row, source_path=str(source))
     return dest
@@ -94,22 +91,9 @@ def _copy_session(runs: Runs, account_id: str | None, idempotency_key: str | Non
     return runs.owned_session(session_id, account_id).session_id
 
 
-def _copy_files(runs: Runs, src: Path, dst: Path) -> None:
-    if not src.is_dir():
-        raise UserError(f"checkpoint files of {src.name} are missing; it cannot be copied")
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.parent / f".{dst.name}.tmp-{secrets.token_hex(4)}"
-    # Marked as in progress: the sweep after an engine restart takes every other temp dir.
-    with runs.copying(tmp):
-        try:
-            shutil.copytree(src, tmp)
-            os.replace(tmp, dst) if not dst.exists() else _swap(tmp, dst)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _swap(tmp: Path, dst: Path) -> None:
-    """Leftover files under the destination name with no registration (a copy that crashed after
-    its rename): replace them."""
-    shutil.rmtree(dst)
-    os.replace(tmp, dst)
+def _copy_files(runs: Runs, src: str, dst: str) -> None:
+    """The artifact `src` copied to `dst` through the store (written whole or not at all: a crash
+    leaves only what ArtifactStore.sweep_incomplete removes)."""
+    if not runs.artifacts.exists(src):
+        raise UserError(f"checkpoint files of {src.rsplit('/', 1)[-1]} are missing; it cannot be copied")
+    runs.artifacts.copy(src, dst)

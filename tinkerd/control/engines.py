@@ -11,10 +11,12 @@ adapter only ever enters an engine through one (a replay starts with one too). `
 names runs of every base model: each engine gets it, releases what it holds, and a run counts as
 released when every engine says so (an engine that lacks the run says so too).
 
-A crash of any engine fails the whole step (EngineCrashed) and `restart` restarts every engine:
-control's recovery is whole-engine (it re-queues every op in flight, whose results were never
-stored, and replays every run), so a live engine that finished an op in that step must not keep
-its effect. Recovering only the dead engine's runs is left for later (docs/architecture.md §9).
+A crash is the dead engine's alone (`EnginesCrashed`): the router knows which engine died, so the
+step's other sub-batches finish and their results come back with the crash (`output`), together
+with the tickets the dead engine held (`lost`: its ops of that step and its sampling rows) and the
+base models it served. Control re-queues only the lost tickets and rebuilds only the runs of those
+base models (control/recovery.py); `restart` restarts only the engines that died, so a live engine's
+adapters, rows in flight and finished ops are untouched (docs/architecture.md §9).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
-from tinkerd.errors import EngineCrashed, NotFoundError, TinkerdError, UserError
+from tinkerd.errors import EngineCrashed, EnginesCrashed, NotFoundError, TinkerdError, UserError
 from tinkerd.types import CreateModelOp, LoadWeightsOp, ReleaseAdaptersOp, Resident, ServedModel, StepBatch, \
     StepOutput, UnloadModelOp
 
@@ -49,6 +51,7 @@ class EngineRouter:
         self._base_of: dict[str, str] = {}  # model_id -> base model, from the create/load ops routed
         self._admitted: dict[str, int] = {}  # sampling ticket in an engine -> that engine's index
         self._outputs: dict[int, StepOutput] = {}  # each engine's last step output (rows, residents)
+        self._dead: set[int] = set()  # engines that died and were not restarted yet
         self._pool = ThreadPoolExecutor(len(self.engines), thread_name_prefix="tinkerd-router") \
             if len(self.engines) > 1 else None
 
@@ -87,34 +90,56 @@ class EngineRouter:
             for i in range(len(self.engines)):
                 if i in subs and subs[i].admit or self._rows(i) > 0:
                     subs.setdefault(i, StepBatch()).decode = True
-        outputs = self._step_all(subs)
-        partial = []
+        outputs, crashes = self._step_all(subs)
+        partial, shared = [], []
         for i, out in outputs.items():
             self._outputs[i] = out
             partial.extend(out.partial)
+            shared.extend(out.shared_passes)
             for ticket, result in out.done:
                 self._admitted.pop(ticket, None)
                 if ticket in broadcast:
                     broadcast[ticket].append(result)
                 else:
                     done.append((ticket, result))
+        lost = {t for i in crashes for t, _ in subs[i].run} | {t for t, i in self._admitted.items() if i in crashes}
         for ticket, results in broadcast.items():
-            done.append((ticket, _merge_release(results)))
-        return StepOutput(done, active_rows=sum(self._rows(i) for i in range(len(self.engines))),
-                          resident=self._resident(), partial=partial)
+            if ticket not in lost:
+                done.append((ticket, _merge_release(results)))
+        self._dead |= set(crashes)
+        for i in crashes:
+            self._forget(i)
+        output = StepOutput(done, active_rows=sum(self._rows(i) for i in range(len(self.engines))),
+                            resident=self._resident(), partial=partial, shared_passes=shared)
+        if not crashes:
+            return output
+        first = next(iter(crashes.values()))
+        raise EnginesCrashed(str(first), self._bases_of(crashes), frozenset(lost), output,
+                             self_inflicted=any(e.self_inflicted for e in crashes.values())) from first
 
     def restart(self) -> float:
-        """Restart every engine (see the module docstring for why the live ones too)."""
+        """Restart the engines that died (every engine when none is known dead); the live ones keep
+        their adapters and rows. A restart that fails raises EnginesCrashed naming what is still down."""
         t0 = time.perf_counter()
         if len(self.engines) == 1:
             return self.engines[0].restart()
-        self._admitted.clear()
-        self._outputs.clear()
-        self._base_of.clear()  # the replay's create and load ops fill it again
-        errors = [f.exception() for f in [self._pool.submit(e.restart) for e in self.engines]]
-        for error in errors:
-            if error is not None:
+        dead = sorted(self._dead) or list(range(len(self.engines)))
+        for i in dead:
+            self._forget(i)
+        futures = {i: self._pool.submit(self.engines[i].restart) for i in dead}
+        failed: dict[int, BaseException] = {}
+        for i, f in futures.items():
+            if f.exception() is None:
+                self._dead.discard(i)
+            else:
+                failed[i] = f.exception()
+                self._dead.add(i)
+        for i, error in failed.items():
+            if not isinstance(error, EngineCrashed):
                 raise error
+        if failed:
+            first = next(iter(failed.values()))
+            raise EnginesCrashed(str(first), self._bases_of(failed)) from first
         return time.perf_counter() - t0
 
     def models(self) -> list[ServedModel]:
@@ -167,22 +192,33 @@ class EngineRouter:
                         self._routes.setdefault(m.name, i)
         return self._routes
 
-    def _step_all(self, subs: dict[int, StepBatch]) -> dict[int, StepOutput]:
-        """Each engine's sub-batch on its own thread; a crash of any is raised once all returned."""
+    def _step_all(self, subs: dict[int, StepBatch]) -> tuple[dict[int, StepOutput], dict[int, EngineCrashed]]:
+        """Each engine's sub-batch on its own thread: the live engines' outputs and the dead ones' crashes."""
         futures = {i: self._pool.submit(self.engines[i].step, b) for i, b in subs.items()}
-        outputs, crash, error = {}, None, None
+        outputs, crashes, errors = {}, {}, {}
         for i, f in futures.items():
             try:
                 outputs[i] = f.result()
             except EngineCrashed as e:
-                crash = crash or e
+                crashes[i] = e
             except Exception as e:  # noqa: BLE001  raised after the others finished
-                error = error or e
-        if crash is not None:
-            raise crash
-        if error is not None:
-            raise error
-        return outputs
+                errors[i] = e
+        if errors and not crashes:
+            raise next(iter(errors.values()))
+        for i, e in errors.items():  # beside a crash: its state is unknown, so it is restarted and rebuilt too
+            crashes[i] = EngineCrashed(f"engine client failed: {type(e).__name__}: {e}")
+        return outputs, crashes
+
+    def _forget(self, i: int) -> None:
+        """Drop what the router knew of engine i's state (a fresh engine holds nothing; the replay's
+        create and load ops route its runs again)."""
+        self._outputs.pop(i, None)
+        self._admitted = {t: j for t, j in self._admitted.items() if j != i}
+        bases = self._bases_of({i: None})
+        self._base_of = {m: b for m, b in self._base_of.items() if b not in bases}
+
+    def _bases_of(self, engines) -> frozenset[str]:
+        return frozenset(base for base, i in self._route_table().items() if i in engines)
 
     def _rows(self, i: int) -> int:
         out = self._outputs.get(i)

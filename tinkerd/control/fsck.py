@@ -12,7 +12,7 @@ each can go wrong:
   sampling session (prune_ephemeral_samplers deletes the row first), snapshots of a run the store
   does not know;
 - no temp debris of a crashed write: `.<name>.tmp-*` and `.<name>.old-*` next to checkpoints and
-  snapshots (engine/checkpoints.py: write_files_atomically, _swap_into_place), `.build-*` in the
+  snapshots (the local ArtifactStore's put, tinkerd/artifacts.py), `.build-*` in the
   models directory (engine/model/registry.py), `.url_signing.key.*` (api/routes/export.py);
 - no stranded future: a pending op is normal for a stopped server (the next start queues it again),
   so what is checked is that it can run then: its target exists and its stored body parses;
@@ -35,6 +35,7 @@ from typing import Callable
 from sqlalchemy import select
 
 from tinkerd.control import inflight
+from tinkerd.artifacts import LocalArtifactStore, key_of_path
 from tinkerd.control.debris import CHECKPOINT_TEMP, SNAPSHOT_TEMP
 from tinkerd.control.recovery import STATE_CHANGING, Recovery, rebuild_work
 from tinkerd.control.retention import dedupe_prefix
@@ -104,7 +105,8 @@ class Fsck:
         # parse_body(row) raises when a pre-op-log row's wire request no longer decodes (the api layer's
         # codecs, supplied by the caller: control does not parse wire bodies). None skips that check.
         self.parse_body = parse_body
-        self.recovery = Recovery(store, self.snapshots_dir)
+        # fsck checks a stopped server's local data directory: the local store over it (tinkerd/artifacts.py).
+        self.recovery = Recovery(store, LocalArtifactStore(self.data_dir))
 
     # -- checking --------------------------------------------------------------------------------
 
@@ -123,7 +125,7 @@ class Fsck:
             if row.expires_at is not None and row.expires_at <= now:
                 continue  # gone for the API already; the sweeper removes row and files
             report.checkpoints += 1
-            d = Path(row.dir_path)
+            d = self._path(row.dir_path)
             if not d.is_dir():
                 report.problems.append(Problem("missing-checkpoint", str(d), f"{row.tinker_path} is registered "
                                                "but its directory is missing"))
@@ -159,7 +161,7 @@ class Fsck:
         if ephemeral.is_dir():
             # By name: the rows hold absolute paths, and the data directory may be reached another way now.
             rows = self.store.query(select(SamplingSessionRow).where(SamplingSessionRow.adapter_dir.is_not(None)))
-            used = {Path(r.adapter_dir).name for r in rows if Path(r.adapter_dir).parent.name == "_ephemeral"}
+            used = {self._path(r.adapter_dir).name for r in rows if self._path(r.adapter_dir).parent.name == "_ephemeral"}
             used |= inflight.kept_dirs(rows)  # an older inflight save's, kept for requests accepted on it
             for d in _dirs(ephemeral):
                 if d.name not in used:
@@ -201,7 +203,8 @@ class Fsck:
         snap = self.recovery.latest_snapshot(model_id)
         seq = -1
         if snap is not None:
-            seq, path = snap
+            seq, key = snap
+            path = self.data_dir / key
             missing = [f for f in SNAPSHOT_FILES if not (path / f).is_file()]
             if missing:
                 report.problems.append(Problem("unrecoverable-run", model_id, f"the snapshot recovery starts from, "
@@ -245,12 +248,19 @@ class Fsck:
                 report.problems.append(Problem("stranded-future", row.request_id, f"pending {row.request_type} "
                                                f"of {row.target} cannot be rebuilt from its stored body: {why}"))
 
+    def _path(self, stored: str) -> Path:
+        """Where a row's artifact (a key, or a path written before keys) lies in this data directory."""
+        try:
+            return self.data_dir / key_of_path(stored)
+        except ValueError:
+            return Path(stored)
+
     # -- repairing -------------------------------------------------------------------------------
 
     def repair(self, report: Report) -> list[str]:
         """Remove the report's debris; returns one line per action. Registered checkpoints, snapshots
         recovery may use and store rows are never touched."""
-        registered = {os.path.realpath(p) for p in self.store.query(select(CheckpointRow.dir_path))}
+        registered = {os.path.realpath(self._path(p)) for p in self.store.query(select(CheckpointRow.dir_path))}
         done = []
         for p in report.problems:
             if not p.debris:
@@ -283,7 +293,7 @@ def _target(p: Path) -> Path:
 
 def _set_aside(p: Path) -> Path | None:
     """`.<name>.old-*/ckpt` when its real name is empty: the crash came between the two renames of
-    _swap_into_place, so this is the live checkpoint (engine/checkpoints.py)."""
+    the local store's put, so this is the live checkpoint (tinkerd/artifacts.py)."""
     kept = p / "ckpt"
     if ".old-" in p.name and kept.is_dir() and not _target(p).exists():
         return kept

@@ -11,6 +11,7 @@ new tokens as the worker publishes them, then `None` once the result is stored.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import threading
 
 
@@ -26,19 +27,29 @@ class FutureHub:
         self._loop = loop
 
     async def wait(self, request_id: str, timeout_s: float, is_done) -> bool:
-        """Wait until `is_done()` or the timeout. Must run on the bound loop."""
+        """Wait until `is_done()` or the timeout. Must run on the bound loop. `is_done` may return an
+        awaitable (a store read sent to the thread pool, which keeps it off the loop)."""
         with self._lock:
             event = self._events.get(request_id)
             if event is None:
                 event = self._events[request_id] = asyncio.Event()
         # Checked after registering: a completion between the caller's check and now still wakes us.
-        if is_done():
+        if await _value(is_done()):
             return True
         try:
             await asyncio.wait_for(event.wait(), timeout_s)
             return True
         except asyncio.TimeoutError:
-            return is_done()
+            return await _value(is_done())
+
+    def wake_all(self) -> None:
+        """Wake every waiter to read the store again: wake-ups may have been missed (a notifier that
+        reconnected, control/store/listen.py). A waiter whose op is still pending answers try_again."""
+        with self._lock:
+            events, self._events = list(self._events.values()), {}
+        for event in events:
+            if self._loop is not None:
+                self._loop.call_soon_threadsafe(event.set)
 
     def subscribe(self, request_id: str, queue: asyncio.Queue) -> None:
         """Put (request_id, item) on `queue` for every publish, then (request_id, None) when the result
@@ -72,3 +83,7 @@ class FutureHub:
             if event is not None and self._loop is not None:
                 self._loop.call_soon_threadsafe(event.set)
         self.publish(request_id, None)
+
+
+async def _value(result):
+    return await result if inspect.isawaitable(result) else result

@@ -14,12 +14,11 @@ decoding request is exact. docs/compatibility.md states the contract.
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
 from typing import Callable
 
 from sqlalchemy import select, update
 
+from tinkerd.artifacts import adapter_key
 from tinkerd.control.oplog import CreateSampler
 from tinkerd.control.runs import Runs
 from tinkerd.control.store.tables import SamplingSessionRow
@@ -31,7 +30,7 @@ def _seq(sampling_session_id: str) -> int:
 
 def publish(runs: Runs, effect: CreateSampler, keep: int, busy: Callable[[str], bool]) -> list[str]:
     """Create the inflight session of `effect`, make its adapter the run's inflight target, and
-    delete the adapter directories of the run's older inflight saves; returns the deleted dirs.
+    delete the adapter artifacts of the run's older inflight saves; returns the deleted keys.
 
     The newest `keep` saves' directories stay, so a request accepted just before a repoint (its
     row read on the API thread, not queued yet) still finds its files; older ones go only while
@@ -47,13 +46,13 @@ def publish(runs: Runs, effect: CreateSampler, keep: int, busy: Callable[[str], 
     if any(busy(r.sampling_session_id) for r in rows):
         return []
     rows.sort(key=lambda r: _seq(r.sampling_session_id))
-    target = Path(effect.adapter_dir)
+    target = adapter_key(effect.adapter_dir)
     deleted = []
     for row in rows[: max(0, len(rows) - keep)]:
-        d = runs.ephemeral_dir(row.sampling_session_id)  # where that session's own save wrote
-        if d != target and d.is_dir():
-            shutil.rmtree(d, ignore_errors=True)
-            deleted.append(str(d))
+        key = runs.ephemeral_key(row.sampling_session_id)  # where that session's own save wrote
+        if key != target and runs.artifacts.exists(key):
+            runs.artifacts.delete(key)
+            deleted.append(key)
     return deleted
 
 

@@ -61,6 +61,11 @@ class Metrics:
                                        registry=r)
         self.engine_recoveries = Counter("tinkerd_engine_recoveries", "Engine crashes handled, by outcome",
                                          ["outcome"], registry=r)
+        self.ops_refused = Counter("tinkerd_ops_refused", "New ops answered 429 because a queue was over its budget "
+                                   "(control/backpressure.py), by which budget", ["scope"], registry=r)
+        self.shared_pass_runs = Histogram("tinkerd_shared_pass_runs", "Runs whose forward_backward ops shared one "
+                                          "pass over the base model (engine/cotrain.py), per such pass",
+                                          buckets=(2, 3, 4, 6, 8, 16, 32, 64), registry=r)
         self.db_latency = Histogram("tinkerd_db_statement_seconds", "SQL statement duration", ["statement"],
                                     buckets=_DB_BUCKETS, registry=r)
         # OpenTelemetry spans per op (control/tracing.py); None (the default) costs nothing.
@@ -108,6 +113,11 @@ class Metrics:
             return
         self.ops_accepted.labels(request_type, lane).inc()
 
+    def refused(self, scope: str) -> None:
+        """A new op was answered 429: its target's or the server's queue was over its budget."""
+        if self.enabled:
+            self.ops_refused.labels(scope).inc()
+
     def completed(self, q: "QueuedOp", result: Any, compute_s: float, queue_wait_s: float,
                   engine_done: float) -> None:
         """The op's outcome is stored (ResultStore.on_stored, before its callers wake). `engine_done`:
@@ -138,6 +148,11 @@ class Metrics:
                 self.tokens.labels(kind).inc(n)
         if usage.checkpoints:
             self.checkpoints.inc(usage.checkpoints)
+
+    def shared_passes(self, sizes: list[int]) -> None:
+        if self.enabled:
+            for n in sizes:
+                self.shared_pass_runs.observe(n)
 
     def engine_recovery(self, outcome: str, attempts: int) -> None:
         """outcome: "recovered" or "down" (the restarts gave up)."""

@@ -27,12 +27,15 @@ import numpy as np
 import pydantic
 
 from tinkerd import types
+from tinkerd.artifacts import key_of_path
 from tinkerd.errors import ServerError
 
 # Bumped when a stored record would no longer decode to the op it was (a field renamed or removed, a
 # meaning changed); adding a field with a default does not bump it. Rows with op_version NULL hold
 # the pre-v1 form (the raw HTTP body), which cli/serve.py converts once on start (api/legacy.py).
-SCHEMA_VERSION = 1
+# v2: the ops' dir_path, snapshot_dir and adapter_path and CreateSampler.adapter_dir are ArtifactStore
+# keys (tinkerd/artifacts.py), not absolute paths; a v1 record is converted as it is read (_upgrade_v1).
+SCHEMA_VERSION = 2
 
 # The media type a stored domain result carries; any other is wire bytes stored by an older tinkerd,
 # handed out as they are.
@@ -176,7 +179,7 @@ def loads(data: bytes) -> Any:
 def load_record(body: bytes, version: int | None, request_id: str = "?") -> OpRecord:
     """The stored op of a FutureRow; a ServerError naming why when it cannot be read."""
     if version is None:
-        raise ServerError(f"op {request_id} is stored in the pre-v{SCHEMA_VERSION} wire form and was not converted "
+        raise ServerError(f"op {request_id} is stored in the pre-v1 wire form and was not converted "
                           "on start (see the start-up log); it cannot be replayed")
     if version > SCHEMA_VERSION:
         raise ServerError(f"op {request_id} was stored by a newer tinkerd (op schema v{version}, this one reads "
@@ -189,4 +192,24 @@ def load_record(body: bytes, version: int | None, request_id: str = "?") -> OpRe
         raise ServerError(f"op {request_id}'s stored record cannot be read: {e}") from e
     if not isinstance(record, OpRecord):
         raise ServerError(f"op {request_id}'s stored record is a {type(record).__name__}, not an op")
+    if version < 2:
+        try:
+            _upgrade_v1(record)
+        except ValueError as e:
+            raise ServerError(f"op {request_id} (op schema v1) cannot be converted to v{SCHEMA_VERSION}: {e}") from e
     return record
+
+
+# The fields that held an absolute directory path in v1 and hold an artifact key since v2.
+_PATH_FIELDS = ("dir_path", "snapshot_dir", "adapter_path")
+
+
+def _upgrade_v1(record: OpRecord) -> None:
+    """v1 -> v2: every path the record holds becomes the key it names (artifacts.key_of_path reads
+    the key from the path's own layout, so the data directory it was written under does not matter)."""
+    for name in _PATH_FIELDS:
+        value = getattr(record.op, name, None)
+        if isinstance(value, str):
+            setattr(record.op, name, key_of_path(value))
+    if isinstance(record.effect, CreateSampler):
+        record.effect.adapter_dir = key_of_path(record.effect.adapter_dir)

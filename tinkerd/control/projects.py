@@ -24,12 +24,6 @@ def check_project_id(project_id, field: str = "project_id") -> str:
     return check_name(project_id, field)
 
 
-def sessions_in(account_id: str, project_ids: list[str]):
-    """A select of the session ids of the account's sessions in any of these projects."""
-    return select(SessionRow.session_id).where(SessionRow.account_id == account_id,
-                                               SessionRow.project_id.in_(project_ids))
-
-
 def require(store: Store, account_id: str, project_ids: list[str], field: str = "project_id") -> None:
     """NotFoundError naming the first project the account has no session in."""
     for pid in project_ids:

@@ -1,4 +1,5 @@
-"""Recovery: rebuild every training adapter after an engine crash or a server restart.
+"""Recovery: rebuild training adapters after an engine crash (those of the engine that died) or a
+server restart (every one).
 
 An adapter's state is a pure function of its ops in seq_id order, so it is rebuilt from its last
 snapshot plus the write-ahead log of the state-changing ops that completed after it. Failed ops
@@ -7,8 +8,9 @@ change no adapter, so none of those are replayed. Ops still pending are queued a
 nothing happened; their clients were long-polling all along.
 
 Snapshot policy: after an optim_step, when `snapshot_interval_s` has passed since the run's last
-snapshot (default 10 s; the first step always snapshots), the engine writes the adapter and its AdamW state into
-`snapshots/<model_id>/seq-<seq_id>` and drops the older one. Replay is then at most the
+snapshot (default 10 s; the first step always snapshots), the engine writes the adapter and its
+AdamW state as the artifact `snapshots/<model_id>/seq-<seq_id>` (tinkerd/artifacts.py) and drops the
+older one. Replay is then at most the
 ops of one interval plus the forward_backward calls of the step in flight. After every
 load_weights a snapshot is written too, whatever the interval: replay never reads a loaded
 checkpoint again, so deleting it (or its TTL expiring) loses nothing. A run released from the
@@ -26,24 +28,25 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Collection, Iterable
 
 from sqlalchemy import select
 
+from tinkerd.artifacts import ArtifactStore, join
 from tinkerd.control import oplog
-from tinkerd.control.debris import SNAPSHOT_TEMP, sweep_temp
 from tinkerd.control.engines import run_ops
 from tinkerd.control.queue import Work
 from tinkerd.control.store.db import Store, utcnow
 from tinkerd.control.store.tables import FutureRow, TrainingRunRow, UnrecoverableRunRow
-from tinkerd.errors import TinkerdError, UserError
+from tinkerd.errors import TinkerdError, UnrecoverableRun
 from tinkerd.types import LoadWeightsOp, OptimStepOp, base_model_of
 
 log = logging.getLogger(__name__)
 
 # Request types whose completion changed an adapter's state.
 STATE_CHANGING = ("CreateModel", "LoadWeights", "ForwardBackward", "OptimStep")
+# The artifact key prefix of recovery snapshots: snapshots/<model_id>/seq-<seq_id, 12 digits>.
+SNAPSHOTS = "snapshots"
 # Ops after which an adapter has no pending grads, so weights + AdamW state + step are all of it:
 # a snapshot is named after one of them (seq-<its seq_id>).
 SNAPSHOT_POINTS = ("CreateModel", "LoadWeights", "OptimStep")
@@ -61,15 +64,12 @@ def rebuild_work(row: FutureRow) -> Work:
     return Work.of(oplog.load_record(row.body, row.op_version, row.request_id))
 
 
-class UnrecoverableRun(UserError):
-    """An op for a run recovery could not rebuild: the recorded reason, not a retryable fault."""
-
-
 class Recovery:
-    def __init__(self, store: Store, snapshots_dir: Path, rebuild: Callable[[FutureRow], Any] = rebuild_work,
+    def __init__(self, store: Store, artifacts: ArtifactStore, rebuild: Callable[[FutureRow], Any] = rebuild_work,
                  snapshot_interval_s: float = 0.0):
         self.store = store
-        self.snapshots_dir = Path(snapshots_dir)
+        # Where the engine writes snapshots and this lists and reads them (tinkerd/artifacts.py).
+        self.artifacts = artifacts
         # rebuild(row) -> Work: the op log's record decoded (a seam for unit tests of the plan).
         self.rebuild = rebuild
         self.snapshot_interval_s = snapshot_interval_s
@@ -81,12 +81,12 @@ class Recovery:
     # -- snapshots -------------------------------------------------------------------------------
 
     def maybe_snapshot(self, op: Any, seq_id: int | None) -> None:
-        """Attach a snapshot directory to an optim_step when the run's snapshot is due, and to every
+        """Attach a snapshot key to an optim_step when the run's snapshot is due, and to every
         load_weights (replaying a load would need the checkpoint, which may be deleted by then)."""
         if seq_id is None:
             return
         if isinstance(op, LoadWeightsOp):
-            op.snapshot_dir = str(self.snapshot_dir(op.model_id, seq_id))
+            op.snapshot_dir = self.snapshot_key(op.model_id, seq_id)
             return
         if not isinstance(op, OptimStepOp):
             return
@@ -94,10 +94,11 @@ class Recovery:
         if now - self._last_snapshot.get(op.model_id, float("-inf")) < self.snapshot_interval_s:
             return
         self._last_snapshot[op.model_id] = now
-        op.snapshot_dir = str(self.snapshot_dir(op.model_id, seq_id))
+        op.snapshot_dir = self.snapshot_key(op.model_id, seq_id)
 
-    def snapshot_dir(self, model_id: str, seq_id: int) -> Path:
-        return self.snapshots_dir / model_id / f"seq-{seq_id:012d}"
+    @staticmethod
+    def snapshot_key(model_id: str, seq_id: int) -> str:
+        return join(SNAPSHOTS, model_id, f"seq-{seq_id:012d}")
 
     def last_snapshot_point(self, model_id: str) -> int | None:
         """The seq_id of the run's last completed create, load or optim_step: the adapter's weights
@@ -107,29 +108,28 @@ class Recovery:
             FutureRow.status == "complete", FutureRow.seq_id.is_not(None)))
         return max(seqs) if seqs else None
 
-    def latest_snapshot(self, model_id: str) -> tuple[int, Path] | None:
-        """The newest snapshot whose op's result is stored. A snapshot written in the step the
-        process died in belongs to an op that will run again, so it must not be used."""
-        root = self.snapshots_dir / model_id
-        if not root.is_dir():
-            return None
-        # Only whole snapshots carry the seq- name: they are written to a temp name and renamed.
-        seqs = sorted(int(p.name[4:]) for p in root.iterdir() if p.name.startswith("seq-") and p.name[4:].isdigit())
+    def latest_snapshot(self, model_id: str) -> tuple[int, str] | None:
+        """The newest snapshot whose op's result is stored, and its key. A snapshot written in the
+        step the process died in belongs to an op that will run again, so it must not be used."""
+        # The store lists only whole artifacts (tinkerd/artifacts.py).
+        names = [k.rsplit("/", 1)[1] for k in self.artifacts.list(join(SNAPSHOTS, model_id))]
+        seqs = sorted(int(n[4:]) for n in names if n.startswith("seq-") and n[4:].isdigit())
         for seq in reversed(seqs):
             done = self.store.query(select(FutureRow.request_id).where(
                 FutureRow.target == model_id, FutureRow.seq_id == seq,
                 FutureRow.request_type.in_(SNAPSHOT_POINTS), FutureRow.status == "complete"))
             if done:
-                return seq, root / f"seq-{seq:012d}"
+                return seq, self.snapshot_key(model_id, seq)
         return None
 
     # -- rebuilding ------------------------------------------------------------------------------
 
     def replay_plan(self, model_ids: Iterable[str] | None = None, skip: Collection[str] = (),
-                    served: Collection[str] | None = None) -> list[Any]:
-        """Engine ops that rebuild adapters (every run's, or those of `model_ids`; none of `skip`):
-        per run, its snapshot then the logged ops after it. A run that cannot be rebuilt (its base
-        model not in `served`, when given; a stored op that cannot be read) is recorded instead."""
+                    served: Collection[str] | None = None, base_models: Collection[str] | None = None) -> list[Any]:
+        """Engine ops that rebuild adapters (every run's, or those of `model_ids`, or those trained on
+        `base_models`; none of `skip`): per run, its snapshot then the logged ops after it. A run that
+        cannot be rebuilt (its base model not in `served`, when given; a stored op that cannot be
+        read) is recorded instead."""
         stmt = select(FutureRow).where(FutureRow.status == "complete", FutureRow.request_type.in_(STATE_CHANGING))
         if model_ids is not None:
             stmt = stmt.where(FutureRow.target.in_(list(model_ids)))
@@ -141,6 +141,8 @@ class Recovery:
         plan: list[Any] = []
         for model_id, ops in by_model.items():
             run = self.store.get(TrainingRunRow, model_id)
+            if base_models is not None and not self._trained_on(run, ops, base_models):
+                continue  # another engine's run: it is alive and holds it
             if served is not None and run is not None and base_model_of(run.base_model) not in served:
                 self.record_failure(model_id, f"training run {model_id} was trained on {run.base_model}, which this "
                                     f"server does not serve now (tinkerd serve --base-model); its state is kept and "
@@ -152,7 +154,7 @@ class Recovery:
                 if run is None:
                     continue
                 seq, path = snap
-                steps.append(LoadWeightsOp(model_id, base_model_of(run.base_model), str(path), with_optimizer=True))
+                steps.append(LoadWeightsOp(model_id, base_model_of(run.base_model), path, with_optimizer=True))
                 ops = [r for r in ops if r.seq_id is not None and r.seq_id > seq]
             try:
                 steps.extend(self.rebuild(row).op for row in ops)
@@ -162,11 +164,19 @@ class Recovery:
             plan.extend(steps)
         return plan
 
+    def _trained_on(self, run: TrainingRunRow | None, ops: list[FutureRow], base_models: Collection[str]) -> bool:
+        if run is not None:
+            return base_model_of(run.base_model) in base_models
+        try:  # no run row (unit tests of the plan): the create or load op that made the adapter says
+            return getattr(self.rebuild(ops[0]).op, "base_model", None) in base_models
+        except TinkerdError:
+            return True  # unreadable: the plan records why, whichever engine it was on
+
     def sweep_temp(self) -> int:
-        """Remove the temp dirs of snapshot writes a dead engine left (control/debris.py), and run
-        the other sweeps; returns how many snapshot temp dirs went. Only while the engine is fresh:
-        at server start and after an engine restart, before the replay writes new snapshots."""
-        swept = sweep_temp(self.snapshots_dir, SNAPSHOT_TEMP)
+        """Remove what snapshot writes a dead engine left (ArtifactStore.sweep_incomplete), and run
+        the other sweeps; returns how many snapshot temp dirs went. Only while no engine is in a
+        step: at server start and after an engine restart, before the replay writes new snapshots."""
+        swept = self.artifacts.sweep_incomplete(SNAPSHOTS)
         if swept:
             log.info("removed %d snapshot temp dir(s) of writes that never finished", len(swept))
         for sweep in self.sweeps:
@@ -176,12 +186,15 @@ class Recovery:
                 log.exception("sweeping temp dirs before the rebuild failed")
         return len(swept)
 
-    def rebuild_engine(self, engine, skip: Collection[str] = ()) -> RecoveryReport:
+    def rebuild_engine(self, engine, skip: Collection[str] = (), base_models: Collection[str] | None = None
+                       ) -> RecoveryReport:
         """Run the replay plan on a fresh engine (synchronously, before any new work); runs in
-        `skip` (released ones) stay out until their next op. The dead engine's temp dirs go first."""
+        `skip` (released ones) stay out until their next op. `base_models`: rebuild only the runs
+        trained on them (the engines that died behind a router; None: every run). The dead engine's
+        temp dirs go first: no engine is in a step meanwhile, so every temp dir is a dead write's."""
         self.sweep_temp()
         t0 = time.perf_counter()
-        plan = self.replay_plan(skip=skip, served={m.name for m in engine.models()})
+        plan = self.replay_plan(skip=skip, served={m.name for m in engine.models()}, base_models=base_models)
         models = {op.model_id for op in plan}
         failed: set[str] = set()
         if plan:
@@ -194,7 +207,8 @@ class Recovery:
         for model_id in models - failed:
             self.store.delete(UnrecoverableRunRow, model_id)
         report = RecoveryReport(len(models - failed), len(plan), time.perf_counter() - t0)
-        log.info("rebuilt %d adapters from %d ops in %.2f s", report.models, report.replayed_ops, report.seconds)
+        log.info("rebuilt %d adapters from %d ops in %.2f s: %s", report.models, report.replayed_ops, report.seconds,
+                 ", ".join(sorted(models - failed)) or "none")
         return report
 
     def record_failure(self, model_id: str, reason: str) -> None:

@@ -160,7 +160,7 @@ class Residency:
 
     def _snapshot_dir(self, model_id: str) -> str | None:
         seq = self.recovery.last_snapshot_point(model_id)
-        return str(self.recovery.snapshot_dir(model_id, seq)) if seq is not None else None
+        return self.recovery.snapshot_key(model_id, seq) if seq is not None else None
 
     def _reload(self, model_id: str, engine) -> None:
         t0 = time.perf_counter()

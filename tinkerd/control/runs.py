@@ -15,18 +15,15 @@ from __future__ import annotations
 import logging
 import re
 import secrets
-import shutil
 import threading
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 from sqlalchemy import func, or_, select
 
+from tinkerd.artifacts import ArtifactStore, join, key_of_path
 from tinkerd.control.audit import AuditLog
-from tinkerd.control.debris import CHECKPOINT_TEMP, sweep_temp
 from tinkerd.control.storage import StorageLedger
 from tinkerd.control.store.db import Store, utcnow
 from tinkerd.control.store.tables import CheckpointRow, SamplingSessionRow, SessionRow, TrainingRunRow
@@ -42,9 +39,21 @@ LOCAL_OWNER = "local"
 # The protocol's upper bound for checkpoint TTLs. Its lower bound (3600 s on the hosted service) is
 # not enforced: the SDK does not check it either, and short TTLs are useful on a self-hosted server.
 MAX_TTL_SECONDS = 10 * 366 * 24 * 3600
-# The writer's temporary and set-aside directories (engine/checkpoints.py); one older than this is
+# The writer's temporary and set-aside directories (tinkerd/artifacts.py); one older than this is
 # debris of a crash mid-save (saves take seconds), never a save still in progress.
 STALE_TEMP_S = 3600.0
+# Key prefixes (tinkerd/artifacts.py): named checkpoints under checkpoints/<model_id>/<segment>/<name>,
+# ephemeral samplers under checkpoints/_ephemeral/<sampling_session_id>.
+CHECKPOINTS = "checkpoints"
+EPHEMERAL = join(CHECKPOINTS, "_ephemeral")
+
+
+def _parent(value: str | None) -> str | None:
+    """The key prefix an adapter_dir (a key, or a path written before keys) lies under."""
+    try:
+        return key_of_path(value).rsplit("/", 1)[0] if value else None
+    except ValueError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -55,10 +64,6 @@ class TinkerPath:
 
     def __str__(self) -> str:
         return f"tinker://{self.model_id}/{self.segment}/{self.name}"
-
-    @property
-    def checkpoint_id(self) -> str:
-        return f"{self.segment}/{self.name}"
 
 
 def check_name(name: str, field: str = "checkpoint name") -> str:
@@ -96,9 +101,11 @@ def check_ttl(ttl_seconds) -> int | None:
 
 
 class Runs:
-    def __init__(self, store: Store, checkpoints_dir: Path, audit: AuditLog | None = None):
+    def __init__(self, store: Store, artifacts: ArtifactStore, audit: AuditLog | None = None):
         self.store = store
-        self.checkpoints_dir = Path(checkpoints_dir)
+        # Checkpoint files, by key under CHECKPOINTS (tinkerd/artifacts.py): the engine writes them,
+        # control lists, copies and deletes them, both through the store.
+        self.artifacts = artifacts
         # GB-hour storage billing: told when a checkpoint goes (its storage ends then).
         self.storage = StorageLedger(store)
         # Publishing, unpublishing, deleting and copying checkpoints are audited (control/audit.py).
@@ -106,9 +113,6 @@ class Runs:
         # The data directory's free-space reserve (control/diskspace.py): a new session is new work,
         # refused under it. None (tests) never refuses.
         self.reserve = None
-        # Temp dirs of copy_weights calls in progress, which no sweep may take (sweep_stale_temp).
-        self._copying: set[Path] = set()
-        self._copying_lock = threading.Lock()
 
     # -- sessions --------------------------------------------------------------------------------
 
@@ -221,18 +225,23 @@ class Runs:
     #
     # A checkpoint is registered (its row added) only by the finalize step of the op that wrote it,
     # i.e. after the engine renamed the finished directory into place: a row always points at a
-    # whole checkpoint. Expired rows are treated as absent everywhere and removed, with their files,
-    # both lazily (whenever a lookup or listing meets them) and by CheckpointSweeper.
+    # whole checkpoint. Expired rows are treated as absent everywhere at once (lookups and listings
+    # filter them) and removed, with their files, only by CheckpointSweeper: a lookup or a listing
+    # never deletes, so a GET never waits on an rmtree of gigabytes (issue 18: one such GET once held
+    # the event loop, and every long-poll with it).
 
-    def checkpoint_dir(self, path: TinkerPath) -> Path:
-        return self.checkpoints_dir / path.model_id / path.segment / path.name
+    def checkpoint_key(self, path: TinkerPath) -> str:
+        """The artifact key of a named checkpoint: `checkpoints/<model_id>/<segment>/<name>`."""
+        return join(CHECKPOINTS, path.model_id, path.segment, path.name)
+
+    @staticmethod
+    def key_of(row: CheckpointRow) -> str:
+        """A checkpoint row's artifact key (rows written before keys hold the absolute path)."""
+        return key_of_path(row.dir_path)
 
     def checkpoint(self, path: TinkerPath) -> CheckpointRow:
         row = self.store.get(CheckpointRow, str(path))
-        if row is not None and _expired(row, utcnow()):
-            self._remove(row)
-            row = None
-        if row is None:
+        if row is None or _expired(row, utcnow()):
             raise NotFoundError(f"checkpoint {path} does not exist")
         return row
 
@@ -247,16 +256,16 @@ class Runs:
         return row
 
     def register_checkpoint(self, path: TinkerPath, ttl_seconds: int | None, user_metadata: dict | None) -> CheckpointRow:
-        d = self.checkpoint_dir(path)
-        if not d.is_dir():
-            # The engine reported success but the directory is gone (deleted or swept meanwhile):
+        key = self.checkpoint_key(path)
+        if not self.artifacts.exists(key):
+            # The engine reported success but the artifact is gone (deleted or swept meanwhile):
             # fail the save rather than register a checkpoint without files.
             raise ServerError(f"checkpoint {path} was written but its files are missing; save it again")
-        size = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+        size = self.artifacts.size(key)
         now = utcnow()
         row = CheckpointRow(
             tinker_path=str(path), model_id=path.model_id, checkpoint_type=SEGMENT_TYPES[path.segment],
-            name=path.name, dir_path=str(d), created_at=now,
+            name=path.name, dir_path=key, created_at=now,
             expires_at=now + timedelta(seconds=ttl_seconds) if ttl_seconds else None, size_bytes=size,
             public=False, user_metadata={str(k): str(v) for k, v in (user_metadata or {}).items()},
         )
@@ -278,9 +287,9 @@ class Runs:
                          limit: int | None = None, offset: int = 0, account_id: str | None = None,
                          project_id: str | None = None) -> tuple[list[CheckpointRow], int]:
         """A page of live checkpoints (of one account, or all), newest first, and how many there are in all."""
-        self.sweep_expired()  # so that a page and its total count only live rows
-        stmt = select(CheckpointRow)
-        count = select(func.count()).select_from(CheckpointRow)
+        live = or_(CheckpointRow.expires_at.is_(None), CheckpointRow.expires_at > utcnow())
+        stmt = select(CheckpointRow).where(live)  # a page and its total count: live rows only
+        count = select(func.count()).select_from(CheckpointRow).where(live)
         if account_id is not None:
             own = select(TrainingRunRow.model_id).join(SessionRow, SessionRow.session_id == TrainingRunRow.session_id)
             own = own.where(SessionRow.account_id == account_id)
@@ -333,7 +342,8 @@ class Runs:
         self.audit.record(event, owner, model_id=row.model_id, tinker_path=row.tinker_path, **details)
 
     def sweep_expired(self) -> int:
-        """Remove every expired checkpoint (row and files); returns how many."""
+        """Remove every expired checkpoint (row and files); returns how many. CheckpointSweeper's
+        thread only: storage billing ends at the expiry, whenever the sweep comes (storage.py)."""
         now = utcnow()
         expired = self.store.query(select(CheckpointRow).where(CheckpointRow.expires_at <= now))
         for row in expired:
@@ -341,43 +351,26 @@ class Runs:
         return len(expired)
 
     def sweep_stale_temp(self, older_than_s: float = STALE_TEMP_S) -> int:
-        """Clear what a crashed save left next to checkpoints (control/debris.py); returns how many
-        directories. `.<name>.tmp-*` is a save that never finished: deleted. `.<name>.old-*/ckpt`
-        is the previous checkpoint set aside while a new one was renamed into place: put back if the
-        real name is empty, else deleted. older_than_s=0 only while no engine save can be running
-        (at start-up, after an engine restart); copies in progress here are always kept.
-        """
-        with self._copying_lock:
-            copying = set(self._copying)
-        return len(sweep_temp(self.checkpoints_dir, CHECKPOINT_TEMP, older_than_s, keep=copying.__contains__))
-
-    @contextmanager
-    def copying(self, tmp: Path) -> Iterator[None]:
-        """Mark `tmp` as a copy being written in this process (control/copies.py), so that a sweep
-        with older_than_s=0 after an engine restart leaves it alone."""
-        with self._copying_lock:
-            self._copying.add(tmp)
-        try:
-            yield
-        finally:
-            with self._copying_lock:
-                self._copying.discard(tmp)
+        """Clear what a crashed save left next to checkpoints (ArtifactStore.sweep_incomplete,
+        control/debris.py); returns how many. older_than_s=0 only while no engine save can be
+        running (at start-up, after an engine restart); the store's own writes in progress (a
+        copy_weights) are always kept."""
+        return len(self.artifacts.sweep_incomplete(CHECKPOINTS, older_than_s))
 
     def _remove(self, row: CheckpointRow) -> None:
         self.storage.removed(row)
         self.store.delete(CheckpointRow, row.tinker_path)
-        d = Path(row.dir_path)
-        try:
-            mtime = datetime.fromtimestamp(d.stat().st_mtime, timezone.utc).replace(tzinfo=None)
-        except FileNotFoundError:
+        key = self.key_of(row)
+        modified = self.artifacts.modified(key)
+        if modified is None:
             return
-        # A save under the same name may have renamed a newer directory into place after this row
-        # was read (a re-save after expiry, or overwrite=True, racing the sweeper). The directory
-        # of this row was finished before the row was created; a newer one was written after it.
-        if mtime > row.created_at:
-            log.info("not deleting %s: it holds a newer save than the removed %s", d, row.tinker_path)
+        # A save under the same name may have put a newer artifact under the key after this row was
+        # read (a re-save after expiry, or overwrite=True, racing the sweeper). The artifact of this
+        # row was finished before the row was created; a newer one was written after it.
+        if datetime.fromtimestamp(modified, timezone.utc).replace(tzinfo=None) > row.created_at:
+            log.info("not deleting %s: it holds a newer save than the removed %s", key, row.tinker_path)
             return
-        shutil.rmtree(d, ignore_errors=True)
+        self.artifacts.delete(key)
 
     # -- sampling sessions -----------------------------------------------------------------------
 
@@ -413,8 +406,9 @@ class Runs:
             row.clients_joined = (row.clients_joined or 0) + 1
             return row.clients_joined
 
-    def ephemeral_dir(self, sampling_session_id: str) -> Path:
-        return self.checkpoints_dir / "_ephemeral" / sampling_session_id
+    def ephemeral_key(self, sampling_session_id: str) -> str:
+        """The artifact key of an ephemeral sampler's weights (save_weights_and_get_sampling_client)."""
+        return join(EPHEMERAL, sampling_session_id)
 
     def prune_ephemeral_samplers(self, session_id: str, keep: int, busy: Callable[[str], bool]) -> list[str]:
         """Delete the session's ephemeral samplers (save_weights_and_get_sampling_client) older than
@@ -426,11 +420,10 @@ class Runs:
         row just before, and is not queued yet, fails at admission: the files are gone.) A decoding
         request holds its weights in memory, so deleting files under it is safe.
         """
-        root = self.checkpoints_dir / "_ephemeral"
         rows = self.store.query(select(SamplingSessionRow).where(
             SamplingSessionRow.session_id == session_id, SamplingSessionRow.model_path.is_(None),
             SamplingSessionRow.adapter_dir.is_not(None), SamplingSessionRow.inflight_of.is_(None)))
-        ephemeral = [r for r in rows if Path(r.adapter_dir).parent == root]
+        ephemeral = [r for r in rows if _parent(r.adapter_dir) == EPHEMERAL]
         # `<session>:sample:<n>`, n counting up in creation order (shared with named samplers).
         ephemeral.sort(key=lambda r: int(r.sampling_session_id.rsplit(":", 1)[-1]))
         deleted = []
@@ -438,7 +431,7 @@ class Runs:
             if busy(row.sampling_session_id):
                 continue
             self.store.delete(SamplingSessionRow, row.sampling_session_id)
-            shutil.rmtree(row.adapter_dir, ignore_errors=True)
+            self.artifacts.delete(key_of_path(row.adapter_dir))
             deleted.append(row.sampling_session_id)
         return deleted
 
@@ -460,8 +453,8 @@ class CheckpointSweeper:
     """A daemon thread that removes expired checkpoints every `interval_s`, so their disk space comes
     back even when nobody lists or opens them, and clears temporary debris of crashed saves.
 
-    Policy: expiry is exact for the API (lookups and listings treat an expired row as gone at once
-    and remove it themselves); the sweeper only bounds how long the files of an unvisited expired
+    Policy: expiry is exact for the API (lookups and listings treat an expired row as gone at once);
+    the sweeper alone deletes, off every request path, and bounds how long the files of an expired
     checkpoint stay on disk, to `interval_s`.
     """
 

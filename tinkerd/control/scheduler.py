@@ -15,6 +15,15 @@ gets all of it. A training step carries one op (one per engine behind an EngineR
 Ray actors of different base models train at once); a sampling step admits every waiting request that
 fits the row budget, round-robin over sampling sessions, then decodes.
 
+Training across tenants (`_together`): when the step's op is a forward_backward (or a forward), the
+heads of other runs' queues that are forward_backward ops too (same base model, both forward or
+both not) join it, one per run, in round-robin order, while the step's tokens stay within
+`batch_tokens`; the engine runs them as one pass over the base model (engine/cotrain.py), each
+result equal to its op alone. A joined run has had its turn (it goes to the back of the line, as
+if it had been picked); a head that cannot join (an optim_step, a save, an op over the budget) keeps
+its place and goes first in a later step. So no run waits for more than one turn, and each run's
+ops still run one at a time in seq_id order.
+
 Suspects (control/control.py): ops that were in flight when the engine died of what it was doing
 run apart from everything else: rows in flight decode to their end with nothing admitted beside
 them, then a training suspect runs alone, or the sampling suspects that died only once are admitted
@@ -37,7 +46,7 @@ from typing import Any
 
 from tinkerd.control.queue import OpQueue, QueuedOp
 from tinkerd.control.quotas import Quotas
-from tinkerd.types import SampleOp, StepBatch
+from tinkerd.types import ForwardBackwardOp, SampleOp, StepBatch
 
 LANE_TRAIN = "train"
 LANE_SAMPLE = "sample"
@@ -55,8 +64,12 @@ class Picked:
 
 class Scheduler:
     def __init__(self, queue: OpQueue, max_rows: int = 64, quotas: Quotas | None = None,
-                 suspects: Mapping[str, int] | None = None, engine_of: Callable[[Any], Hashable | None] | None = None):
+                 suspects: Mapping[str, int] | None = None, engine_of: Callable[[Any], Hashable | None] | None = None,
+                 batch_tokens: int = 0):
         self.queue = queue
+        # Most tokens (datum tokens of every op) a training step of several runs' forward_backward ops
+        # carries (ServerConfig.train_batch_tokens); its first op goes whatever its size. 0: one op.
+        self.batch_tokens = batch_tokens
         # The engine an op will run on (EngineRouter.engine_key), None where unknown: a training step
         # then carries one op per engine, so engines of different base models (Ray actors) train at
         # the same time. None (one engine): one training op per step.
@@ -102,7 +115,7 @@ class Scheduler:
             q = self.queue.pop(LANE_TRAIN, eligible=eligible)
             if q is not None:
                 self._started(q)
-                ops = [q, *self._beside(q, eligible)]
+                ops = [q, *self._together(q, eligible), *self._beside(q, eligible)]
                 return Picked(StepBatch(run=[(o.request_id, o.op.op) for o in ops]), ops, LANE_TRAIN, idle)
         admitted = self._admit(active_rows)
         batch = StepBatch(admit=[(q.request_id, q.op.op) for q in admitted], decode=True)
@@ -130,6 +143,29 @@ class Scheduler:
         if not admitted:
             return None
         return Picked(StepBatch(admit=[(q.request_id, q.op.op) for q in admitted], decode=True), admitted, LANE_SAMPLE)
+
+    def _together(self, first: QueuedOp, eligible) -> list[QueuedOp]:
+        """Other runs' forward_backward ops to share `first`'s pass (module docstring), in turn order."""
+        op = first.op.op
+        if self.batch_tokens <= 0 or not isinstance(op, ForwardBackwardOp) or not op.base_model:
+            return []
+        tokens = _tokens(op)
+        taken = {first.target}
+
+        def joins(q: QueuedOp) -> bool:
+            other = q.op.op
+            return (isinstance(other, ForwardBackwardOp) and q.target not in taken
+                    and other.base_model == op.base_model and other.forward_only == op.forward_only
+                    and tokens + _tokens(other) <= self.batch_tokens and q.request_id not in self.suspects
+                    and (eligible is None or eligible(q)))
+
+        together = []
+        while (q := self.queue.pop(LANE_TRAIN, eligible=joins)) is not None:
+            self._started(q)
+            taken.add(q.target)
+            tokens += _tokens(q.op.op)
+            together.append(q)
+        return together
 
     def _beside(self, first: QueuedOp, eligible) -> list[QueuedOp]:
         """Training ops for the other engines, one each, to run in the same step as `first`."""
@@ -187,3 +223,7 @@ class Scheduler:
             admitted.append(q)
             rows += q.op.op.num_samples
         return admitted
+
+
+def _tokens(op: ForwardBackwardOp) -> int:
+    return sum(len(d.tokens) for d in op.data)

@@ -9,9 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from sqlalchemy import func, select
+from sqlalchemy import func, or_, select
 
 from tinkerd.control.runs import Runs
+from tinkerd.control.store.db import utcnow
 from tinkerd.control.store.tables import CheckpointRow, SamplingSessionRow, SessionRow, TrainingRunRow
 
 CLIENT_REASONS = ("success", "errored", "interrupted")
@@ -100,11 +101,12 @@ class Sessions:
         """session_id -> (live checkpoint count, their bytes)."""
         if not session_ids:
             return {}
-        self.runs.sweep_expired()
+        # Live rows only, filtered rather than swept: removal is CheckpointSweeper's (control/runs.py).
+        live = or_(CheckpointRow.expires_at.is_(None), CheckpointRow.expires_at > utcnow())
         stmt = (select(TrainingRunRow.session_id, func.count(CheckpointRow.tinker_path),
                        func.coalesce(func.sum(CheckpointRow.size_bytes), 0))
                 .join(CheckpointRow, CheckpointRow.model_id == TrainingRunRow.model_id)
-                .where(TrainingRunRow.session_id.in_(session_ids)).group_by(TrainingRunRow.session_id))
+                .where(TrainingRunRow.session_id.in_(session_ids), live).group_by(TrainingRunRow.session_id))
         return {sid: (int(n), int(b)) for sid, n, b in self.store.rows(stmt)}
 
     def by_ids(self, session_ids: set[str]) -> list[SessionRow]:

@@ -15,31 +15,30 @@ Layout of one checkpoint directory:
                                A then B), so it restores into any adapter with the same layers
                                whatever order its own optimizer lists them in
 
-Everything is written into a temporary directory next to the target and renamed into place, so a
-crash leaves either the old checkpoint, the new one, or none: never a half one under the real name.
-The files are serialised in memory first and written with plain writes, so that a full disk is an
-OSError(ENOSPC) we can name, not torch's "[enforce fail at inline_container.cc] unexpected pos"
-(a rank-32 SmolLM2 state is ~120 MB: held twice for the moment of the write). A failed write
-raises ServerError naming the disk and its free space, and removes the temporary directory.
+A checkpoint is an artifact of the ArtifactStore (tinkerd/artifacts.py): ops name it by key and
+the engine writes and reads it through its store, which makes it visible whole or not at all (the
+local store: a temp dir renamed into place). The files are serialised in memory first and written
+with plain writes, so that a full disk is an OSError(ENOSPC) the store can name, not torch's
+"[enforce fail at inline_container.cc] unexpected pos" (a rank-32 SmolLM2 state is ~120 MB: held
+twice for the moment of the write). A failed write raises ServerError naming the disk and its free
+space. `save_adapter`/`read_adapter` take a directory instead (tests, tools): a local store around it.
 """
 
 from __future__ import annotations
 
-import errno
 import io
 import json
 import logging
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as safetensors_bytes
 
+from tinkerd.artifacts import ArtifactStore, LocalArtifactStore
 from tinkerd.engine.lora import deltanet, experts
 from tinkerd.engine.lora.layers import ATTN_TARGETS, MLP_TARGETS, UNEMBED_TARGET
 from tinkerd.engine.lora.pool import Adapter
@@ -157,9 +156,18 @@ def _spec_to_json(spec: LoraSpec) -> dict:
 
 
 def save_adapter(adapter: Adapter, base_model: str, dir_path: str | os.PathLike, with_optimizer: bool) -> int:
-    """Write `adapter` to `dir_path` (replacing what is there); returns the bytes written."""
-    target = Path(dir_path)
-    target.parent.mkdir(parents=True, exist_ok=True)
+    """Write `adapter` as the directory `dir_path` (replacing what is there); returns the bytes written."""
+    store, key = _local(dir_path)
+    return store.put(key, adapter_files(adapter, base_model, with_optimizer))
+
+
+def save_adapter_to(store: ArtifactStore, key: str, adapter: Adapter, base_model: str, with_optimizer: bool) -> int:
+    """Write `adapter` as the artifact `key` (replacing what is there); returns the bytes written."""
+    return store.put(key, adapter_files(adapter, base_model, with_optimizer))
+
+
+def adapter_files(adapter: Adapter, base_model: str, with_optimizer: bool) -> dict[str, bytes]:
+    """A checkpoint's files (see the module docstring), serialised."""
     if with_optimizer and adapter.optimizer is None:
         raise UserError(f"model {adapter.key!r} has no optimizer state to save")
     names = sorted(adapter.weights)
@@ -179,71 +187,12 @@ def save_adapter(adapter: Adapter, base_model: str, dir_path: str | os.PathLike,
         buf = io.BytesIO()
         torch.save(_canonical_optimizer_state(adapter), buf)
         files[OPTIMIZER_FILE] = buf.getvalue()
-    return write_files_atomically(target, files)
+    return files
 
 
-def write_files_atomically(target: Path, files: dict[str, bytes]) -> int:
-    """Write `files` (name -> content) as the directory `target`, replacing what is there, with the
-    same temp-then-rename guarantee as save_adapter; returns the bytes written. A failed write
-    (ENOSPC, EIO) raises ServerError and leaves `target` as it was."""
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    except OSError as e:
-        raise _write_error(target, e) from e
-    try:
-        for name, data in files.items():
-            with open(tmp / name, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-        _swap_into_place(tmp, target)
-    except OSError as e:
-        raise _write_error(target, e) from e
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return sum(len(d) for d in files.values())
-
-
-def _write_error(target: Path, e: OSError) -> ServerError:
-    """A server error (not the caller's fault) that names the disk: the SDK does not retry a failed
-    future, so the user reads this once and can tell the operator what to free."""
-    where = target.parent
-    while not where.exists() and where != where.parent:
-        where = where.parent
-    try:
-        st = os.statvfs(where)
-        space = f"{_human(st.f_bavail * st.f_frsize)} free of {_human(st.f_blocks * st.f_frsize)} on {where}"
-    except OSError:
-        space = f"free space on {where} unknown"
-    if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return ServerError(f"cannot write checkpoint {target.name!r}: the server's disk is full ({e.strerror}: {space}); "
-                           f"nothing was saved, save it again once space is freed")
-    return ServerError(f"cannot write checkpoint {target.name!r}: {e.strerror or e} ({space}); nothing was saved")
-
-
-def _human(n: int) -> str:
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} bytes"
-
-
-def _swap_into_place(tmp: Path, target: Path) -> None:
-    # os.replace cannot replace a non-empty directory, so an existing checkpoint is first renamed
-    # aside (also atomic) and deleted only after the new one is in place.
-    old = None
-    if target.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-        os.replace(target, old / "ckpt")
-    os.replace(tmp, target)
-    dir_fd = os.open(target.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+def _local(dir_path: str | os.PathLike) -> tuple[LocalArtifactStore, str]:
+    path = Path(dir_path).absolute()
+    return LocalArtifactStore(path.parent), path.name
 
 
 def _spec_from_peft_config(cfg: dict) -> LoraSpec:
@@ -294,16 +243,26 @@ def _split_weights(tensors: dict[str, torch.Tensor], rank: int) -> dict[str, tup
 
 
 def read_adapter(dir_path: str | os.PathLike) -> AdapterFiles:
-    """Read a checkpoint written by save_adapter (or a plain PEFT LoRA adapter directory)."""
-    path = Path(dir_path)
-    if not (path / WEIGHTS_FILE).is_file() or not (path / CONFIG_FILE).is_file():
-        raise NotFoundError(f"no adapter checkpoint at {str(path)!r}")
+    """Read a checkpoint directory written by save_adapter (or a plain PEFT LoRA adapter directory)."""
+    store, key = _local(dir_path)
+    return read_adapter_from(store, key, shown=str(dir_path))
+
+
+def read_adapter_from(store: ArtifactStore, key: str, shown: str | None = None) -> AdapterFiles:
+    """Read the checkpoint artifact `key` (save_adapter_to's, or a plain PEFT LoRA adapter's files)."""
+    shown = shown or key
     try:
-        peft_cfg = json.loads((path / CONFIG_FILE).read_text())
-        meta = json.loads((path / META_FILE).read_text()) if (path / META_FILE).is_file() else None
-        tensors = load_file(path / WEIGHTS_FILE)
-    except (OSError, ValueError, SafetensorError) as e:
-        raise UserError(f"unreadable adapter checkpoint at {str(path)!r}: {e}") from e
+        names = set(store.names(key))
+    except NotFoundError:
+        names = set()
+    if WEIGHTS_FILE not in names or CONFIG_FILE not in names:
+        raise NotFoundError(f"no adapter checkpoint at {shown!r}")
+    try:
+        peft_cfg = json.loads(store.read(key, CONFIG_FILE))
+        meta = json.loads(store.read(key, META_FILE)) if META_FILE in names else None
+        tensors = load_safetensors(store.read(key, WEIGHTS_FILE))
+    except (OSError, ValueError, SafetensorError, NotFoundError) as e:
+        raise UserError(f"unreadable adapter checkpoint at {shown!r}: {e}") from e
     if meta is not None:
         spec = LoraSpec(**meta["lora"])
         base_model, step = meta["base_model"], int(meta["step"])
@@ -311,8 +270,8 @@ def read_adapter(dir_path: str | os.PathLike) -> AdapterFiles:
         spec = _spec_from_peft_config(peft_cfg)
         base_model, step = peft_cfg.get("base_model_name_or_path") or "", 0
     optimizer_state = None
-    if (path / OPTIMIZER_FILE).is_file():
-        optimizer_state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+    if OPTIMIZER_FILE in names:
+        optimizer_state = torch.load(io.BytesIO(store.read(key, OPTIMIZER_FILE)), map_location="cpu", weights_only=True)
     return AdapterFiles(
         spec=spec,
         weights=_split_weights(tensors, spec.rank),

@@ -25,6 +25,7 @@ class InProcessEngineClient:
                 arch=type(rt.model).__name__,
                 loss_fns=tuple(supported_losses()),
                 tokenizer_dir=rt.loaded.tokenizer_dir,
+                vision=rt.loaded.vision.spec if rt.loaded.vision is not None else None,
             )
             for rt in self.engine.runtimes.values()
         ] + [ServedModel(name=name, tokenizer_id="", max_context_length=0, arch="", unavailable=reason)

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from tinkerd.artifacts import ArtifactStore, LocalArtifactStore
+from tinkerd.engine import cotrain
 from tinkerd.engine.lora.experts import ExpertsRouting, wrap_experts
 from tinkerd.engine.lora.layers import LoraContext, MultiLoraLinear, wrap_model, targets_for
 from tinkerd.engine.lora.pool import AdapterPool
@@ -39,6 +41,8 @@ class ModelRuntime:
     pool: AdapterPool
     routing: ExpertsRouting = field(default_factory=ExpertsRouting)  # MoE router counts, off unless asked
     precision: Precision = Precision()  # device and compute dtype (engine/precision.py)
+    # Where sampler checkpoints are read from (the engine's store, tinkerd/artifacts.py).
+    artifacts: ArtifactStore = field(default_factory=lambda: LocalArtifactStore("/"))
 
     @property
     def name(self) -> str:
@@ -62,8 +66,11 @@ class ModelRuntime:
 
 class Engine:
     def __init__(self, models_dir: Path, max_lora_rank: int = 256, sampler_config: SamplerConfig = SamplerConfig(),
-                 precision: Precision = Precision()):
+                 precision: Precision = Precision(), artifacts: ArtifactStore | None = None):
         self.models_dir = Path(models_dir)
+        # Checkpoints, snapshots and exports, by the keys ops carry (tinkerd/artifacts.py). None: keys
+        # are absolute paths (tests and tools that hold an Engine); a server passes its store.
+        self.artifacts = artifacts if artifacts is not None else LocalArtifactStore("/")
         self.precision = precision
         self.max_lora_rank = max_lora_rank
         self.sampler_config = sampler_config
@@ -75,6 +82,8 @@ class Engine:
         # Base models asked for and not loaded -> the reason (a family tinkerd does not serve, a
         # missing directory): reported by name, and the others are served all the same.
         self.refused: dict[str, str] = {}
+        # This process's rank group when the engine spans several (engine/sharding.py); None: alone.
+        self.group = None
 
     def load_base_models(self, names) -> None:
         """Load each of `names`; one that fails is logged once and left out, not fatal. Only when
@@ -110,7 +119,7 @@ class Engine:
         experts = wrap_experts(loaded.model, ctx, loaded.family.experts_class, routing)
         layers = wrap_model(loaded.model, ctx, targets_for(True, True, True))
         pool = AdapterPool({**layers, **experts}, self.max_lora_rank, device=self.precision.torch_device)
-        runtime = ModelRuntime(loaded, ctx, layers, pool, routing, self.precision)
+        runtime = ModelRuntime(loaded, ctx, layers, pool, routing, self.precision, self.artifacts)
         self.runtimes[name] = runtime
         return runtime
 
@@ -141,7 +150,8 @@ class Engine:
 
     def step(self, batch: StepBatch) -> StepOutput:
         """One step of what the scheduler picked; returns every result that finished in it."""
-        done = [(ticket, self._guarded(self._run, op)) for ticket, op in batch.run]
+        # Adjacent forward_backward ops of several runs go through one pass (engine/cotrain.py).
+        done, shared_passes = cotrain.run_ops(self, batch.run, self._guarded)
         for ticket, op in batch.admit:
             error = self._guarded(lambda o: self.sampler(o.base_model).admit(ticket, o), op)
             if error is not None:  # a bad request fails at once and never enters the batch
@@ -153,7 +163,8 @@ class Engine:
             for sampler in self.samplers.values():
                 done.extend(sampler.step())
         return StepOutput(done, active_rows=sum(s.active_rows for s in self.samplers.values()), resident=self.resident(),
-                          partial=[p for s in self.samplers.values() for p in s.take_streamed()])
+                          partial=[p for s in self.samplers.values() for p in s.take_streamed()],
+                          shared_passes=shared_passes)
 
     def resident(self) -> Resident:
         """The adapters held now: training ones counted, sampler ones by key."""

@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pyrage
@@ -84,7 +83,7 @@ def export_weights(engine: "Engine", op: ExportWeightsOp) -> dict[str, int]:
     adapter = rt.pool.get(op.model_id)
     config = checkpoints.peft_config(adapter.spec, sorted(adapter.weights), rt.name)
     files = export_files(checkpoints.lora_tensors(adapter), config, recipients)
-    size = checkpoints.write_files_atomically(Path(op.dir_path), files)
+    size = engine.artifacts.put(op.dir_path, files)
     # The operator's record of what left the server: which run, how big, encrypted or not.
     log.info("exported %s to %s: %.1f MB%s in %.2f s", op.model_id, op.dir_path, size / 1e6,
              f", age-encrypted to {len(recipients)} recipient(s)" if recipients else "", time.monotonic() - t0)

@@ -18,11 +18,16 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from tinkerd.artifacts import ArtifactStore
 from tinkerd.engine.malloc import children_use_huge_pages
 from tinkerd.engine.precision import Precision
-from tinkerd.errors import EngineCrashed, TinkerdError
+from tinkerd.errors import EngineCrashed, EngineFailure, EngineStartFailed, TinkerdError
 from tinkerd.types import ServedModel
+
+if TYPE_CHECKING:
+    from tinkerd.engine.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -41,11 +46,27 @@ class EngineSpec:
     log_level: int = logging.WARNING
     log_format: str | None = None
     precision: Precision = Precision()  # device and compute dtype (engine/precision.py)
+    # Rank processes of this one engine; above 1 the base model is FSDP2-sharded across them
+    # (engine/sharding.py, --engine-ranks).
+    ranks: int = 1
+    # Where checkpoints, snapshots and exports go, by the keys ops carry (tinkerd/artifacts.py); the
+    # engine reaches the data directory through it alone. None: keys are absolute paths (tests).
+    artifacts: ArtifactStore | None = None
 
+    def build(self) -> Engine:
+        """The Engine this spec describes, its base models loaded: what an engine process or a Ray
+        actor runs (a rank of --engine-ranks builds its own, sharded: engine/sharding.py)."""
+        import torch
 
-class EngineStartFailed(EngineCrashed):
-    """The engine process could not build its engine (a model that does not load, say): the child's
-    own reason, which `tinkerd serve` prints as its one error line."""
+        from tinkerd.engine.engine import Engine
+        from tinkerd.engine.sampler.sample import SamplerConfig
+
+        if self.torch_threads:
+            torch.set_num_threads(self.torch_threads)
+        engine = Engine(self.models_dir, self.max_lora_rank, SamplerConfig(kv_cache_bytes=self.sample_kv_cache_bytes),
+                        self.precision, self.artifacts)
+        engine.load_base_models(self.base_models)
+        return engine
 
 
 def _worker_main(conn, spec: EngineSpec) -> None:
@@ -53,6 +74,11 @@ def _worker_main(conn, spec: EngineSpec) -> None:
     from tinkerd.engine.malloc import keep_freed_memory
 
     keep_freed_memory()  # before anything is allocated: ~10% of a step went to page faults
+    followers = None
+    if spec.ranks > 1:  # this process is rank 0 of N; the others start now, their imports beside ours
+        from tinkerd.engine.followers import Followers
+
+        followers = Followers(spec)
     logging.basicConfig(level=spec.log_level, **({"format": spec.log_format} if spec.log_format else {}))
     # Ctrl-C reaches the whole process group: the server stops its engine itself (close, or a kill
     # when the engine is busy), so the child must not die of KeyboardInterrupt with a traceback of
@@ -66,29 +92,31 @@ def _worker_main(conn, spec: EngineSpec) -> None:
     import torch
 
     from tinkerd.engine.client import InProcessEngineClient
-    from tinkerd.engine.engine import Engine
-    from tinkerd.engine.sampler.sample import SamplerConfig
 
     if spec.torch_threads:
         torch.set_num_threads(spec.torch_threads)
     try:
-        engine = Engine(spec.models_dir, spec.max_lora_rank, SamplerConfig(kv_cache_bytes=spec.sample_kv_cache_bytes),
-                        spec.precision)
-        engine.load_base_models(spec.base_models)
+        if followers is not None:  # one engine over the ranks, the model FSDP2-sharded (engine/sharding.py)
+            from tinkerd.engine.sharding import RankedEngineClient
+
+            client = RankedEngineClient(spec, followers)
+        else:
+            client = InProcessEngineClient(spec.build())
     except Exception as e:
         reason = getattr(e, "message", None) or f"{type(e).__name__}: {e}"
         if not isinstance(e, TinkerdError):  # a user-facing reason needs no traceback; a bug does
             log.exception("engine process: building the engine failed")
         conn.send(("failed", reason))
         return
-    client = InProcessEngineClient(engine)
     conn.send(("ready", client.models()))
     while True:
         try:
             method, args = conn.recv()
         except EOFError:
+            client.close()
             return
         if method == "close":
+            client.close()
             return
         try:
             conn.send(("ok", getattr(client, method)(*args)))
@@ -191,7 +219,7 @@ class ProcessEngineClient:
         except (EOFError, BrokenPipeError, ConnectionResetError, OSError) as e:
             raise self._death(oom_kills) from e
         if kind == "error":
-            raise RuntimeError(value)
+            raise EngineFailure(value)
         return value
 
     def _death(self, oom_kills_before: int | None) -> EngineCrashed:
@@ -250,8 +278,3 @@ def _oom_kills() -> int | None:
         pass
     return None
 
-
-def kill_engine(client: ProcessEngineClient, sig: int = 9) -> None:
-    """SIGKILL the engine process (chaos tests and benchmarks)."""
-    if client.pid is not None:
-        os.kill(client.pid, sig)

@@ -3,8 +3,9 @@
 One actor per base model, with the CPUs and GPUs the config asks for (`--ray-num-cpus`,
 `--ray-num-gpus`), behind a `RayEngineClient` that is an EngineClient like the process engine's;
 control reaches them through an EngineRouter (control/engines.py). Ray restarts an actor that dies
-(max_restarts); the client turns the death into EngineCrashed, and control rebuilds the adapters by
-replay exactly as after a process engine's death.
+(max_restarts); the client turns the death into EngineCrashed, and control rebuilds that actor's
+adapters by replay exactly as after a process engine's death; the other actors go on untouched
+(control/engines.py).
 
 An actor restarted by Ray between two steps would take the next step with none of its adapters.
 So each incarnation draws an id when it starts, every step names the incarnation the client knows,
@@ -24,9 +25,10 @@ import time
 import uuid
 from pathlib import Path
 
-from tinkerd.errors import EngineCrashed, TinkerdError, UserError
+from tinkerd.artifacts import LocalArtifactStore
+from tinkerd.errors import EngineCrashed, EngineStartFailed, TinkerdError, UserError
 from tinkerd.engine.precision import Precision
-from tinkerd.engine.process import EngineSpec, EngineStartFailed
+from tinkerd.engine.process import EngineSpec
 from tinkerd.types import ServedModel, StepBatch, StepOutput
 
 log = logging.getLogger(__name__)
@@ -37,24 +39,8 @@ NAMESPACE = "tinkerd"
 NAME_PREFIX = "tinkerd-engine:"
 # Ray restarts a dead actor however often it dies (-1): every restart is one control asked for or
 # recovers from, and control bounds them itself (its consecutive restart attempts, poison ops).
-# A finite budget would be spent over a long-lived server's deaths, and each of a router's engines
-# is restarted after a crash of any (control/engines.py).
+# A finite budget would be spent over a long-lived server's deaths.
 MAX_RESTARTS = -1
-
-
-def build_engine(spec: EngineSpec):
-    """The Engine a spec describes, its base models loaded (what an engine process or actor runs)."""
-    import torch
-
-    from tinkerd.engine.engine import Engine
-    from tinkerd.engine.sampler.sample import SamplerConfig
-
-    if spec.torch_threads:
-        torch.set_num_threads(spec.torch_threads)
-    engine = Engine(spec.models_dir, spec.max_lora_rank, SamplerConfig(kv_cache_bytes=spec.sample_kv_cache_bytes),
-                    spec.precision)
-    engine.load_base_models(spec.base_models)
-    return engine
 
 
 class EngineActor:
@@ -70,7 +56,7 @@ class EngineActor:
         try:
             from tinkerd.engine.client import InProcessEngineClient
 
-            self.client = InProcessEngineClient(build_engine(spec))
+            self.client = InProcessEngineClient(spec.build())
         except Exception as e:  # reported by ready(), not raised: Ray would restart a failing start forever
             if not isinstance(e, TinkerdError):
                 log.exception("engine actor: building the engine failed")
@@ -200,7 +186,8 @@ def ray_engines(config, log_level: int = logging.WARNING, log_format: str | None
     threads = config.torch_threads or max(1, int(config.ray_num_cpus))
     clients = [RayEngineClient(EngineSpec(config.models_dir, (base,), config.max_lora_rank, threads,
                                           config.sample_kv_cache_bytes, precision=Precision(config.device, config.dtype),
-                                          log_level=log_level, log_format=log_format),
+                                          log_level=log_level, log_format=log_format,
+                                          artifacts=LocalArtifactStore(config.data_dir)),
                                config.ray_num_cpus, config.ray_num_gpus)
                for base in config.base_models]
     log.info("starting %d engine actors on Ray (%s)", len(clients), config.ray_address)

@@ -11,19 +11,18 @@ Shapes: B datums (rows), T longest datum, M total real positions, V vocab, H hid
 from __future__ import annotations
 
 import logging
-import shutil
 import time
-from pathlib import Path
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from tinkerd.engine import checkpoints, finite
+from tinkerd.engine import adam, checkpoints, datums, finite
 from tinkerd.engine.losses import DATUM_INDEX, LossFn, custom, get_loss
+from tinkerd.engine.sharding import DataParallel
 from tinkerd.errors import UserError
 from tinkerd.types import (
-    AdamParams,
     CreateModelOp,
     Datum,
     ForwardBackwardOp,
@@ -78,7 +77,7 @@ def release_adapters(engine: "Engine", op: ReleaseAdaptersOp) -> dict[str, list[
     for model_id, snapshot_dir in op.models:
         if model_id in engine.model_of:
             rt = engine.runtime_of(model_id)
-            if snapshot_dir is not None and not Path(snapshot_dir).is_dir():
+            if snapshot_dir is not None and not engine.artifacts.exists(snapshot_dir):
                 try:
                     # Weights and AdamW state equal those right after the op the snapshot is named
                     # after: forward_backward calls since then changed only .grad, which recovery
@@ -100,101 +99,28 @@ def release_adapters(engine: "Engine", op: ReleaseAdaptersOp) -> dict[str, list[
 # forward_backward
 
 
-def _validate_datum(i: int, datum: Datum, loss: LossFn, vocab_size: int, max_context: int) -> dict[str, np.ndarray]:
-    """Check one datum; returns its loss inputs converted (target_tokens int64, the rest fp32)."""
-    tokens = np.asarray(datum.tokens)
-    if tokens.ndim != 1 or tokens.size == 0:
-        raise UserError(f"datum {i}: model_input must be a non-empty 1-D token list, got shape {list(tokens.shape)}")
-    if not np.issubdtype(tokens.dtype, np.integer):
-        raise UserError(f"datum {i}: model_input tokens must be integers, got {tokens.dtype}")
-    n = tokens.shape[0]
-    if n > max_context:
-        raise UserError(f"datum {i}: {n} tokens exceed the model's context length of {max_context}")
-    bad = (tokens < 0) | (tokens >= vocab_size)
-    if bad.any():
-        raise UserError(f"datum {i}: token id {int(tokens[bad][0])} is outside the vocabulary [0, {vocab_size})")
-
-    given = datum.loss_fn_inputs
-    missing = [k for k in loss.required_inputs if k not in given]
-    if missing:
-        raise UserError(f"datum {i}: loss_fn {loss.name} requires loss_fn_inputs {missing}")
-    unknown = sorted(set(given) - set(loss.accepted_inputs))
-    if unknown:
-        accepted = ", ".join(loss.accepted_inputs)
-        raise UserError(f"datum {i}: loss_fn_inputs {unknown} are not used by {loss.name} (accepted: {accepted})")
-    targets = np.asarray(given["target_tokens"])
-    if targets.ndim not in (1, 2) or targets.shape[0] != n or (targets.ndim == 2 and targets.shape[1] == 0):
-        raise UserError(
-            f"datum {i}: target_tokens has shape {list(targets.shape)}; expected [{n}] or [{n}, K] to match {n} input tokens"
-        )
-    if not np.issubdtype(targets.dtype, np.integer):
-        raise UserError(f"datum {i}: target_tokens must be integers, got {targets.dtype}")
-    bad = (targets < 0) | (targets >= vocab_size)
-    if bad.any():
-        token = int(targets[bad][0])
-        raise UserError(f"datum {i}: target token id {token} is outside the vocabulary [0, {vocab_size})")
-
-    out = {"target_tokens": targets.astype(np.int64, copy=False)}
-    for key, value in given.items():
-        if key == "target_tokens":
-            continue
-        arr = np.asarray(value)
-        # Every registered loss aligns its inputs with the targets position by position.
-        if arr.shape != targets.shape:
-            raise UserError(f"datum {i}: {key} has shape {list(arr.shape)} but target_tokens has {list(targets.shape)}")
-        if not (np.issubdtype(arr.dtype, np.number) or arr.dtype == np.bool_):
-            raise UserError(f"datum {i}: {key} must be numeric, got {arr.dtype}")
-        arr = arr.astype(np.float32, copy=False)
-        if not np.isfinite(arr).all():
-            raise UserError(f"datum {i}: {key} contains NaN or infinite values")
-        out[key] = arr
-    if loss.recorded_input is not None:
-        # The server's record, resolved from the datum's provenance by control/stability.py; NaN
-        # marks the positions that are not sampled tokens, so no finiteness check here.
-        recorded = datum.sampler_logprobs
-        if recorded is None:
-            raise UserError(f"datum {i}: loss_fn {loss.name} needs provenance naming the sampled sequences "
-                            "(Datum.with_provenance with sequence_ids from a record_stability_info sampler)")
-        recorded = np.asarray(recorded, dtype=np.float32)
-        if recorded.shape != (n,) or targets.ndim != 1:
-            raise UserError(f"datum {i}: {loss.name} needs 1-D target_tokens of length {n} "
-                            f"(got {list(targets.shape)}) covered by recorded log-probs of shape [{n}]")
-        out[loss.recorded_input] = recorded
-    return out
-
-
-def _validate(data: list[Datum], rt: "ModelRuntime", loss: LossFn) -> list[dict[str, np.ndarray]]:
-    if not data:
-        raise UserError("forward_backward needs at least one datum")
-    vocab_size, max_context = rt.vocab_size, rt.loaded.max_context_length
-    inputs = [_validate_datum(i, d, loss, vocab_size, max_context) for i, d in enumerate(data)]
-    # The loss sees all positions concatenated, so every datum must share the trailing target shape.
-    trailing = inputs[0]["target_tokens"].shape[1:]
-    for i, x in enumerate(inputs):
-        if x["target_tokens"].shape[1:] != trailing:
-            raise UserError(
-                f"datum {i}: target_tokens trailing shape {list(x['target_tokens'].shape[1:])} differs from "
-                f"datum 0's {list(trailing)}; one request must use one target shape"
-            )
-        present = sorted(k for k in x if k in loss.optional_inputs)
-        first = sorted(k for k in inputs[0] if k in loss.optional_inputs)
-        if present != first:
-            raise UserError(
-                f"datum {i}: loss_fn_inputs {present} differ from datum 0's {first}; send the same keys on every datum"
-            )
-    return inputs
-
 
 # Rows of the [*, V] logits computed at once: 2^22 fp32 cells is 16 MB, small enough to stay in
 # cache-sized pieces. Materialising all [M, V] logits instead made the 151k-vocab tiny model spend
 # 80% of a step in elementwise passes over 1 GB tensors (measured: 7-9 s vs about 1 s per 1.6k tokens).
 _HEAD_CHUNK_CELLS = 1 << 22
+# Up to this many [M, V] cells (256 MB fp32) the head's graphs are kept rather than recomputed: the
+# second head forward was 6% of a SmolLM2 step (2 x 256 tokens: 29 of ~330 GFLOP).
+_HEAD_KEEP_CELLS = 1 << 26
 
 
-def _hidden(rt: "ModelRuntime", input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The decoder's last hidden state at the M real positions of a right-padded batch: [M, H]."""
+def _hidden(rt: "ModelRuntime", input_ids: torch.Tensor, mask: torch.Tensor, images=None, **attention) -> torch.Tensor:
+    """The decoder's last hidden state at the M real positions of a right-padded batch: [M, H].
+    `images`: each row's ImageInputs (a vision-language model), run through the VLM body, which
+    puts the tower's features at the placeholder positions (engine/model/vision.py).
+    `attention`: keyword arguments HF hands the attention function (engine/cotrain.py's groups)."""
+    if images is not None and any(images):
+        extra = rt.loaded.vision.inputs(input_ids, mask, images)
+        extra.pop("rope_deltas")
+        hidden = rt.model.model(input_ids=input_ids, attention_mask=mask, use_cache=False, **extra).last_hidden_state
+        return hidden[mask.bool()]
     decoder = rt.model.get_decoder()
-    hidden = decoder(input_ids=input_ids, attention_mask=mask, use_cache=False).last_hidden_state  # [B, T, H]
+    hidden = decoder(input_ids=input_ids, attention_mask=mask, use_cache=False, **attention).last_hidden_state  # [B, T, H]
     return hidden[mask.bool()]  # datum 0's positions first
 
 
@@ -213,40 +139,61 @@ def _head_logprobs(rt: "ModelRuntime", hidden: torch.Tensor, targets: torch.Tens
     return logits.gather(-1, targets) - lse[:, None]
 
 
+def _head_graph(rt: "ModelRuntime", hidden: torch.Tensor, targets: torch.Tensor, c: slice):
+    """(the chunk's hidden as a leaf, its logprobs with their graph back to it and the head's LoRA)."""
+    h_c = hidden[c].detach().requires_grad_(True)
+    with torch.enable_grad():
+        return h_c, _head_logprobs(rt, h_c, targets[c])
+
+
 def _chunks(rt: "ModelRuntime", m: int) -> list[slice]:
     rows = max(1, _HEAD_CHUNK_CELLS // rt.vocab_size)
     return [slice(i, min(i + rows, m)) for i in range(0, m, rows)]
 
 
-def _logprobs_and_grads(rt, input_ids, mask, inputs, loss: LossFn, config, params, forward_only: bool):
+def _logprobs_and_grads(rt, input_ids, mask, inputs, loss: LossFn, config, params, forward_only: bool, ranks=None,
+                        images=None):
     """Target logprobs, the loss, its metrics, and d loss / d params (None when forward_only).
 
     Every Tinker loss is a function of the target logprobs alone, so the backward splits at them:
-    (1) the head runs chunk by chunk without a graph to get logprobs [M]; (2) the loss and its
-    gradient g = d loss / d logprobs; (3) each head chunk is recomputed with a graph and
-    back-propagated with g, collecting d loss / d hidden and the head's own LoRA grads;
-    (4) one backward through the decoder from d loss / d hidden. Peak memory holds one [C, V]
-    chunk instead of the [M, V] logits and their gradient; the price is a second head forward.
+    (1) the head runs chunk by chunk to get logprobs [M]; (2) the loss and its gradient
+    g = d loss / d logprobs; (3) each head chunk's graph is back-propagated with g, collecting
+    d loss / d hidden and the head's own LoRA grads; (4) one backward through the decoder from
+    d loss / d hidden. Beyond _HEAD_KEEP_CELLS logits, (1) runs without a graph and (3) recomputes
+    each chunk with one: peak memory then holds one [C, V] chunk instead of the [M, V] logits and
+    their gradient, for the price of a second head forward.
+
+    With `ranks` (engine/sharding.py: DataParallel) input_ids and mask hold this rank's datums only:
+    the logprobs of every rank are gathered before (2), which then runs on the whole batch on every
+    rank, and (3)-(4) back-propagate this rank's part of g; the gradients are then summed over ranks.
     """
-    targets = inputs["target_tokens"]
+    targets = inputs["target_tokens"] if ranks is None else ranks.local(inputs["target_tokens"])
     with torch.set_grad_enabled(not forward_only):
-        hidden = _hidden(rt, input_ids, mask)  # [M, H]
-    m = hidden.shape[0]
+        hidden = _hidden(rt, input_ids, mask, images)  # [M, H]
+    m = hidden.shape[0] if ranks is None else ranks.count  # a rank without datums runs one dummy token
+    chunks = _chunks(rt, m)
+    # Kept graphs are the same kernels on the same inputs as a recompute, so the same bits.
+    keep = not forward_only and m * rt.vocab_size <= _HEAD_KEEP_CELLS
+    kept = [_head_graph(rt, hidden, targets, c) for c in chunks] if keep else None
     with torch.no_grad():
-        target_logprobs = torch.cat([_head_logprobs(rt, hidden[c], targets[c]) for c in _chunks(rt, m)])
+        target_logprobs = torch.cat([lp.detach() for _, lp in kept] if kept else
+                                    [_head_logprobs(rt, hidden[c], targets[c]) for c in chunks] +
+                                    [hidden.new_zeros((0, *targets.shape[1:]), dtype=torch.float32)])
+    if ranks is not None:
+        target_logprobs = ranks.gather(target_logprobs)
     if forward_only:
         loss_sum, metrics = loss(target_logprobs, inputs, config)
         return target_logprobs, loss_sum, metrics, None
     lp_leaf = target_logprobs.clone().requires_grad_(True)
     loss_sum, metrics = loss(lp_leaf, inputs, config)
     (g_lp,) = torch.autograd.grad(loss_sum, lp_leaf)
+    if ranks is not None:
+        g_lp = ranks.local(g_lp)
     head_params = [p for p in params if any(p is t for t in _head_lora(rt, params))]
     head_grads: list[torch.Tensor | None] = [None] * len(head_params)
-    g_hidden = torch.empty_like(hidden)
-    for c in _chunks(rt, m):
-        h_c = hidden[c].detach().requires_grad_(True)
-        with torch.enable_grad():
-            lp_c = _head_logprobs(rt, h_c, targets[c])
+    g_hidden = torch.empty_like(hidden) if m == hidden.shape[0] else torch.zeros_like(hidden)
+    for k, c in enumerate(chunks):
+        h_c, lp_c = kept[k] if kept else _head_graph(rt, hidden, targets, c)
         got = torch.autograd.grad(lp_c, [h_c, *head_params], grad_outputs=g_lp[c], allow_unused=True)
         g_hidden[c] = got[0]
         for i, g in enumerate(got[1:]):
@@ -255,7 +202,10 @@ def _logprobs_and_grads(rt, input_ids, mask, inputs, loss: LossFn, config, param
     body_params = [p for p in params if not any(p is h for h in head_params)]
     body_grads = torch.autograd.grad(hidden, body_params, grad_outputs=g_hidden, allow_unused=True)
     by_id = {id(p): g for p, g in zip(head_params, head_grads)} | {id(p): g for p, g in zip(body_params, body_grads)}
-    return target_logprobs, loss_sum.detach(), metrics, [by_id[id(p)] for p in params]
+    grads = [by_id[id(p)] for p in params]
+    if ranks is not None:
+        grads = ranks.reduce(params, grads)
+    return target_logprobs, loss_sum.detach(), metrics, grads
 
 
 def _head_lora(rt: "ModelRuntime", params: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -265,8 +215,21 @@ def _head_lora(rt: "ModelRuntime", params: list[torch.Tensor]) -> list[torch.Ten
     return [lw.a, lw.b] if lw is not None else []
 
 
-def forward_backward(engine: "Engine", op: ForwardBackwardOp) -> ForwardBackwardResult:
-    rt = engine.runtime_of(op.model_id)
+@dataclass
+class Prepared:
+    """One forward_backward op checked and laid out, nothing run yet (engine/cotrain.py runs several at once)."""
+
+    op: ForwardBackwardOp
+    adapter: "Adapter"
+    loss: LossFn
+    config: object
+    bound: object | None  # custom.bind's result for an uploaded loss, which keeps each datum's inputs
+    lengths: list[int]
+    inputs: dict[str, torch.Tensor]  # [M] / [M, K], on the model's device
+    started: float
+
+
+def prepare_forward_backward(rt: "ModelRuntime", op: ForwardBackwardOp) -> Prepared:
     adapter = rt.pool.get(op.model_id)
     if not op.forward_only and (not adapter.trainable or adapter.optimizer is None):
         raise UserError(f"model_id {op.model_id!r} is not a training model")
@@ -280,68 +243,90 @@ def forward_backward(engine: "Engine", op: ForwardBackwardOp) -> ForwardBackward
     else:
         bound, loss, data = None, get_loss(op.loss_fn), op.data
     config = loss.resolve_config(op.loss_fn_config)
-    per_datum = _validate(data, rt, loss)
-    started = time.perf_counter()
-
-    # Pack into one right-padded batch; pad positions are masked out and never reach the loss.
+    per_datum = datums.validate(data, rt, loss)
+    if any(d.images for d in op.data) and rt.loaded.vision is None:
+        raise UserError(f"base model {rt.name!r} is a text-only model and takes no images")
     lengths = [len(d.tokens) for d in op.data]
-    batch, width = len(lengths), max(lengths)
-    input_ids = torch.zeros(batch, width, dtype=torch.long)  # [B, T]
-    mask = torch.zeros(batch, width, dtype=torch.long)  # [B, T]
-    for row, d in enumerate(op.data):
+    inputs = {k: torch.from_numpy(np.concatenate([x[k] for x in per_datum])) for k in per_datum[0]}  # [M] / [M, K]
+    # Which datum each position came from, for losses that aggregate per sequence (gspo).
+    inputs[DATUM_INDEX] = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))  # [M]
+    device = rt.precision.torch_device
+    if device.type != "cpu":  # everything the loss sees lives where the model does
+        inputs = {k: v.to(device) for k, v in inputs.items()}
+    return Prepared(op, adapter, loss, config, bound, lengths, inputs, time.perf_counter())
+
+
+def padded_tokens(rt: "ModelRuntime", data: list[Datum]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One right-padded batch: input_ids and mask [B, T]; pad positions are masked out and never reach the loss.
+    No datums (a rank given none, engine/sharding.py): one dummy token keeps it in the FSDP collectives."""
+    lengths = [len(d.tokens) for d in data]
+    input_ids = torch.zeros(max(len(data), 1), max(lengths, default=1), dtype=torch.long)  # [B, T]
+    mask = torch.zeros(max(len(data), 1), max(lengths, default=1), dtype=torch.long)  # [B, T]
+    if not data:
+        mask[0, 0] = 1
+    for row, d in enumerate(data):
         # np.array copies: decoded wire buffers are read-only and torch warns on those.
         input_ids[row, : lengths[row]] = torch.from_numpy(np.array(d.tokens, dtype=np.int64))
         mask[row, : lengths[row]] = 1
-    inputs = {k: torch.from_numpy(np.concatenate([x[k] for x in per_datum])) for k in per_datum[0]}  # [M] / [M, K]
-    # Which datum each position came from, for losses that aggregate per sequence (gspo).
-    inputs[DATUM_INDEX] = torch.repeat_interleave(torch.arange(batch), torch.tensor(lengths))  # [M]
     device = rt.precision.torch_device
-    if device.type != "cpu":  # everything the loss sees lives where the model does
-        input_ids, mask = input_ids.to(device), mask.to(device)
-        inputs = {k: v.to(device) for k, v in inputs.items()}
+    return (input_ids.to(device), mask.to(device)) if device.type != "cpu" else (input_ids, mask)
 
-    params = adapter.parameters()
-    rt.ctx.set_single(adapter.slot)
+
+def forward_backward(engine: "Engine", op: ForwardBackwardOp) -> ForwardBackwardResult:
+    rt = engine.runtime_of(op.model_id)
+    p = prepare_forward_backward(rt, op)
+    # With several ranks (engine/sharding.py) this rank's block of datums; the loss sees them all.
+    ranks = None if engine.group is None else DataParallel(engine.group, p.lengths)
+    mine = op.data if ranks is None else op.data[slice(*ranks.block)]
+    input_ids, mask = padded_tokens(rt, mine)
+    rt.ctx.set_single(p.adapter.slot)
     try:
         # Into fresh tensors first: .grad is touched only after the whole batch succeeded.
         # MoE layers count their routing of the real tokens meanwhile (none for a dense model).
         with rt.routing.counting(mask.flatten().bool()) as routing:
             target_logprobs, loss_sum, metrics, grads = _logprobs_and_grads(
-                rt, input_ids, mask, inputs, loss, config, params, op.forward_only
+                rt, input_ids, mask, p.inputs, p.loss, p.config, p.adapter.parameters(), op.forward_only, ranks,
+                [d.images for d in mine],
             )
         metrics = {**metrics, **routing.metrics()}  # the SDK's e_frac_with_tokens:mean etc.
     finally:
         rt.ctx.clear()
+    return finish_forward_backward(p, target_logprobs, loss_sum, metrics, grads)
 
+
+def finish_forward_backward(p: Prepared, target_logprobs, loss_sum, metrics, grads) -> ForwardBackwardResult:
+    """Check the pass's numbers, add its gradients to the adapter's .grad, and build the result."""
+    op, adapter, inputs, lengths = p.op, p.adapter, p.inputs, p.lengths
+    batch, params = len(lengths), adapter.parameters()
     offsets = np.cumsum([0] + lengths)
     if grads is not None and not op.allow_non_finite:
         # Forward-only passes change nothing, so a NaN loss there is reported as it is.
         def per_datum_loss(i: int) -> torch.Tensor:
             rows = slice(int(offsets[i]), int(offsets[i + 1]))
-            if bound is not None:  # a custom loss keeps each datum's own inputs
-                return bound.datum_loss(i, target_logprobs[rows])
+            if p.bound is not None:  # a custom loss keeps each datum's own inputs
+                return p.bound.datum_loss(i, target_logprobs[rows])
             alone = {k: v[rows] for k, v in inputs.items()} | {
                 DATUM_INDEX: torch.zeros(lengths[i], dtype=torch.long, device=target_logprobs.device)}
-            return loss(target_logprobs[rows], alone, config)[0]
+            return p.loss(target_logprobs[rows], alone, p.config)[0]
 
         finite.check_forward_backward(adapter, loss_sum, batch, per_datum_loss, params, grads)
 
     if grads is not None:
         with torch.no_grad():
-            for p, g in zip(params, grads):
+            for param, g in zip(params, grads):
                 if g is None:
                     continue
-                if p.grad is None:
-                    p.grad = g
+                if param.grad is None:
+                    param.grad = g
                 else:
-                    p.grad.add_(g)
+                    param.grad.add_(g)
         adapter.pending_grads += 1
 
     logprobs = target_logprobs.detach().cpu().numpy().astype(np.float32, copy=False)
     outputs = [{"logprobs": logprobs[offsets[i] : offsets[i + 1]].copy()} for i in range(batch)]
     log.debug(
         "forward_backward model=%s datums=%d tokens=%d forward_only=%s %.1f ms",
-        op.model_id, batch, int(offsets[-1]), op.forward_only, 1e3 * (time.perf_counter() - started),
+        op.model_id, batch, int(offsets[-1]), op.forward_only, 1e3 * (time.perf_counter() - p.started),
     )
     return ForwardBackwardResult(loss_fn_outputs=outputs, metrics=metrics)
 
@@ -350,24 +335,10 @@ def forward_backward(engine: "Engine", op: ForwardBackwardOp) -> ForwardBackward
 # optim_step
 
 
-def _check_adam(p: AdamParams) -> None:
-    if not p.learning_rate >= 0:
-        raise UserError(f"adam_params.learning_rate must be >= 0, got {p.learning_rate}")
-    for name, beta in (("beta1", p.beta1), ("beta2", p.beta2)):
-        if not 0 <= beta < 1:
-            raise UserError(f"adam_params.{name} must be in [0, 1), got {beta}")
-    if not p.eps >= 0:
-        raise UserError(f"adam_params.eps must be >= 0, got {p.eps}")
-    if not p.weight_decay >= 0:
-        raise UserError(f"adam_params.weight_decay must be >= 0, got {p.weight_decay}")
-    if not p.grad_clip_norm >= 0:
-        raise UserError(f"adam_params.grad_clip_norm must be >= 0 (0 = no clipping), got {p.grad_clip_norm}")
-
-
 def optim_step(engine: "Engine", op: OptimStepOp) -> dict[str, float]:
     _, adapter = _trainable(engine, op.model_id)
     p = op.adam_params
-    _check_adam(p)
+    adam.check_params(p)
     optimizer = adapter.optimizer
     undo = None
     if not op.allow_non_finite:
@@ -413,14 +384,15 @@ def optim_step(engine: "Engine", op: OptimStepOp) -> dict[str, float]:
     return {}
 
 
-def _snapshot(engine: "Engine", adapter: "Adapter", dir_path: str) -> None:
-    """A recovery point: weights, AdamW state and step as of a step, load or release. The two newest
-    are kept: this op's result may not be stored yet when the process dies, and then recovery needs
-    the one before."""
-    target = Path(dir_path)
-    checkpoints.save_adapter(adapter, engine.runtime_of(adapter.key).name, target, with_optimizer=True)
-    for old in sorted(p for p in target.parent.iterdir() if p.name.startswith("seq-"))[:-2]:
-        shutil.rmtree(old, ignore_errors=True)
+def _snapshot(engine: "Engine", adapter: "Adapter", key: str) -> None:
+    """A recovery point (artifact `key`, `.../<model_id>/seq-<n>`): weights, AdamW state and step as
+    of a step, load or release. The two newest are kept: this op's result may not be stored yet when
+    the process dies, and then recovery needs the one before."""
+    store = engine.artifacts
+    checkpoints.save_adapter_to(store, key, adapter, engine.runtime_of(adapter.key).name, with_optimizer=True)
+    run = key.rsplit("/", 1)[0]
+    for old in [k for k in store.list(run) if k.rsplit("/", 1)[1].startswith("seq-")][:-2]:
+        store.delete(old)
 
 
 def _after_op_snapshot(engine: "Engine", adapter: "Adapter", dir_path: str) -> None:
@@ -440,7 +412,7 @@ def _after_op_snapshot(engine: "Engine", adapter: "Adapter", dir_path: str) -> N
 def save_weights(engine: "Engine", op: SaveWeightsOp) -> dict[str, int]:
     rt = engine.runtime_of(op.model_id)
     adapter = rt.pool.get(op.model_id)
-    size_bytes = checkpoints.save_adapter(adapter, rt.name, op.dir_path, op.with_optimizer)
+    size_bytes = checkpoints.save_adapter_to(engine.artifacts, op.dir_path, adapter, rt.name, op.with_optimizer)
     return {"size_bytes": size_bytes}
 
 
@@ -495,7 +467,7 @@ def _load_as_new(engine: "Engine", op: LoadWeightsOp, files: checkpoints.Adapter
 
 
 def load_weights(engine: "Engine", op: LoadWeightsOp) -> dict:
-    files = checkpoints.read_adapter(op.dir_path)
+    files = checkpoints.read_adapter_from(engine.artifacts, op.dir_path)
     if op.with_optimizer and files.optimizer_state is None:
         raise UserError(f"checkpoint at {op.dir_path!r} has no optimizer state (a sampler or exported checkpoint?)")
     if op.model_id in engine.model_of:

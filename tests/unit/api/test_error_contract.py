@@ -52,8 +52,9 @@ def problems(cls: type[TinkerdError]) -> list[str]:
         if e.status_code in SDK_RETRIES:
             return [f"{cls.__name__}: user error with {e.status_code}, which the SDK retries"]
     elif e.category == "server":
-        if not 500 <= e.status_code < 600:
-            return [f"{cls.__name__}: a server error must be 5xx, is {e.status_code}"]
+        # 429 is the server's too: a queue over its budget (QueueFull), which the SDK backs off from.
+        if not (500 <= e.status_code < 600 or e.status_code == 429):
+            return [f"{cls.__name__}: a server error must be 5xx or 429, is {e.status_code}"]
     else:
         return [f"{cls.__name__}: category {e.category!r} is neither 'user' nor 'server'"]
     return []
@@ -80,6 +81,21 @@ def test_every_tinkerd_error_has_a_category_and_a_status_the_sdk_reads_right():
         e = cls("why")
         response = error_response(e)
         assert response.status_code == e.status_code and response.body == f'{{"error":"why","category":"{e.category}"}}'.encode()
+
+
+def test_every_error_is_defined_in_errors_py_with_the_enums():
+    """One place for the hierarchy (issue 18): no module defines its own error class, and each
+    class's category and status are the enums' members, not loose strings and ints."""
+    from http import HTTPStatus
+
+    from tinkerd.errors import Category
+
+    names = error_classes_in_source()
+    assert {name: module for name, module in names.items() if module != "tinkerd.errors"} == {}
+    for name in names:
+        cls = getattr(importlib.import_module("tinkerd.errors"), name)
+        e = cls("why")
+        assert isinstance(e.category, Category) and isinstance(e.status_code, HTTPStatus), name
 
 
 def test_the_check_catches_a_misclassified_error():

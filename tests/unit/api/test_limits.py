@@ -11,6 +11,7 @@ import math
 import pytest
 from sqlalchemy import func, select
 
+from tinkerd.artifacts import LocalArtifactStore
 from tinkerd.api.deps import AppState
 from tinkerd.api import legacy
 from tinkerd.api.routes import training
@@ -28,7 +29,7 @@ TINY = "tinkerd/tiny-qwen3"
 
 @pytest.fixture
 def st(tmp_path) -> AppState:
-    runs = Runs(Store.sqlite(tmp_path / "db.sqlite"), tmp_path / "checkpoints")
+    runs = Runs(Store.sqlite(tmp_path / "db.sqlite"), LocalArtifactStore(tmp_path))
     served = {TINY: ServedModel(TINY, TINY, 4096, "qwen3")}
     # Of control, the upgrade uses only the op log's repository.
     control = SimpleNamespace(futures=FutureRepository(runs.store))

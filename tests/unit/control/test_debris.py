@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tinkerd.artifacts import LocalArtifactStore
 from tinkerd.control.recovery import Recovery
 from tinkerd.control.runs import Runs, TinkerPath
 from tinkerd.control.store.db import Store
@@ -43,7 +44,7 @@ def test_the_rebuild_sweeps_snapshot_temp_dirs_and_keeps_whole_snapshots(store, 
     half = _dir(root / ".seq-000000000006.tmp-ab12cd34", b"half")  # a snapshot write killed mid-way
     set_aside = _dir(root / ".seq-000000000005.old-ef56gh78" / "ckpt", b"five").parent  # killed between renames
     stale = _dir(root / ".seq-000000000004.old-ij90kl12" / "ckpt", b"older").parent  # killed after the swap
-    recovery = Recovery(store, tmp_path / "snapshots", rebuild=None)
+    recovery = Recovery(store, LocalArtifactStore(tmp_path), rebuild=None)
     report = recovery.rebuild_engine(NoEngine())
     assert report.replayed_ops == 0
     assert not half.exists() and not set_aside.exists() and not stale.exists()
@@ -53,30 +54,35 @@ def test_the_rebuild_sweeps_snapshot_temp_dirs_and_keeps_whole_snapshots(store, 
 
 
 def test_the_rebuild_runs_the_checkpoint_sweep_but_spares_a_copy_in_progress(store, tmp_path):
-    runs = Runs(store, tmp_path / "checkpoints")
+    runs = Runs(store, LocalArtifactStore(tmp_path))
     session = runs.create_session([], {}, "test")
     model_id = runs.create_run(session, 0, "tiny", {"rank": 4}, {})[0].model_id
     saved = TinkerPath(model_id, "weights", "kept")
-    _dir(runs.checkpoint_dir(saved), b"ckpt")
+    ckpt = _dir(tmp_path / runs.checkpoint_key(saved), b"ckpt")
     runs.register_checkpoint(saved, None, None)
-    parent = runs.checkpoint_dir(saved).parent
+    parent = ckpt.parent
     killed = _dir(parent / ".mid.tmp-k1ll3d00", b"half")  # the dead engine's save_state, just now
     sampler = _dir(parent.parent.parent / "_ephemeral" / ".s:sample:1.tmp-0a1b2c3d", b"half")
-    copy = _dir(parent / ".copy.tmp-c0py1234", b"copying")
-    recovery = Recovery(store, tmp_path / "snapshots", rebuild=None)
+    recovery = Recovery(store, LocalArtifactStore(tmp_path), rebuild=None)
     recovery.sweeps.append(lambda: runs.sweep_stale_temp(older_than_s=0))  # as cli/serve.py wires it
-    with runs.copying(copy):
+    seen: list[list[str]] = []
+
+    def copying():  # a copy_weights through the same store, swept in the middle of its write
+        yield b"cop"
         recovery.rebuild_engine(NoEngine())
+        seen.append(sorted(p.name for p in parent.iterdir()))
+        yield b"ying"
+
+    runs.artifacts.put(runs.checkpoint_key(TinkerPath(model_id, "weights", "copy")), {"adapter_model.safetensors": copying()})
     assert not killed.exists() and not sampler.exists()
-    assert (copy / "adapter_model.safetensors").read_bytes() == b"copying"
-    assert (runs.checkpoint_dir(saved) / "adapter_model.safetensors").read_bytes() == b"ckpt"
+    assert [name for name in seen[0] if name.startswith(".copy.tmp-")]  # its temp dir outlived the sweep
+    assert (parent / "copy" / "adapter_model.safetensors").read_bytes() == b"copying"
+    assert (ckpt / "adapter_model.safetensors").read_bytes() == b"ckpt"
     assert runs.checkpoint(saved).size_bytes == 4
-    recovery.rebuild_engine(NoEngine())  # the copy's own cleanup is not in this test: once unmarked, it is debris
-    assert not copy.exists()
 
 
 def test_a_failing_extra_sweep_does_not_stop_the_rebuild(store, tmp_path):
-    recovery = Recovery(store, tmp_path / "snapshots", rebuild=None)
+    recovery = Recovery(store, LocalArtifactStore(tmp_path), rebuild=None)
 
     def broken():
         raise PermissionError("no")

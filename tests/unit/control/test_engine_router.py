@@ -1,12 +1,12 @@
 """EngineRouter (control/engines.py) over fake engines: routing by base model, the single-engine
-pass-through, release merging, sampling rows, and a crash of one engine restarting all."""
+pass-through, release merging, sampling rows, and a crash of one engine restarting it alone."""
 
 import threading
 
 import numpy as np
 import pytest
 
-from tinkerd.control.engines import EngineRouter, run_ops
+from tinkerd.control.engines import EngineRouter, EnginesCrashed, run_ops
 from tinkerd.errors import EngineCrashed, NotFoundError, UserError
 from tinkerd.types import (AdamParams, CreateModelOp, ForwardBackwardOp, LoraSpec, OptimStepOp, ReleaseAdaptersOp,
                            Resident, SampleOp, SamplingParams, ServedModel, StepBatch, StepOutput)
@@ -144,19 +144,37 @@ def test_a_release_reaches_every_engine_and_counts_a_run_only_when_all_released_
     assert result == {"unloaded": ["ma"], "sampler_paths": ["base-a", "base-b"]}
 
 
-def test_a_crash_of_one_engine_fails_the_step_and_restart_restarts_all():
-    a, b = _Engine("base-a"), _Engine("base-b")
+def test_a_crash_of_one_engine_loses_only_its_work_and_restart_restarts_it_alone():
+    a, b = _Engine("base-a", rows=3), _Engine("base-b", rows=3)
     router = EngineRouter([a, b])
     run_ops(router, [CreateModelOp("ma", "base-a", LoraSpec(4, 8.0)), CreateModelOp("mb", "base-b", LoraSpec(4, 8.0))])
+    router.step(StepBatch(admit=[("sa", _sample("base-a")), ("sb", _sample("base-b"))], decode=True))
     b.crash_next = True
-    with pytest.raises(EngineCrashed):
+    with pytest.raises(EnginesCrashed) as crash:
         router.step(StepBatch(run=[("1", OptimStepOp("ma", AdamParams(), base_model="base-a")),
-                                   ("2", OptimStepOp("mb", AdamParams(), base_model="base-b"))]))
+                                   ("2", OptimStepOp("mb", AdamParams(), base_model="base-b"))], decode=True))
+    # b's op and its row are lost; a's op finished and its row decodes on.
+    assert crash.value.base_models == {"base-b"} and crash.value.lost == {"2", "sb"}
+    assert crash.value.output.done == [("1", "base-a:OptimStepOp")] and crash.value.output.active_rows == 1
     router.restart()
-    # Control re-queues both ops and replays both runs: a's live adapter went too, so its step
-    # (which ran, unreported) is not applied twice.
-    assert (a.restarts, b.restarts) == (1, 1) and not a.held and not b.held
-    assert run_ops(router, [CreateModelOp("ma", "base-a", LoraSpec(4, 8.0))]) == ["base-a:CreateModelOp"]
+    assert (a.restarts, b.restarts) == (0, 1) and a.held == {"ma"} and not b.held
+    out = router.step(StepBatch(decode=True))
+    assert out.done == [("sa", "base-a:sampled")]
+    assert run_ops(router, [CreateModelOp("mb", "base-b", LoraSpec(4, 8.0))]) == ["base-b:CreateModelOp"]
+    router.restart()  # nothing known dead: every engine (a crash reported by something else)
+    assert (a.restarts, b.restarts) == (1, 2)
+
+
+def test_a_restart_that_fails_names_what_is_still_down():
+    a, b = _Engine("base-a"), _Engine("base-b")
+    router = EngineRouter([a, b])
+    b.crash_next = True
+    with pytest.raises(EnginesCrashed):
+        router.step(StepBatch(run=[("1", CreateModelOp("mb", "base-b", LoraSpec(4, 8.0)))]))
+    b.restart = lambda: (_ for _ in ()).throw(EngineCrashed("did not start"))
+    with pytest.raises(EnginesCrashed) as crash:
+        router.restart()
+    assert crash.value.base_models == {"base-b"} and a.restarts == 0
 
 
 def test_control_trains_two_base_models_in_the_same_step(tmp_path):

@@ -3,6 +3,7 @@ them; named samplers and other sessions are never touched."""
 
 from __future__ import annotations
 
+from tinkerd.artifacts import LocalArtifactStore
 from tinkerd.control.runs import Runs
 from tinkerd.control.store.db import Store
 from tinkerd.control.store.tables import SamplingSessionRow
@@ -10,7 +11,7 @@ from tinkerd.control.store.tables import SamplingSessionRow
 
 def _ephemeral(runs: Runs, session: str, n: int) -> str:
     sid = f"{session}:sample:{n}"
-    d = runs.ephemeral_dir(sid)
+    d = runs.artifacts.path(runs.ephemeral_key(sid))
     d.mkdir(parents=True)
     (d / "adapter_model.safetensors").write_bytes(b"x")
     runs.create_sampling_session(session, n, "base", None, str(d))
@@ -18,7 +19,7 @@ def _ephemeral(runs: Runs, session: str, n: int) -> str:
 
 
 def test_older_ephemeral_samplers_go_unless_in_use(tmp_path):
-    runs = Runs(Store.sqlite(tmp_path / "db.sqlite"), tmp_path / "checkpoints")
+    runs = Runs(Store.sqlite(tmp_path / "db.sqlite"), LocalArtifactStore(tmp_path))
     s, other = runs.create_session([], {}, None), runs.create_session([], {}, None)
     # seq 1 is a named sampler (from a checkpoint path): never pruned, though it shares the counter.
     named = runs.create_sampling_session(s, 1, "base", "tinker://x/sampler_weights/a", str(tmp_path / "named"))
@@ -28,8 +29,8 @@ def test_older_ephemeral_samplers_go_unless_in_use(tmp_path):
     deleted = runs.prune_ephemeral_samplers(s, keep=2, busy=lambda sid: sid == ids[1])
     assert deleted == [ids[0], ids[2]]  # ids[1] is used by a queued or decoding request: spared
     for sid in deleted:
-        assert runs.store.get(SamplingSessionRow, sid) is None and not runs.ephemeral_dir(sid).exists()
-    assert runs.ephemeral_dir(ids[1]).exists() and runs.store.get(SamplingSessionRow, named.sampling_session_id)
+        assert runs.store.get(SamplingSessionRow, sid) is None and not runs.artifacts.path(runs.ephemeral_key(sid)).exists()
+    assert runs.artifacts.path(runs.ephemeral_key(ids[1])).exists() and runs.store.get(SamplingSessionRow, named.sampling_session_id)
 
     assert runs.prune_ephemeral_samplers(s, keep=2, busy=lambda sid: False) == [ids[1]]
     assert sorted(p.name for p in (tmp_path / "checkpoints" / "_ephemeral").iterdir()) == sorted(ids[3:] + theirs)

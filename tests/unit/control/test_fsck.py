@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from tinker import types as t
 
+from tinkerd.artifacts import LocalArtifactStore
 from tinkerd.cli import fsck as cli_fsck
 from tinkerd.cli.main import main
 from tinkerd.control import fsck
@@ -47,7 +48,7 @@ def data(tmp_path):
     """A data directory whose store and files agree: two runs, checkpoints of every type, a usable
     snapshot, an ephemeral sampler and a pending op that parses."""
     store = Store.sqlite(tmp_path / "tinkerd.sqlite")
-    runs = Runs(store, tmp_path / "checkpoints")
+    runs = Runs(store, LocalArtifactStore(tmp_path))
     session = runs.create_session([], {}, "test")
     run = runs.create_run(session, 0, "tiny", {"rank": 4}, {})[0].model_id
     other = runs.create_run(session, 1, "tiny", {"rank": 4}, {})[0].model_id
@@ -55,10 +56,10 @@ def data(tmp_path):
                                  ("sampler_weights", "s", fsck.REQUIRED_FILES["sampler"]),
                                  ("external_weights", "e", fsck.REQUIRED_FILES["external"])):
         path = TinkerPath(run, segment, name)
-        _files(runs.checkpoint_dir(path), names)
+        _files(runs.artifacts.path(runs.checkpoint_key(path)), names)
         runs.register_checkpoint(path, None, None)
     sid = f"{session}:sample:0"
-    runs.create_sampling_session(session, 0, "tiny", None, str(_files(runs.ephemeral_dir(sid))))
+    runs.create_sampling_session(session, 0, "tiny", None, str(_files(runs.artifacts.path(runs.ephemeral_key(sid)))))
     _complete(store, "req-create", "CreateModel", run, 0)
     _complete(store, "req-optim", "OptimStep", run, 2)
     _files(tmp_path / "snapshots" / run / "seq-000000000002")
@@ -85,20 +86,20 @@ def test_each_kind_of_problem_is_found_and_repair_removes_only_debris(data, caps
     ck = data_dir / "checkpoints" / run
     # Registered, then damaged from outside: not debris, never touched by repair.
     gone = TinkerPath(run, "weights", "gone")
-    _files(runs.checkpoint_dir(gone), fsck.REQUIRED_FILES["training"])
+    _files(runs.artifacts.path(runs.checkpoint_key(gone)), fsck.REQUIRED_FILES["training"])
     runs.register_checkpoint(gone, None, None)
-    for f in runs.checkpoint_dir(gone).iterdir():
+    for f in runs.artifacts.path(runs.checkpoint_key(gone)).iterdir():
         f.unlink()
-    runs.checkpoint_dir(gone).rmdir()
+    runs.artifacts.path(runs.checkpoint_key(gone)).rmdir()
     (ck / "sampler_weights" / "s" / fsck.META_FILE).unlink()  # incomplete
     with open(ck / "external_weights" / "e" / fsck.WEIGHTS_FILE, "ab") as f:  # size differs from the row's
         f.write(b"more")
     # A save that crashed between its two renames: the registered checkpoint sits set aside.
     aside = TinkerPath(run, "weights", "aside")
-    _files(runs.checkpoint_dir(aside), fsck.REQUIRED_FILES["training"])
+    _files(runs.artifacts.path(runs.checkpoint_key(aside)), fsck.REQUIRED_FILES["training"])
     runs.register_checkpoint(aside, None, None)
     (ck / "weights" / ".aside.old-x1").mkdir()
-    runs.checkpoint_dir(aside).rename(ck / "weights" / ".aside.old-x1" / "ckpt")
+    runs.artifacts.path(runs.checkpoint_key(aside)).rename(ck / "weights" / ".aside.old-x1" / "ckpt")
     # Debris.
     _files(ck / "weights" / "orphan")
     _files(data_dir / "checkpoints" / "_ephemeral" / f"{session}:sample:9")
@@ -131,7 +132,7 @@ def test_each_kind_of_problem_is_found_and_repair_removes_only_debris(data, caps
 
     assert main(["fsck", "--data-dir", str(data_dir), "--repair"]) == 1  # what is not debris stays
     out = capsys.readouterr().out
-    assert f"repair: restored {runs.checkpoint_dir(aside)}" in out
+    assert f"repair: restored {runs.artifacts.path(runs.checkpoint_key(aside))}" in out
     after = _check(data_dir, store)
     assert {p.kind for p in after.problems} == {"missing-checkpoint", "incomplete-checkpoint", "size-mismatch",
                                                 "incomplete-snapshot", "unrecoverable-run", "stranded-future"}
@@ -139,7 +140,7 @@ def test_each_kind_of_problem_is_found_and_repair_removes_only_debris(data, caps
     assert not (ck / "weights" / "orphan").exists() and not (data_dir / "snapshots" / "sess-gone:train:0").exists()
     assert not list(data_dir.rglob(".*.tmp-*")) and not list(data_dir.rglob(".build-*"))
     # Registered checkpoints: untouched (the damaged ones too), the set-aside one back in place.
-    assert sorted(p.name for p in runs.checkpoint_dir(aside).iterdir()) == sorted(fsck.REQUIRED_FILES["training"])
+    assert sorted(p.name for p in runs.artifacts.path(runs.checkpoint_key(aside)).iterdir()) == sorted(fsck.REQUIRED_FILES["training"])
     assert (ck / "weights" / "keep" / fsck.OPTIMIZER_FILE).is_file()
     assert (ck / "sampler_weights" / "s" / fsck.WEIGHTS_FILE).is_file()
     assert (ck / "external_weights" / "e" / fsck.WEIGHTS_FILE).is_file()

@@ -6,6 +6,7 @@ from datetime import datetime
 
 import pytest
 
+from tinkerd.artifacts import LocalArtifactStore
 from tinkerd.control.metering import Billing, Meter, Usage, hourly_buckets, totals
 from tinkerd.control.runs import Runs, TinkerPath
 from tinkerd.control.store.db import Store
@@ -41,7 +42,7 @@ def test_buckets_split_by_hour_and_kind():
 
 
 def test_owned_lookups_answer_like_missing_ids(tmp_path):
-    runs = Runs(Store.sqlite(tmp_path / "db.sqlite"), tmp_path / "checkpoints")
+    runs = Runs(Store.sqlite(tmp_path / "db.sqlite"), LocalArtifactStore(tmp_path))
     sess = runs.create_session([], {}, "test", account_id="acct-a")
     run, _ = runs.create_run(sess, 0, "tiny", {"rank": 4}, {}, account_id="acct-a")
     assert runs.owned_run(run.model_id, "acct-a").model_id == run.model_id
@@ -51,7 +52,7 @@ def test_owned_lookups_answer_like_missing_ids(tmp_path):
     with pytest.raises(NotFoundError, match="unknown session_id"):
         runs.create_run(sess, 1, "tiny", {"rank": 4}, {}, account_id="acct-b")
     path = TinkerPath(run.model_id, "weights", "w")
-    runs.checkpoint_dir(path).mkdir(parents=True)
+    runs.artifacts.path(runs.checkpoint_key(path)).mkdir(parents=True)
     runs.register_checkpoint(path, None, None)
     assert runs.owned_checkpoint(path, "acct-a")
     with pytest.raises(NotFoundError, match="does not exist"):

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from tests.unit.control.test_scheduler import _wait_done
+from tinkerd.artifacts import LocalArtifactStore
 from tinkerd.control import oplog
 from tinkerd.control.control import Control, Work
 from tinkerd.control.oplog import OpRecord, OpType, Payer, RegisterCheckpoint
@@ -152,7 +153,7 @@ def test_a_run_that_cannot_be_rebuilt_is_recorded_and_its_ops_fail_with_the_reas
     step = OpRecord(OpType.OPTIM_STEP, OptimStepOp("s:train:0", AdamParams()))
     _logged(store, "s:train:0", 1, step, "complete")
     pending = _logged(store, "s:train:0", 2, step, "pending")
-    control = Control(store, engine, Recovery(store, tmp_path / "snapshots"))
+    control = Control(store, engine, Recovery(store, LocalArtifactStore(tmp_path)))
     control.start()
     try:
         row = store.get(FutureRow, pending)
@@ -162,7 +163,7 @@ def test_a_run_that_cannot_be_rebuilt_is_recorded_and_its_ops_fail_with_the_reas
     finally:
         control.stop()
     # A start that can rebuild it drops the record.
-    control = Control(store, _Engine(["tiny"]), Recovery(store, tmp_path / "snapshots"))
+    control = Control(store, _Engine(["tiny"]), Recovery(store, LocalArtifactStore(tmp_path)))
     control.start()
     try:
         assert control.recovery.failure("s:train:0") is None

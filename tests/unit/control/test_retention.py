@@ -10,6 +10,7 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import func, select
 
+from tinkerd.artifacts import LocalArtifactStore
 from tinkerd.control.control import Control, Work
 from tinkerd.control.recovery import Recovery
 from tinkerd.control.retention import FutureRetention
@@ -44,11 +45,11 @@ def store(tmp_path):
 
 def _recovery(store, tmp_path) -> Recovery:
     # The plan's ops name the row they came from, so two plans compare op for op.
-    return Recovery(store, tmp_path / "snapshots", rebuild=lambda row: Work((row.request_type, row.seq_id, row.body), None))
+    return Recovery(store, LocalArtifactStore(tmp_path), rebuild=lambda row: Work((row.request_type, row.seq_id, row.body), None))
 
 
 def _snapshot(recovery: Recovery, seq: int) -> None:
-    recovery.snapshot_dir(MODEL, seq).mkdir(parents=True)
+    recovery.artifacts.put(recovery.snapshot_key(MODEL, seq), {"adapter_model.safetensors": b"x"})
 
 
 def _count(store) -> int:

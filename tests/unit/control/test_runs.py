@@ -8,6 +8,7 @@ from datetime import timedelta
 
 import pytest
 
+from tinkerd.artifacts import LocalArtifactStore
 from tinkerd.control.runs import CheckpointSweeper, Runs, TinkerPath, check_ttl
 from tinkerd.control.store.db import Store, utcnow
 from tinkerd.control.store.tables import CheckpointRow
@@ -16,7 +17,7 @@ from tinkerd.errors import NotFoundError, ServerError, StorageUnavailable, UserE
 
 @pytest.fixture
 def runs(tmp_path) -> Runs:
-    r = Runs(Store.sqlite(tmp_path / "db.sqlite"), tmp_path / "checkpoints")
+    r = Runs(Store.sqlite(tmp_path / "db.sqlite"), LocalArtifactStore(tmp_path))
     session = r.create_session([], {}, "test")
     r.create_run(session, 0, "tiny", {"rank": 4}, {})
     return r
@@ -29,7 +30,7 @@ def _model_id(runs: Runs) -> str:
 def _saved(runs: Runs, name: str, segment: str = "weights", ttl: int | None = None) -> TinkerPath:
     """What a finished save leaves: the directory in place, then the registration."""
     path = TinkerPath(_model_id(runs), segment, name)
-    d = runs.checkpoint_dir(path)
+    d = runs.artifacts.path(runs.checkpoint_key(path))
     d.mkdir(parents=True)
     (d / "adapter_model.safetensors").write_bytes(b"x" * 100)
     runs.register_checkpoint(path, ttl, {"k": "v"})
@@ -47,26 +48,28 @@ def test_registration_needs_the_finished_directory(runs):
     assert runs.list_checkpoints() == ([], 0)
 
 
-def test_expired_checkpoints_vanish_from_lookups_listings_and_disk(runs):
+def test_expired_checkpoints_vanish_from_lookups_and_listings_at_once_and_from_disk_by_the_sweep(runs):
     keep, gone = _saved(runs, "keep"), _saved(runs, "gone", ttl=3600)
     assert runs.checkpoint(gone).size_bytes == 100
     _expire(runs, gone)
     with pytest.raises(NotFoundError):
         runs.checkpoint(gone)
-    assert not runs.checkpoint_dir(gone).exists()
     rows, total = runs.list_checkpoints()
     assert [r.tinker_path for r in rows] == [str(keep)] and total == 1
-    assert runs.checkpoint_dir(keep).is_dir()
+    # A lookup or a listing (a request) never deletes: the files go with the sweep, off every request path.
+    assert runs.artifacts.path(runs.checkpoint_key(gone)).is_dir()
+    assert runs.sweep_expired() == 1
+    assert not runs.artifacts.path(runs.checkpoint_key(gone)).exists()
+    assert runs.artifacts.path(runs.checkpoint_key(keep)).is_dir()
 
 
-def test_listing_sweeps_so_page_and_total_count_only_live_rows(runs):
+def test_a_page_and_its_total_count_only_live_rows(runs):
     paths = [_saved(runs, f"c{i}") for i in range(5)]
     _expire(runs, paths[1])
     rows, total = runs.list_checkpoints(limit=2, offset=0)
     assert total == 4
     assert [r.name for r in rows] == ["c4", "c3"]  # newest first
     assert [r.name for r in runs.list_checkpoints(limit=2, offset=2)[0]] == ["c2", "c0"]
-    assert not runs.checkpoint_dir(paths[1]).exists()
     assert runs.last_checkpoint(_model_id(runs), "training").name == "c4"
 
 
@@ -78,7 +81,7 @@ def test_sweep_spares_a_newer_save_under_an_expired_name(runs):
                       expires_at=utcnow() - timedelta(seconds=1))
     assert runs.sweep_expired() == 1
     assert runs.store.get(CheckpointRow, str(path)) is None
-    assert runs.checkpoint_dir(path).is_dir()
+    assert runs.artifacts.path(runs.checkpoint_key(path)).is_dir()
     runs.register_checkpoint(path, None, None)
     assert runs.checkpoint(path).expires_at is None
 
@@ -90,9 +93,9 @@ def test_sweeper_thread_deletes_files_without_any_request(runs):
     try:
         _expire(runs, path)
         deadline = time.monotonic() + 5
-        while runs.checkpoint_dir(path).exists() and time.monotonic() < deadline:
+        while runs.artifacts.path(runs.checkpoint_key(path)).exists() and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert not runs.checkpoint_dir(path).exists()
+        assert not runs.artifacts.path(runs.checkpoint_key(path)).exists()
         assert runs.store.get(CheckpointRow, str(path)) is None
     finally:
         sweeper.stop()
@@ -111,7 +114,7 @@ def test_ttl_update_and_removal(runs):
 
 def test_crash_debris_is_removed_and_a_set_aside_checkpoint_restored(runs):
     live = _saved(runs, "live")
-    parent = runs.checkpoint_dir(live).parent
+    parent = runs.artifacts.path(runs.checkpoint_key(live)).parent
     old = time.time() - 7200
 
     def debris(name: str, inner: str | None = None, mtime: float = old):
@@ -128,7 +131,7 @@ def test_crash_debris_is_removed_and_a_set_aside_checkpoint_restored(runs):
     assert runs.sweep_stale_temp() == 3
     assert not half.exists() and fresh.exists() and not lost.exists() and not stale.exists()
     assert (parent / "lost" / "adapter_model.safetensors").read_bytes() == b"y"
-    assert (runs.checkpoint_dir(live) / "adapter_model.safetensors").read_bytes() == b"x" * 100
+    assert (runs.artifacts.path(runs.checkpoint_key(live)) / "adapter_model.safetensors").read_bytes() == b"x" * 100
     # At start-up nothing can be saving, so age does not matter.
     assert runs.sweep_stale_temp(older_than_s=0) == 1 and not fresh.exists()
 

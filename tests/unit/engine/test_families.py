@@ -30,7 +30,7 @@ def test_dense_families_are_served():
 
 
 @pytest.mark.parametrize("cfg, reason", [
-    ({"model_type": "qwen3_vl", "architectures": ["Qwen3VLForConditionalGeneration"]}, "vision-language"),
+    ({"model_type": "qwen3_vl_moe", "architectures": ["Qwen3VLMoeForConditionalGeneration"]}, "vision-language"),
     ({"model_type": "llava", "vision_config": {}}, "vision-language"),
     ({"model_type": "qwen3_next"}, "linear attention"),
     ({"model_type": "gpt_oss"}, "gpt-oss"),
@@ -46,11 +46,19 @@ def test_unservable_configs_are_refused_by_name_with_the_reason(cfg, reason):
 
 def test_an_engine_serves_the_others_and_keeps_the_reason(models_dir):
     engine = Engine(models_dir)
-    engine.load_base_models(["tinkerd/tiny-qwen3-vl", "tinkerd/tiny-qwen3"])
+    engine.load_base_models(["tinkerd/tiny-qwen3-vl-moe", "tinkerd/tiny-qwen3"])
     assert list(engine.runtimes) == ["tinkerd/tiny-qwen3"]
-    assert "vision-language" in engine.refused["tinkerd/tiny-qwen3-vl"]
+    assert "vision-language" in engine.refused["tinkerd/tiny-qwen3-vl-moe"]
     with pytest.raises(UserError, match="vision-language"):
-        Engine(models_dir).load_base_models(["tinkerd/tiny-qwen3-vl"])  # nothing to serve: the start fails
+        Engine(models_dir).load_base_models(["tinkerd/tiny-qwen3-vl-moe"])  # nothing to serve: the start fails
+
+
+def test_qwen3_vl_is_served_with_its_vision_tower(tmp_path):
+    cfg = _saved(tmp_path, "tinkerd/tiny-qwen3-vl")
+    assert families.detect(cfg, "m") is families.QWEN3_VL and families.QWEN3_VL.vision
+    # Its image processor's configuration is written beside it, as the released checkpoints have it.
+    pre = json.loads((tmp_path / "preprocessor_config.json").read_text())
+    assert (pre["patch_size"], pre["merge_size"], pre["size"]) == (16, 2, {"shortest_edge": 65536, "longest_edge": 16777216})
 
 
 def test_qwen3_5_is_served_as_hybrid_and_its_vlm_text_only(tmp_path):
@@ -61,6 +69,11 @@ def test_qwen3_5_is_served_as_hybrid_and_its_vlm_text_only(tmp_path):
     # language model alone; the registry logs that its tower is not loaded.
     family = families.detect({"model_type": "qwen3_5", "vision_config": {"depth": 1}, "text_config": cfg}, "m")
     assert family.text_only and "linear_attention" in family.layer_types
+    # With its image processor's preprocessor_config.json it is served with the tower (images in).
+    vl = _saved(tmp_path / "vl", "tinkerd/tiny-qwen3.5-vl")
+    assert vl["model_type"] == "qwen3_5" and (tmp_path / "vl" / "preprocessor_config.json").is_file()
+    assert families.detect(vl, "m", has_processor=True) is families.QWEN3_5_VL
+    assert families.detect(vl, "m").text_only
 
 
 def test_qwen3_5_moe_is_served_as_hybrid_moe(tmp_path):

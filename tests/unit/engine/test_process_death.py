@@ -9,7 +9,7 @@ import signal
 import pytest
 
 from tinkerd.engine.process import EngineSpec, ProcessEngineClient
-from tinkerd.errors import EngineCrashed
+from tinkerd.errors import Category, EngineCrashed, EngineFailure, ServerError
 from tinkerd.types import StepBatch
 
 TINY = "tinkerd/tiny-qwen3"
@@ -40,6 +40,15 @@ def test_a_fatal_signal_of_its_own_is_self_inflicted(client):
 def test_a_sigkill_from_outside_is_not(client):
     crash = _die_of(client, signal.SIGKILL)
     assert not crash.self_inflicted and "exit code -9" in str(crash)
+
+
+def test_an_unexpected_error_in_the_engine_crosses_the_pipe_as_a_server_error_and_the_engine_serves_on(client):
+    """Not a bare RuntimeError: a TinkerdError of category server that names the original."""
+    with pytest.raises(EngineFailure) as info:
+        client._call("no_such_method")  # the child's loop fails the call (AttributeError), not an op
+    assert isinstance(info.value, ServerError) and info.value.category == Category.SERVER
+    assert "AttributeError" in info.value.message
+    assert client.step(StepBatch(decode=True)).active_rows == 0
 
 
 def test_the_engine_is_the_oom_killers_first_choice(client):

@@ -379,13 +379,13 @@ def test_sampler_checkpoint_is_loaded_once_and_reloaded_when_resaved(
 
     rt = sampler_engine.runtime(TINY)
     reads: list[str] = []
-    real_read = checkpoints.read_adapter
+    real_read = checkpoints.read_adapter_from
 
-    def spy(path):
-        reads.append(path)
-        return real_read(path)
+    def spy(store, key):
+        reads.append(key)
+        return real_read(store, key)
 
-    monkeypatch.setattr(checkpoints, "read_adapter", spy)
+    monkeypatch.setattr(checkpoints, "read_adapter_from", spy)
     path = str(tmp_path / "sampler_weights" / "s1")
     checkpoints.save_adapter(rt.pool.get(sampler_adapters[1]), TINY, path, with_optimizer=False)
     o = replace(op(greedy(6)), adapter_path=path)

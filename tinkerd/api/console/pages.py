@@ -16,6 +16,7 @@ from urllib.parse import quote, urlencode
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
+from starlette.concurrency import run_in_threadpool
 
 from tinkerd.api.console import session
 from tinkerd.api.console.charts import chart, fmt
@@ -85,14 +86,16 @@ def page(fn):
     @functools.wraps(fn)
     async def wrapper(request: Request, *args, **kwargs):
         try:
-            who = session.viewer(request)
+            who = await run_in_threadpool(session.viewer, request)  # a key lookup: off the event loop
         except session.SignInRequired as e:
             if request.method == "GET" and not request.url.path.endswith("/curves"):
                 target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
                 return RedirectResponse(f"/console/signin?{urlencode({'next': target})}", status_code=303)
             return render(request, "error.html", e.status_code, who=None, title="Sign in", message=e.message)
         try:
-            return await fn(request, who, *args, **kwargs)
+            if inspect.iscoroutinefunction(fn):  # reads its form on the loop, then sends its work to the pool
+                return await fn(request, who, *args, **kwargs)
+            return await run_in_threadpool(fn, request, who, *args, **kwargs)  # store queries: in the pool
         except TinkerdError as e:
             return render(request, "error.html", e.status_code, who=who, title=f"{e.status_code}", message=e.message)
 
@@ -144,9 +147,10 @@ async def signin(request: Request) -> Response:
     except TinkerdError as e:
         return render(request, "signin.html", e.status_code, who=None, next="/console/runs", message=e.message)
     key = fields.get("api_key", "").strip()
-    row = st.accounts.key_row(key) if key else None
+    row = await run_in_threadpool(st.accounts.key_row, key) if key else None
     if row is None or row.revoked_at is not None:
-        st.accounts.auth_failed(key or None, _source(request))  # audited as the API's refusals are
+        # audited as the API's refusals are
+        await run_in_threadpool(st.accounts.auth_failed, key or None, _source(request))
         return render(request, "signin.html", 401, who=None, next=_next(fields.get("next")),
                       message="That API key is not valid here (unknown or revoked).")
     response = RedirectResponse(_next(fields.get("next")), status_code=303)
@@ -175,7 +179,7 @@ async def static(name: str) -> Response:
 
 @router.get("/runs")
 @page
-async def runs_page(request: Request, who: session.Viewer) -> Response:
+def runs_page(request: Request, who: session.Viewer) -> Response:
     current = _page_number(request.query_params.get("page"))
     rows, total = overview.run_page(state(request).control.store, who.account_id, PAGE, (current - 1) * PAGE)
     return render(request, "runs.html", who=who, runs=rows, pages=_pages(total, current), nav="runs")
@@ -191,7 +195,7 @@ def _curves(request: Request, model_id: str) -> list:
 
 @router.get("/runs/{run_id}")
 @page
-async def run_page(request: Request, who: session.Viewer, run_id: str) -> Response:
+def run_page(request: Request, who: session.Viewer, run_id: str) -> Response:
     st = state(request)
     run = st.runs.owned_run(run_id, who.account_id)
     now = utcnow()
@@ -208,7 +212,7 @@ async def run_page(request: Request, who: session.Viewer, run_id: str) -> Respon
 
 @router.get("/runs/{run_id}/curves")
 @page
-async def run_curves(request: Request, who: session.Viewer, run_id: str) -> Response:
+def run_curves(request: Request, who: session.Viewer, run_id: str) -> Response:
     """The curves alone: the run page re-fetches this every few seconds (static/console.js)."""
     state(request).runs.owned_run(run_id, who.account_id)
     return render(request, "curves.html", charts=_curves(request, run_id))
@@ -219,7 +223,7 @@ async def run_curves(request: Request, who: session.Viewer, run_id: str) -> Resp
 
 @router.get("/checkpoints")
 @page
-async def checkpoints_page(request: Request, who: session.Viewer) -> Response:
+def checkpoints_page(request: Request, who: session.Viewer) -> Response:
     st = state(request)
     current = _page_number(request.query_params.get("page"))
     rows, total = st.runs.list_checkpoints(limit=PAGE, offset=(current - 1) * PAGE, account_id=who.account_id)
@@ -238,9 +242,9 @@ async def checkpoint_action(request: Request, who: session.Viewer, action: str) 
     runs = state(request).runs
     path = parse_tinker_path(fields.get("tinker_path", ""))
     if action in ("publish", "unpublish"):
-        runs.set_public(path, action == "publish", who.account_id)
+        await run_in_threadpool(runs.set_public, path, action == "publish", who.account_id)
     elif action == "delete":
-        runs.delete_checkpoint(path, who.account_id)
+        await run_in_threadpool(runs.delete_checkpoint, path, who.account_id)  # its rmtree: in the pool
     else:
         raise NotFoundError(f"no checkpoint action {action!r}; publish, unpublish or delete")
     back = _next(fields.get("back"))
@@ -253,7 +257,7 @@ async def checkpoint_action(request: Request, who: session.Viewer, action: str) 
 
 @router.get("/usage")
 @page
-async def usage_page(request: Request, who: session.Viewer) -> Response:
+def usage_page(request: Request, who: session.Viewer) -> Response:
     st = state(request)
     days_text = request.query_params.get("days", "1")
     if not days_text.isdigit() or not 1 <= int(days_text) <= MAX_USAGE_DAYS:
@@ -277,7 +281,7 @@ async def usage_page(request: Request, who: session.Viewer) -> Response:
 
 @router.get("/queue")
 @page
-async def queue_page(request: Request, who: session.Viewer) -> Response:
+def queue_page(request: Request, who: session.Viewer) -> Response:
     control = state(request).control
     ops = overview.queue_view(control, who.account_id)
     quotas = overview.quota_use(control.scheduler.quotas, who.account_id)

@@ -20,9 +20,9 @@ from urllib.parse import parse_qs, urlsplit
 from fastapi import Request
 from fastapi.responses import Response
 
-from tinkerd.api.deps import AuthError, read_body, state
+from tinkerd.api.deps import read_body, state
 from tinkerd.control.tokens import InvalidToken
-from tinkerd.errors import UserError
+from tinkerd.errors import CsrfError, SignInRequired, UserError
 
 COOKIE = "tinkerd_console"
 AUDIENCE = "tinkerd-console"
@@ -31,14 +31,6 @@ AUDIENCE = "tinkerd-console"
 SESSION_S = 8 * 3600
 # A sign-in or mutation form is a few hundred bytes; this refuses anything else before parsing.
 MAX_FORM_BYTES = 16 * 1024
-
-
-class SignInRequired(AuthError):
-    """No valid console session: pages redirect to the sign-in page, fragments answer 401."""
-
-
-class CsrfError(UserError):
-    status_code = 403
 
 
 @dataclass

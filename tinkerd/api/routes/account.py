@@ -29,7 +29,7 @@ def _caller_key(request: Request) -> ApiKey:
 
 
 @router.post("/auth/token")
-async def auth_token(request: Request) -> dict:
+def auth_token(request: Request) -> dict:
     """The SDK's auth exchange (pjwt_auth_enabled): a short-lived JWT for the presented key, carrying
     the identity claims `whoami` reads (control/tokens.py)."""
     st = state(request)
@@ -39,7 +39,7 @@ async def auth_token(request: Request) -> dict:
 
 
 @router.get("/auth/apikey/me")
-async def get_self_api_key(request: Request) -> dict:
+def get_self_api_key(request: Request) -> dict:
     row = _caller_key(request)
     name = state(request).accounts.account_name(row.account_id) or row.account_id
     return {
@@ -51,14 +51,14 @@ async def get_self_api_key(request: Request) -> dict:
 
 
 @router.delete("/auth/apikey/me")
-async def delete_self_api_key(request: Request) -> Response:
+def delete_self_api_key(request: Request) -> Response:
     # Revokes the presented key only (the CLI's logout contract): never another key of the account.
     state(request).accounts.revoke(_caller_key(request).key_id, via="DELETE /api/v1/auth/apikey/me")
     return empty()
 
 
 @router.get("/audit")
-async def get_audit_log(request: Request, event_type: str = "all", day: str | None = None) -> dict:
+def get_audit_log(request: Request, event_type: str = "all", day: str | None = None) -> dict:
     if event_type not in EVENT_TYPES:
         raise UserError(f"event_type must be one of {sorted(EVENT_TYPES)}, got {event_type!r}")
     try:

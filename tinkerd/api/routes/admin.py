@@ -41,7 +41,7 @@ def _hour(name: str, value: str) -> datetime:
 
 
 @router.get("/billing/usage/events")
-async def billing_usage_events(request: Request, starting_on: str, ending_before: str) -> dict:
+def billing_usage_events(request: Request, starting_on: str, ending_before: str) -> dict:
     start, end = _hour("starting_on", starting_on), _hour("ending_before", ending_before)
     if end <= start:
         raise UserError("ending_before must be after starting_on")
@@ -89,7 +89,7 @@ async def billing_usage_events(request: Request, starting_on: str, ending_before
 
 
 @router.get("/billing/usage/checkpoints/current")
-async def current_checkpoint_storage(request: Request, project_id: str | None = None) -> dict:
+def current_checkpoint_storage(request: Request, project_id: str | None = None) -> dict:
     """The caller's live checkpoints grouped by project (one owner: the account), or one project's."""
     st = state(request)
     account_id = account(request)

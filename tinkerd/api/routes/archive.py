@@ -17,16 +17,17 @@ from __future__ import annotations
 import queue
 import tarfile
 import threading
-from pathlib import Path
+import time
 from typing import Iterator
 
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import StreamingResponse
 
 from tinkerd.api.deps import account, authenticate, empty, state
+from tinkerd.artifacts import ArtifactStore
 from tinkerd.control.runs import SEGMENT_TYPES, Runs, TinkerPath, check_name
 from tinkerd.control.records import Checkpoint as CheckpointRow
-from tinkerd.errors import NotFoundError, UserError
+from tinkerd.errors import ArchiveTooLarge, NotFoundError, UserError
 
 router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
 
@@ -34,10 +35,6 @@ router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
 _BARE_ORDER = ("sampler_weights", "weights")
 _CHUNKS_QUEUED = 64  # the tar writer runs at most 64 gzip writes (~640 KiB) ahead of the client
 _PUT_WAIT_S = 1.0
-
-
-class ArchiveTooLarge(UserError):
-    status_code = 413
 
 
 def _owned(runs: Runs, path: TinkerPath, account_id: str) -> CheckpointRow | None:
@@ -58,20 +55,22 @@ def _bare(runs: Runs, run_id: str, name: str, account_id: str) -> list[Checkpoin
 
 def _archive(request: Request, row: CheckpointRow) -> Response:
     st = state(request)
-    files = [f for f in sorted(Path(row.dir_path).rglob("*")) if f.is_file()]
-    size = sum(f.stat().st_size for f in files)
+    key = st.runs.key_of(row)
+    files = st.runs.artifacts.files(key)
+    size = sum(files.values())
     if size > st.config.max_archive_bytes:
         raise ArchiveTooLarge(f"{row.tinker_path} holds {size} bytes, over this server's archive limit of "
                               f"{st.config.max_archive_bytes} (max_archive_bytes)")
     st.runs.audit.record("checkpoint_archive_downloaded", account(request), tinker_path=row.tinker_path,
                          size_bytes=size)
     name = f"{row.name}.tar.gz"
-    return StreamingResponse(_tar_gz(Path(row.dir_path), row.name), media_type="application/gzip",
+    return StreamingResponse(_tar_gz(st.runs.artifacts, key, files, row.name), media_type="application/gzip",
                              headers={"Content-Disposition": f'attachment; filename="{name}"'})
 
 
-def _tar_gz(directory: Path, arcname: str) -> Iterator[bytes]:
-    """The directory as a tar.gz, streamed: a thread writes the archive into a bounded queue that the
+def _tar_gz(artifacts: ArtifactStore, key: str, files: dict[str, int], arcname: str) -> Iterator[bytes]:
+    """The artifact's files (name -> size) as a tar.gz of the directory `arcname`, streamed from the
+    store (tinkerd/artifacts.py): a thread writes the archive into a bounded queue that the
     response reads, so a checkpoint of any size takes ~640 KiB of memory, never its size. A client
     that goes away stops the writer at its next write."""
     chunks: queue.Queue = queue.Queue(maxsize=_CHUNKS_QUEUED)
@@ -93,8 +92,16 @@ def _tar_gz(directory: Path, arcname: str) -> Iterator[bytes]:
 
     def write() -> None:
         try:
+            now = int(time.time())
             with tarfile.open(fileobj=Pipe(), mode="w|gz") as tar:
-                tar.add(directory, arcname=arcname)
+                folder = tarfile.TarInfo(arcname)
+                folder.type, folder.mode, folder.mtime = tarfile.DIRTYPE, 0o755, now
+                tar.addfile(folder)
+                for name, size in files.items():
+                    info = tarfile.TarInfo(f"{arcname}/{name}")
+                    info.size, info.mode, info.mtime = size, 0o644, now
+                    with artifacts.open(key, name) as f:
+                        tar.addfile(info, f)
             put(None)
         except BrokenPipeError:
             pass  # nobody is reading any more
@@ -115,12 +122,12 @@ def _tar_gz(directory: Path, arcname: str) -> Iterator[bytes]:
 
 
 @router.get("/training_runs/{run_id}/checkpoints/{name}/archive")
-async def archive_bare(run_id: str, name: str, request: Request) -> Response:
+def archive_bare(run_id: str, name: str, request: Request) -> Response:
     return _archive(request, _bare(state(request).runs, run_id, name, account(request))[0])
 
 
 @router.get("/training_runs/{run_id}/checkpoints/{type_seg}/{name}/archive")
-async def archive_typed(run_id: str, type_seg: str, name: str, request: Request) -> Response:
+def archive_typed(run_id: str, type_seg: str, name: str, request: Request) -> Response:
     if type_seg not in SEGMENT_TYPES:
         raise NotFoundError(f"no checkpoint type {type_seg!r}: use weights, sampler_weights or a bare name")
     row = state(request).runs.owned_checkpoint(TinkerPath(run_id, type_seg, check_name(name)), account(request))
@@ -128,7 +135,7 @@ async def archive_typed(run_id: str, type_seg: str, name: str, request: Request)
 
 
 @router.delete("/training_runs/{run_id}/checkpoints/{name}")
-async def delete_bare(run_id: str, name: str, request: Request) -> Response:
+def delete_bare(run_id: str, name: str, request: Request) -> Response:
     runs = state(request).runs
     rows = _bare(runs, run_id, name, account(request))
     if len(rows) > 1:

@@ -20,10 +20,10 @@ router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
 
 
 @router.post("/create_custom_loss")
-async def create_custom_loss(request: Request) -> JSONResponse:
+def create_custom_loss(request: Request, body: bytes = Depends(read_body)) -> JSONResponse:
     st = state(request)
     account_id = account(request)
-    req = parse(t.CreateCustomLossRequest, await read_body(request))
+    req = parse(t.CreateCustomLossRequest, body)
     limits.integer(req.custom_loss_seq_id, "custom_loss_seq_id")
     st.runs.owned_session(req.session_id, account_id)  # another account's session answers like a missing one
     inputs = [(i.name, int(i.rank)) for i in req.inputs]

@@ -19,19 +19,21 @@ import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Iterator
 from urllib.parse import quote
 
 from fastapi import APIRouter, Depends, Request, Response
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from tinker import types as t
 
 from tinkerd.api import limits
 from tinkerd.api.deps import AppState, Prepared, account, authenticate, parse, read_body, state, submit
+from tinkerd.artifacts import CHUNK
 from tinkerd.control.control import Work
 from tinkerd.control.oplog import OpRecord, OpType, Payer, RegisterCheckpoint
 from tinkerd.control.runs import TinkerPath, check_name, check_ttl, iso
 from tinkerd.control.records import Checkpoint as CheckpointRow
-from tinkerd.errors import NotFoundError, UserError
+from tinkerd.errors import Forbidden, NotFoundError, UserError
 from tinkerd.types import ExportWeightsOp, base_model_of
 
 authed = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
@@ -40,10 +42,6 @@ router = APIRouter()
 
 DOWNLOAD_URL_TTL_S = 3600
 KEY_FILE = "url_signing.key"
-
-
-class Forbidden(UserError):
-    status_code = 403
 
 
 class UrlSigner:
@@ -101,7 +99,7 @@ def prepare_save_weights_external(st: AppState, body: bytes, account_id: str | N
     # (Re-queued after a restart, an export that was written but not registered is written again.)
     if st.runs.checkpoint_exists(path):
         raise UserError(f"external weights {path} already exist; delete them or choose another name")
-    op = ExportWeightsOp(req.model_id, str(st.runs.checkpoint_dir(path)), req.age_encryption_recipients,
+    op = ExportWeightsOp(req.model_id, st.runs.checkpoint_key(path), req.age_encryption_recipients,
                          base_model=base_model_of(run.base_model))
     owner = account_id if account_id is not None else st.runs.account_of(run.session_id)
     # Control registers the export when it is written (control/bookkeeping.py; size_bytes joins the reply).
@@ -114,15 +112,14 @@ PREPARERS = {"SaveWeightsExternal": prepare_save_weights_external}
 
 
 @authed.post("/save_weights_external")
-async def save_weights_external(request: Request) -> JSONResponse:
+def save_weights_external(request: Request, body: bytes = Depends(read_body)) -> JSONResponse:
     st = state(request)
-    body = await read_body(request)
     account_id = account(request)
     return submit(st, prepare_save_weights_external(st, body, account_id), body, account_id)
 
 
 @authed.get("/training_runs/{run_id}/checkpoints/external_weights/{name}/external_weights_urls")
-async def external_weights_urls(run_id: str, name: str, request: Request) -> dict:
+def external_weights_urls(run_id: str, name: str, request: Request) -> dict:
     st = state(request)
     row = st.runs.owned_checkpoint(TinkerPath(run_id, "external_weights", check_name(name)), account(request))
     urls, expires = download_urls(request, row)
@@ -139,21 +136,34 @@ def download_urls(request: Request, row: CheckpointRow) -> tuple[dict[str, str],
     # wherever the client reached the API (localhost, a LAN address, a proxy's root path).
     base = str(request.base_url).rstrip("/")
     urls = {}
-    for f in sorted(Path(row.dir_path).iterdir()):
-        if f.is_file():
-            sig = signer.signature(run_id, name, f.name, expires)
-            urls[f.name] = f"{base}/files/external_weights/{quote(run_id, safe=':')}/{name}/{f.name}?expires={expires}&sig={sig}"
+    runs = state(request).runs
+    for f in runs.artifacts.names(runs.key_of(row)):
+        sig = signer.signature(run_id, name, f, expires)
+        urls[f] = f"{base}/files/external_weights/{quote(run_id, safe=':')}/{name}/{f}?expires={expires}&sig={sig}"
     return urls, expires
 
 
 @router.api_route("/files/external_weights/{run_id}/{name}/{file_name}", methods=["GET", "HEAD"])
-async def download_file(run_id: str, name: str, file_name: str, request: Request,
+def download_file(run_id: str, name: str, file_name: str, request: Request,
                         expires: str | None = None, sig: str | None = None) -> Response:
     _signer(request).verify(run_id, name, file_name, expires, sig)
-    row = state(request).runs.checkpoint(TinkerPath(run_id, "external_weights", check_name(name)))
+    runs = state(request).runs
+    row = runs.checkpoint(TinkerPath(run_id, "external_weights", check_name(name)))
     # The signature already pins the file name; this also keeps a leaked key from reading outside
-    # the export directory.
-    f = Path(row.dir_path) / check_name(file_name)
-    if not f.is_file():
+    # the export.
+    key, file_name = runs.key_of(row), check_name(file_name)
+    size = runs.artifacts.files(key).get(file_name)
+    if size is None:
         raise NotFoundError(f"{file_name!r} is not a file of {row.tinker_path}")
-    return FileResponse(f, media_type="application/octet-stream", filename=file_name)
+    headers = {"Content-Length": str(size), "Content-Disposition": f'attachment; filename="{file_name}"'}
+    if request.method == "HEAD":
+        return Response(media_type="application/octet-stream", headers=headers)
+    return StreamingResponse(_chunks(runs.artifacts, key, file_name), media_type="application/octet-stream",
+                             headers=headers)
+
+
+def _chunks(artifacts, key: str, name: str) -> Iterator[bytes]:
+    """One file of an artifact, streamed from the store in 1 MiB reads."""
+    with artifacts.open(key, name) as f:
+        while chunk := f.read(CHUNK):
+            yield chunk

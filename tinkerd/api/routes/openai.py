@@ -27,11 +27,10 @@ from tinkerd.api import codec, hpcai
 from tinkerd.api import openai_schema as schema
 from tinkerd.api import openai_text as text
 from tinkerd.api.openai_stream import LiveStream
-from tinkerd.api.deps import AppState, AuthError, load_json, read_body, state
+from tinkerd.api.deps import AppState, load_json, read_body, state
 from tinkerd.api.results import wire_result
 from tinkerd.api.routes.sampling import prepare_asample
-from tinkerd.control.runs import parse_tinker_path
-from tinkerd.errors import NotFoundError, ServerError, TinkerdError, UserError
+from tinkerd.errors import AuthError, NotFoundError, ServerError, TinkerdError, UserError
 
 
 def authenticate(request: Request) -> None:
@@ -106,10 +105,12 @@ def _sample_body(req: schema._Request, model: str, prompt: list[int], st: AppSta
 
 
 async def _sample(st: AppState, body: bytes, account_id: str) -> list[text.Sequence]:
-    prepared = prepare_asample(st, body, account_id)
-    accepted = st.control.submit(prepared.request_type, prepared.target, prepared.seq_id, body, prepared.work,
-                                 account_id=account_id)
-    return await _outcome(st, accepted.request_id)
+    def accept() -> str:  # validation reads the store, submit writes it: off the event loop
+        prepared = prepare_asample(st, body, account_id)
+        return st.control.submit(prepared.request_type, prepared.target, prepared.seq_id, body, prepared.work,
+                                 account_id=account_id).request_id
+
+    return await _outcome(st, await asyncio.to_thread(accept))
 
 
 async def _outcome(st: AppState, request_id: str) -> list[text.Sequence]:
@@ -125,7 +126,8 @@ async def _outcome(st: AppState, request_id: str) -> list[text.Sequence]:
             raise UserError(row.error or "the request failed")
         raise ServerError(row.error or "the request failed")
     # As retrieve_future would answer it: the SampleResponse protobuf (api/results.py, api/codec.py).
-    payload, media_type = wire_result(row.request_type, row.result, row.result_media_type, row.body)
+    payload, media_type = await asyncio.to_thread(wire_result, row.request_type, row.result, row.result_media_type,
+                                                  row.body)
     if media_type != codec.PROTO_MEDIA_TYPE:
         raise ServerError(f"cannot read a stored sample result of type {media_type!r}")
     return text.decode_sample_response(payload)
@@ -193,7 +195,9 @@ async def _stream(st: AppState, kind: str, req, tok: text.TextTokenizer, prompts
     say) is still an ordinary 400, and a queued or quota-paused request holds the call as it does
     unstreamed."""
     bodies = [_sample_body(req, req.model, p, st) for p in prompts]
-    prepared = [prepare_asample(st, b, account_id) for b in bodies]  # all checked before any runs
+    # All checked before any runs, in the thread pool (store reads). The submits stay on the loop:
+    # each must subscribe in the same loop tick as its submit (control/futures.py).
+    prepared = await asyncio.to_thread(lambda: [prepare_asample(st, b, account_id) for b in bodies])
     queue: asyncio.Queue = asyncio.Queue()
     request_ids = []
     for body, p in zip(bodies, prepared):

@@ -88,7 +88,7 @@ def _path(run_id: str, type_seg: str, name: str) -> TinkerPath:
 
 
 @router.get("/training_runs")
-async def list_training_runs(request: Request, limit: int = 20, offset: int = 0, access_scope: str = "owned",
+def list_training_runs(request: Request, limit: int = 20, offset: int = 0, access_scope: str = "owned",
                              project_id: str | None = None) -> dict:
     _scope(access_scope)
     limit, offset = _page(limit, offset)
@@ -103,7 +103,7 @@ async def list_training_runs(request: Request, limit: int = 20, offset: int = 0,
 
 
 @router.get("/training_runs/{run_id}")
-async def get_training_run(run_id: str, request: Request, access_scope: str = "owned") -> dict:
+def get_training_run(run_id: str, request: Request, access_scope: str = "owned") -> dict:
     _scope(access_scope)
     runs = state(request).runs
     return hpcai.rest_answer(request, run_json(runs, runs.owned_run(run_id, account(request))))
@@ -113,7 +113,7 @@ async def get_training_run(run_id: str, request: Request, access_scope: str = "o
 
 
 @router.get("/training_runs/{run_id}/checkpoints")
-async def list_run_checkpoints(run_id: str, request: Request) -> dict:
+def list_run_checkpoints(run_id: str, request: Request) -> dict:
     runs = state(request).runs
     run = runs.owned_run(run_id, account(request))
     rows, total = runs.list_checkpoints(run_id)
@@ -122,7 +122,7 @@ async def list_run_checkpoints(run_id: str, request: Request) -> dict:
 
 
 @router.get("/checkpoints")
-async def list_user_checkpoints(request: Request, limit: int = 100, offset: int = 0) -> dict:
+def list_user_checkpoints(request: Request, limit: int = 100, offset: int = 0) -> dict:
     limit, offset = _page(limit, offset)
     runs = state(request).runs
     rows, total = runs.list_checkpoints(limit=limit, offset=offset, account_id=account(request))
@@ -134,22 +134,22 @@ async def list_user_checkpoints(request: Request, limit: int = 100, offset: int 
 
 
 @router.delete("/training_runs/{run_id}/checkpoints/{type_seg}/{name}/publish")
-async def unpublish_checkpoint(run_id: str, type_seg: str, name: str, request: Request) -> Response:
+def unpublish_checkpoint(run_id: str, type_seg: str, name: str, request: Request) -> Response:
     state(request).runs.set_public(_path(run_id, type_seg, name), False, account(request))
     return empty()
 
 
 @router.post("/training_runs/{run_id}/checkpoints/{type_seg}/{name}/publish")
-async def publish_checkpoint(run_id: str, type_seg: str, name: str, request: Request) -> Response:
+def publish_checkpoint(run_id: str, type_seg: str, name: str, request: Request) -> Response:
     # The SDK posts an empty body with a JSON content type: nothing to parse.
     state(request).runs.set_public(_path(run_id, type_seg, name), True, account(request))
     return empty()
 
 
 @router.put("/training_runs/{run_id}/checkpoints/{type_seg}/{name}/ttl")
-async def set_checkpoint_ttl(run_id: str, type_seg: str, name: str, request: Request) -> dict:
+def set_checkpoint_ttl(run_id: str, type_seg: str, name: str, request: Request, body: bytes = Depends(read_body)) -> dict:
     path = _path(run_id, type_seg, name)
-    body = load_json(await read_body(request))
+    body = load_json(body)
     if not isinstance(body, dict) or "ttl_seconds" not in body:
         raise UserError('send {"ttl_seconds": <seconds> or null}')
     runs = state(request).runs
@@ -158,14 +158,14 @@ async def set_checkpoint_ttl(run_id: str, type_seg: str, name: str, request: Req
 
 
 @router.delete("/training_runs/{run_id}/checkpoints/{type_seg}/{name}")
-async def delete_checkpoint(run_id: str, type_seg: str, name: str, request: Request) -> Response:
+def delete_checkpoint(run_id: str, type_seg: str, name: str, request: Request) -> Response:
     state(request).runs.delete_checkpoint(_path(run_id, type_seg, name), account(request))
     return empty()
 
 
 @router.post("/weights_info")
-async def weights_info(request: Request) -> dict:
-    body = load_json(await read_body(request))
+def weights_info(request: Request, body: bytes = Depends(read_body)) -> dict:
+    body = load_json(body)
     tinker_path = body.get("tinker_path") if isinstance(body, dict) else None
     if not isinstance(tinker_path, str):
         raise UserError('send {"tinker_path": "tinker://<run_id>/<type>/<name>"}')

@@ -9,18 +9,20 @@ from tinker import types as t
 
 from tinkerd.api import hpcai, limits, prompt_scores
 from tinkerd.api.deps import AppState, Prepared, account, authenticate, future_response, parse, read_body, state
+from tinkerd.artifacts import adapter_key
 from tinkerd.control.control import Work
 from tinkerd.control.oplog import OpRecord, OpType, Payer
 from tinkerd.errors import UserError
+from tinkerd.images import ChunkExpander, ImageLimits
 from tinkerd.types import SampleOp, SamplingParams, base_model_of, long_context_id
 
 router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
 
 
 @router.post("/create_sampling_session")
-async def create_sampling_session(request: Request) -> dict:
+def create_sampling_session(request: Request, body: bytes = Depends(read_body)) -> dict:
     st = state(request)
-    req = parse(t.CreateSamplingSessionRequest, await read_body(request))
+    req = parse(t.CreateSamplingSessionRequest, body)
     limits.integer(req.sampling_session_seq_id, "sampling_session_seq_id")
     if req.model_path is not None:
         path = hpcai.parse_path(req.model_path)
@@ -31,7 +33,7 @@ async def create_sampling_session(request: Request) -> dict:
         if req.base_model is not None and base_model_of(req.base_model) != base_model_of(base_model):
             raise UserError(f"{req.model_path} was trained on {base_model}, not {req.base_model}")
         base_model = req.base_model or base_model  # a long-context id of the same base sets the limit
-        adapter_dir = ckpt.dir_path
+        adapter_dir = st.runs.key_of(ckpt)
     elif req.base_model is not None:
         base_model, adapter_dir = req.base_model, None
     else:
@@ -43,27 +45,36 @@ async def create_sampling_session(request: Request) -> dict:
 
 
 @router.post("/join_sampling_session")
-async def join_sampling_session(request: Request) -> dict:
+def join_sampling_session(request: Request, body: bytes = Depends(read_body)) -> dict:
     """A clone id for a new client of an existing sampling session (an unpickled SamplingClient,
     `sample_join_sampling_session`), unique among its clients, so clones never share seq_ids."""
-    req = parse(t.JoinSamplingSessionRequest, await read_body(request))
+    req = parse(t.JoinSamplingSessionRequest, body)
     counter = state(request).runs.join_sampling_session(req.sampling_session_id, account(request))
     return {"type": "join_sampling_session", "client_counter": counter}
 
 
 @router.get("/samplers/{sampler_id}")
-async def get_sampler(sampler_id: str, request: Request) -> dict:
+def get_sampler(sampler_id: str, request: Request) -> dict:
     row = state(request).runs.owned_sampling_session(sampler_id, account(request))
     return {"sampler_id": row.sampling_session_id, "base_model": row.base_model, "model_path": row.model_path}
 
 
-def _prompt_tokens(prompt: t.ModelInput) -> np.ndarray:
-    tokens: list[int] = []
-    for chunk in prompt.chunks:
-        if chunk.type != "encoded_text":
-            raise UserError(f"{chunk.type} prompt chunks are not supported by tinkerd's text models")
-        tokens.extend(chunk.tokens)
-    return np.asarray(tokens, dtype=np.int64)
+def _prompt_tokens(prompt: t.ModelInput, served, limits: ImageLimits) -> ChunkExpander:
+    """The prompt's tokens, each ImageChunk expanded to its placeholder positions (tinkerd/images.py)."""
+    chunks = ChunkExpander(served.name, served.vision, limits)
+    for j, chunk in enumerate(prompt.chunks):
+        if chunk.type == "encoded_text":
+            chunks.text(np.asarray(chunk.tokens, dtype=np.int64))
+        elif chunk.type == "image":
+            chunks.image(chunk.data, chunk.format, chunk.expected_tokens, f"prompt chunk {j}")
+        elif chunk.type == "image_asset_pointer":
+            # Never produced by the cookbook; a server reading paths or URLs a client names would be
+            # a file-read / fetch primitive for every tenant.
+            raise UserError(f"prompt chunk {j}: image_asset_pointer chunks are not supported; send the image's "
+                            "bytes in an ImageChunk")
+        else:
+            raise UserError(f"{chunk.type} prompt chunks are not supported by tinkerd")
+    return chunks
 
 
 def _sampling_params(st: AppState, p: t.SamplingParams) -> SamplingParams:
@@ -98,12 +109,12 @@ def prepare_asample(st: AppState, body: bytes, account_id: str | None = None) ->
     session_id = None
     if req.sampling_session_id is not None:
         row = st.runs.owned_sampling_session(req.sampling_session_id, account_id)
-        base_model, adapter_dir, target = row.base_model, row.adapter_dir, row.sampling_session_id
+        base_model, adapter_dir, target = row.base_model, adapter_key(row.adapter_dir), row.sampling_session_id
         session_id = row.session_id
     elif req.model_path is not None:
         path = hpcai.parse_path(req.model_path)
         ckpt = st.runs.owned_checkpoint(path, account_id, public_ok=True)
-        base_model, adapter_dir, target = st.runs.run(ckpt.model_id).base_model, ckpt.dir_path, str(path)
+        base_model, adapter_dir, target = st.runs.run(ckpt.model_id).base_model, st.runs.key_of(ckpt), str(path)
     elif req.base_model is not None:
         base_model, adapter_dir, target = req.base_model, None, req.base_model
     else:
@@ -116,7 +127,8 @@ def prepare_asample(st: AppState, body: bytes, account_id: str | None = None) ->
     limits.sample_request(req, served.max_context_length)
     if not 1 <= req.num_samples <= st.config.max_num_samples:
         raise UserError(f"num_samples must be between 1 and {st.config.max_num_samples}, got {req.num_samples}")
-    prompt = _prompt_tokens(req.prompt)
+    chunks = _prompt_tokens(req.prompt, served, st.image_limits())
+    prompt = chunks.tokens()
     params = _sampling_params(st, req.sampling_params)
     if long_context_id(base_model) is not None:  # the engine checks the base's own limit
         limits.sample_context(len(prompt), params.max_tokens, served.max_context_length)
@@ -143,6 +155,7 @@ def prepare_asample(st: AppState, body: bytes, account_id: str | None = None) ->
         target_prompt_ids=target_ids,
         target_prompt_csr=None if target_csr is None else (target_csr.crow, target_csr.col),
         prompt_alt_tokens_k=int(req.prompt_alt_tokens_k),
+        images=chunks.image_inputs(),
     )
     payer = Payer(account_id if account_id is not None else (st.runs.account_of(session_id) if session_id else None),
                   session_id, base_model)
@@ -150,9 +163,8 @@ def prepare_asample(st: AppState, body: bytes, account_id: str | None = None) ->
 
 
 @router.post("/asample")
-async def asample(request: Request) -> JSONResponse:
+def asample(request: Request, body: bytes = Depends(read_body)) -> JSONResponse:
     st = state(request)
-    body = await read_body(request)
     account_id = account(request)
     prepared = prepare_asample(st, body, account_id)
     # hpcai's samples carry no seq_id: its X-Idempotency-Key dedupes their re-sends.

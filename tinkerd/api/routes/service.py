@@ -36,7 +36,7 @@ def readyz(request: Request) -> JSONResponse:
 
 
 @authed.post("/client/config")
-async def client_config(request: Request) -> dict:
+def client_config(request: Request) -> dict:
     return {
         # Serial chunk submission keeps every model's ops in seq_id order on arrival, so gradient
         # accumulation sums in one fixed order and resumed runs reproduce bit-for-bit.
@@ -68,8 +68,8 @@ async def dynamic_config() -> dict:
 
 
 @authed.post("/create_session")
-async def create_session(request: Request) -> dict:
-    req, ignored = parse_ignoring_unknown(t.CreateSessionRequest, await read_body(request))
+def create_session(request: Request, body: bytes = Depends(read_body)) -> dict:
+    req, ignored = parse_ignoring_unknown(t.CreateSessionRequest, body)
     project_id = check_project_id(req.project_id) if req.project_id is not None else None
     session_id = state(request).runs.create_session(req.tags, req.user_metadata or {}, req.sdk_version,
                                                     account(request), getattr(req, "display_name", None), project_id)
@@ -81,15 +81,14 @@ async def create_session(request: Request) -> dict:
 
 
 @authed.post("/session_heartbeat")
-async def session_heartbeat(request: Request) -> dict:
-    req = parse(t.SessionHeartbeatRequest, await read_body(request))
+def session_heartbeat(request: Request, body: bytes = Depends(read_body)) -> dict:
+    req = parse(t.SessionHeartbeatRequest, body)
     state(request).runs.heartbeat(req.session_id, account(request))
     return {"type": "session_heartbeat"}
 
 
 @authed.post("/sessions/{session_id}/finish")
-async def finish_session(session_id: str, request: Request):
-    body = await read_body(request)
+def finish_session(session_id: str, request: Request, body: bytes = Depends(read_body)):
     reason = None
     check_json_depth(body)  # deeper JSON was a RecursionError, a 500 the SDK retries
     try:
@@ -110,7 +109,7 @@ async def telemetry() -> dict:
 
 
 @authed.get("/get_server_capabilities")
-async def get_server_capabilities(request: Request) -> JSONResponse:
+def get_server_capabilities(request: Request) -> JSONResponse:
     served = state(request).served.values()
     models = [
         {"model_name": m.name, "max_context_length": m.max_context_length, "trainable": True, "sampleable": True}
@@ -125,7 +124,7 @@ async def get_server_capabilities(request: Request) -> JSONResponse:
 
 
 @authed.get("/engine_status")
-async def engine_status(request: Request) -> dict:
+def engine_status(request: Request) -> dict:
     """Not in the Tinker protocol (the SDK never calls it): what the engine holds after its last step,
     as counts over all accounts (no ids), and which of the caller's runs are released from it
     (their session stopped heart-beating; the next op rebuilds them)."""

@@ -23,7 +23,7 @@ from tinkerd.control.runs import LOCAL_OWNER, iso
 from tinkerd.control.sessions import SessionSearch, Sessions, status_of
 from tinkerd.control.tokens import InvalidToken
 from tinkerd.control.traces import session_trace
-from tinkerd.errors import UserError
+from tinkerd.errors import LinkRefused, UserError
 
 router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
 # The signed trace download: the URL is the credential (the SDK and CLI fetch it with no headers).
@@ -45,7 +45,7 @@ def _scope(access_scope: str) -> None:
 
 
 @router.get("/sessions")
-async def list_sessions(request: Request, limit: int = 20, offset: int = 0, access_scope: str = "owned") -> dict:
+def list_sessions(request: Request, limit: int = 20, offset: int = 0, access_scope: str = "owned") -> dict:
     _scope(access_scope)
     if not 0 <= limit <= MAX_PAGE:
         raise UserError(f"limit must be between 0 and {MAX_PAGE}, got {limit}")
@@ -54,8 +54,8 @@ async def list_sessions(request: Request, limit: int = 20, offset: int = 0, acce
 
 
 @router.post("/sessions/search")
-async def search_sessions(request: Request) -> dict:
-    req = parse(t.SessionSearchRequest, await read_body(request))
+def search_sessions(request: Request, body: bytes = Depends(read_body)) -> dict:
+    req = parse(t.SessionSearchRequest, body)
     if req.project_ids is not None:
         projects.require(state(request).runs.store, account(request), list(req.project_ids), "project_ids")
     if req.owner.type == "user":
@@ -84,7 +84,7 @@ async def search_sessions(request: Request) -> dict:
 
 
 @router.get("/sessions/{session_id}")
-async def get_session(session_id: str, request: Request, access_scope: str = "owned") -> dict:
+def get_session(session_id: str, request: Request, access_scope: str = "owned") -> dict:
     _scope(access_scope)
     row, runs, samplers = _sessions(request).get(session_id, account(request))
     return {"training_run_ids": runs, "sampler_ids": samplers,
@@ -93,7 +93,7 @@ async def get_session(session_id: str, request: Request, access_scope: str = "ow
 
 
 @router.get("/sessions/{session_id}/trace_export")
-async def trace_export(session_id: str, request: Request) -> dict:
+def trace_export(session_id: str, request: Request) -> dict:
     """Ready at once: the trace is built from the store when the signed URL is fetched, so it is
     always up to date (control/traces.py)."""
     st = state(request)
@@ -102,12 +102,8 @@ async def trace_export(session_id: str, request: Request) -> dict:
     return {"status": "ready", "url": f"{str(request.base_url).rstrip('/')}/api/v1/trace_downloads/{token}"}
 
 
-class LinkRefused(UserError):
-    status_code = 403
-
-
 @public.get("/trace_downloads/{token}")
-async def trace_download(token: str, request: Request) -> JSONResponse:
+def trace_download(token: str, request: Request) -> JSONResponse:
     st = state(request)
     try:
         claims = st.tokens.verify_url_token(token, TRACE_AUDIENCE)
@@ -121,10 +117,10 @@ async def trace_download(token: str, request: Request) -> JSONResponse:
 
 
 @router.put("/sessions/{session_id}/project")
-async def assign_session_project(session_id: str, request: Request) -> Response:
+def assign_session_project(session_id: str, request: Request, body: bytes = Depends(read_body)) -> Response:
     runs = state(request).runs
     runs.owned_session(session_id, account(request))  # a foreign session is a 404 first
-    body = load_json(await read_body(request))
+    body = load_json(body)
     project_id = body.get("project_id") if isinstance(body, dict) else None
     if project_id is None:
         raise UserError("assign_session_project needs a project_id (a session cannot leave its project)")
@@ -133,8 +129,8 @@ async def assign_session_project(session_id: str, request: Request) -> Response:
 
 
 @router.post("/copy_weights")
-async def copy_weights_route(request: Request) -> dict:
-    req = parse(t.CopyWeightsRequest, await read_body(request))
+def copy_weights_route(request: Request, body: bytes = Depends(read_body)) -> dict:
+    req = parse(t.CopyWeightsRequest, body)
     if req.weights_access_token is not None or request.headers.get("x-tinker-weights-access-token"):
         raise UserError("tinkerd has no weights access tokens: the owner publishes a checkpoint to share it")
     if req.model_seq_id is not None:

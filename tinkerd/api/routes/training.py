@@ -103,9 +103,9 @@ def prepare_create_model(st: AppState, body: bytes, account_id: str | None = Non
 
 
 @router.post("/get_info")
-async def get_info(request: Request) -> dict:
+def get_info(request: Request, body: bytes = Depends(read_body)) -> dict:
     st = state(request)
-    req = parse(t.GetInfoRequest, await read_body(request))
+    req = parse(t.GetInfoRequest, body)
     run = st.runs.owned_run(req.model_id, account(request))
     served = st.served_model(run.base_model)
     return {
@@ -123,7 +123,11 @@ def prepare_forward_backward(st: AppState, body: bytes, account_id: str | None =
                              completed: bool = False, sequenced: bool = True) -> Prepared:
     """`sequenced=False`: a body transcoded from hpcai's JSON (api/hpcai.py), which has no seq_id (a
     protobuf reads an absent one as 0): the op runs in arrival order on its model."""
-    op = codec.decode_forward_backward(body)
+    def vision_of(model_id: str):
+        served = st.served_model(_trainable(st, model_id, account_id).base_model)
+        return served.name, served.vision
+
+    op = codec.decode_forward_backward(body, vision_of, st.image_limits())
     run = _trainable(st, op.model_id, account_id)
     seq_id = codec.forward_backward_seq_id(body)[1] if sequenced else None
     if not completed and seq_id is not None:
@@ -171,7 +175,7 @@ def prepare_save_weights(st: AppState, body: bytes, account_id: str | None = Non
     ttl = check_ttl(req.ttl_seconds)  # before the op is queued: a bad TTL writes nothing
     if not req.overwrite and st.runs.checkpoint_exists(path):
         raise UserError(f"checkpoint {path} already exists; pass overwrite=True to replace it")
-    op = SaveWeightsOp(req.model_id, str(st.runs.checkpoint_dir(path)), with_optimizer=True)
+    op = SaveWeightsOp(req.model_id, st.runs.checkpoint_key(path), with_optimizer=True)
     work = _accepted(OpType.SAVE_WEIGHTS, op, st, run, account_id, reply={"path": str(path)},
                      effect=RegisterCheckpoint(str(path), ttl, req.user_metadata))
     return Prepared("SaveWeights", req.model_id, req.seq_id, work)
@@ -192,14 +196,14 @@ def prepare_save_weights_for_sampler(st: AppState, body: bytes, account_id: str 
     if req.path is not None:
         path = TinkerPath(req.model_id, "sampler_weights", check_name(req.path, "path"))
         ttl = check_ttl(req.ttl_seconds)  # before the op is queued: a bad TTL writes nothing
-        op = SaveWeightsOp(req.model_id, str(st.runs.checkpoint_dir(path)), with_optimizer=False)
+        op = SaveWeightsOp(req.model_id, st.runs.checkpoint_key(path), with_optimizer=False)
         reply, effect = {"path": str(path)}, RegisterCheckpoint(str(path), ttl, req.user_metadata)
 
     elif req.sampling_session_seq_id is not None:
         # Ephemeral: the sampler is created server-side from these weights; the SDK sends no
         # create_sampling_session and samples through the returned id.
         sid = f"{run.session_id}:sample:{req.sampling_session_seq_id}"
-        adapter_dir = str(st.runs.ephemeral_dir(sid))
+        adapter_dir = st.runs.ephemeral_key(sid)
         op = SaveWeightsOp(req.model_id, adapter_dir, with_optimizer=False)
 
         # Control creates the session when the save succeeded (control/bookkeeping.py), and prunes
@@ -247,7 +251,8 @@ def prepare_load_weights(st: AppState, body: bytes, account_id: str | None = Non
     rank = int(source.lora_config.get("rank", 0))
     if not completed and rank > st.config.max_lora_rank:  # the engine runs what was accepted, unchecked
         raise UserError(f"checkpoint {path} has LoRA rank {rank}, over this server's limit {st.config.max_lora_rank}")
-    op = LoadWeightsOp(target, base_model_of(source.base_model), ckpt.dir_path, with_optimizer=req.optimizer)
+    op = LoadWeightsOp(target, base_model_of(source.base_model), st.runs.key_of(ckpt),
+                       with_optimizer=req.optimizer)
     work = _accepted(OpType.LOAD_WEIGHTS, op, st, run, account_id, reply={"path": str(path), "model_id": target})
     return Prepared("LoadWeights", target, seq_id, work)
 
@@ -268,9 +273,8 @@ def _route_for(prepare, translate=None):
     # Bound by a closure, not a default argument: FastAPI exposes every parameter of a route as a
     # request parameter, and `?_prepare=x` once replaced the function with a string (a 500).
     # `translate(st, request, body)`: the hpcai client's request shape to the official one (api/hpcai.py).
-    async def route(request: Request) -> JSONResponse:
+    def route(request: Request, body: bytes = Depends(read_body)) -> JSONResponse:
         st = state(request)
-        body = await read_body(request)
         account_id = account(request)
         if translate is not None:
             body = translate(st, request, body)
@@ -287,9 +291,8 @@ def _submit(st: AppState, request: Request, prepared: Prepared, body: bytes, acc
 
 
 @router.post("/create_model")
-async def create_model(request: Request) -> JSONResponse:
+def create_model(request: Request, body: bytes = Depends(read_body)) -> JSONResponse:
     st = state(request)
-    body = await read_body(request)
     account_id = account(request)
     with hpcai.numbering():  # an implicit session's next model number, then its run row
         body = hpcai.create_model_body(st, request, body)
@@ -298,9 +301,8 @@ async def create_model(request: Request) -> JSONResponse:
 
 
 def _forward_backward(forward_only: bool):
-    async def route(request: Request) -> JSONResponse:
+    def route(request: Request, body: bytes = Depends(read_body)) -> JSONResponse:
         st = state(request)
-        body = await read_body(request)
         account_id = account(request)
         if hpcai.is_json_body(request):  # the hpcai client's JSON body: the same op, in arrival order
             prepared = prepare_forward_backward(st, hpcai.forward_backward_protobuf(body, forward_only), account_id,
@@ -315,11 +317,11 @@ def _forward_backward(forward_only: bool):
 
 
 @router.post("/unload_model")
-async def unload_model(request: Request) -> JSONResponse:
+def unload_model(request: Request, body: bytes = Depends(read_body)) -> JSONResponse:
     """hpcai's unload_model: the run's adapter leaves the engine now, as for a session that ended
     (control/residency.py); its next op, if any, rebuilds it exactly. A future, as the client expects."""
     st = state(request)
-    body = load_json(await read_body(request))
+    body = load_json(body)
     model_id = body.get("model_id") if isinstance(body, dict) else None
     if not isinstance(model_id, str) or not model_id:
         raise UserError("unload_model needs a model_id (a string)")

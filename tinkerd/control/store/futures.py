@@ -5,7 +5,7 @@ queries the table in its modules; they move here as they are touched."""
 
 from __future__ import annotations
 
-from sqlalchemy import or_, select
+from sqlalchemy import or_, select, update
 
 from tinkerd.control.clock import utcnow
 from tinkerd.control.store.db import Store
@@ -27,6 +27,17 @@ class FutureRepository:
             (FutureRow.status == "pending") | ((FutureRow.status == "complete") & FutureRow.request_type.in_(state_changing)))
             .order_by(FutureRow.created_at, FutureRow.seq_id))
 
+    def of(self, target: str | None = None, request_type: str | None = None,
+           status: str | None = None) -> list[FutureRow]:
+        """The log's rows, optionally of one target, op type or status, in seq_id then acceptance
+        order (tinkerd fsck and the tests read the log through this, on either backend)."""
+        stmt = select(FutureRow)
+        for column, value in ((FutureRow.target, target), (FutureRow.request_type, request_type),
+                              (FutureRow.status, status)):
+            if value is not None:
+                stmt = stmt.where(column == value)
+        return self.store.query(stmt.order_by(FutureRow.seq_id, FutureRow.created_at))
+
     def fail(self, request_id: str, error: str, category: str) -> None:
         self.store.update(FutureRow, request_id, status="failed", error=error, error_category=category,
                           completed_at=utcnow())
@@ -44,3 +55,25 @@ class FutureRepository:
                    or_(FutureRow.seq_id.is_(None), FutureRow.seq_id > 0))
             .order_by(FutureRow.created_at).limit(1))
         return (first[0],) if first else None
+
+    # -- claims: which engine driver queues a pending op (control/claims.py) -----------------------
+
+    def claim(self, worker_id: str, limit: int = 256) -> list[FutureRow]:
+        """Take pending ops nobody claimed yet for `worker_id`, in the order they were accepted. FOR
+        UPDATE SKIP LOCKED: two drivers claiming at once each get other rows, never the same one, and
+        neither waits on the other's transaction (SQLite, one process, ignores the clause)."""
+        with self.store.write() as s:
+            rows = list(s.scalars(
+                select(FutureRow).where(FutureRow.status == "pending", FutureRow.claimed_by.is_(None))
+                .order_by(FutureRow.created_at, FutureRow.seq_id).limit(limit)
+                .with_for_update(skip_locked=True)))
+            for row in rows:
+                row.claimed_by = worker_id
+        return rows
+
+    def claim_all_pending(self, worker_id: str) -> int:
+        """At the driver's start, before recovery reads them: every pending op is this driver's, the
+        ones a previous driver (now gone) claimed included. Returns how many."""
+        with self.store.write() as s:
+            return s.execute(update(FutureRow).where(FutureRow.status == "pending")
+                             .values(claimed_by=worker_id)).rowcount

@@ -105,6 +105,10 @@ class FutureRow(Base):
     # recovery no longer replays it, the body are gone; its owner's retrieve_future answers "expired").
     retrieved_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
     expired_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    # Which engine driver took a pending op into its queue (control/claims.py): set at submit by a
+    # process with a worker, and by the worker's claim for ops an `api` replica accepted. NULL: not
+    # claimed yet (or accepted by a tinkerd from before replicas; recovery takes every pending op).
+    claimed_by: Mapped[str | None] = mapped_column(String, nullable=True)
 
 
 class FutureWatermarkRow(Base):
@@ -259,3 +263,15 @@ class StepMetricRow(Base):
     request_type: Mapped[str] = mapped_column(String)  # ForwardBackward | Forward | OptimStep
     metrics: Mapped[dict] = mapped_column(JSON)  # name -> float, the keys the SDK's result carries
     recorded_at: Mapped[datetime] = mapped_column(DateTime)
+
+
+class ServedModelRow(Base):
+    """A base model the engine driver serves, as its engine reported it (types.ServedModel), written
+    when the driver starts: `api` replicas have no engine and answer get_server_capabilities,
+    get_info and the OpenAI tokenizers from these rows (control/replicas.py)."""
+
+    __tablename__ = "served_models"
+    name: Mapped[str] = mapped_column(String, primary_key=True)
+    model: Mapped[dict] = mapped_column(JSON)  # dataclasses.asdict(ServedModel)
+    worker_id: Mapped[str] = mapped_column(String)
+    updated_at: Mapped[datetime] = mapped_column(DateTime)

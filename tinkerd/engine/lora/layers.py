@@ -64,6 +64,11 @@ class SlotGroup:
     # Rows in the whole batch (all groups): a 2-D input with more rows than this holds each row's
     # tokens flattened row-major (a MoE block's shared expert gets [B * T, H]), see token_rows.
     total: int = 0
+    # The group's own padded width (tokens per row) when the batch is wider: several training runs
+    # in one pass (engine/cotrain.py, LoraContext.blocks) pad every row to the widest run's, and each
+    # adapter's delta is computed on its rows cut back to its own width, so its LoRA gradient sums
+    # exactly the positions it sums when the op runs alone, in the same order. None: the batch's width.
+    width: int | None = None
 
     def token_rows(self, x: torch.Tensor) -> torch.Tensor:
         """This group's indices into dim 0 of x: its batch rows, or for flattened tokens [B * T, in]
@@ -86,6 +91,10 @@ class LoraContext:
     # they have one, and adapter deltas are added in place. Training never sets it, so its numbers
     # do not move by even one ulp.
     sampling: bool = False
+    # The groups' rows are consecutive blocks, in order, covering the batch (engine/cotrain.py): the
+    # layer adds all groups' deltas with one add instead of an out-of-place index_add per group,
+    # each a copy of the whole [B, T, out] output (4 runs on SmolLM2: ~5 GB of copies per pass).
+    blocks: bool = False
 
     def set_single(self, slot: int) -> None:
         self.groups = [SlotGroup(slot, None)]
@@ -102,6 +111,7 @@ class LoraContext:
 
     def clear(self) -> None:
         self.groups = []
+        self.blocks = False
 
 
 @dataclass
@@ -156,6 +166,8 @@ class MultiLoraLinear(nn.Module):
                 out = self.base(x)
             return self._add_adapters_inplace(x, out)
         out = self.base(x)
+        if self.ctx.blocks and x.dim() == 3:
+            return self._add_blocks(x, out)
         for group in self.ctx.groups:
             lw = self.adapters.get(group.slot)
             if lw is None:
@@ -169,6 +181,26 @@ class MultiLoraLinear(nn.Module):
                 delta = ((x[rows] @ lw.a.t()) @ lw.b.t()) * lw.scaling
                 out = out.index_add(0, rows, delta)
         return out
+
+    def _add_blocks(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out [B, T, out] plus each group's delta on its block of rows, at its own width, zeros past
+        it and for a group without this layer (x + 0 is x): per element the one add its op alone does."""
+        if not any(group.slot in self.adapters for group in self.ctx.groups):
+            return out
+        parts, start = [], 0
+        for group in self.ctx.groups:
+            n = group.rows.shape[0]
+            lw = self.adapters.get(group.slot)
+            if lw is None:
+                parts.append(out.new_zeros(n, out.shape[1], out.shape[2]))
+            else:
+                w = group.width or x.shape[1]
+                xs = x[start : start + n, :w]  # [B_g, T_g, in]
+                # A bf16 base casts the fp32 master A/B per pass, as lora_delta_add does (engine/precision.py).
+                delta = ((xs @ lw.a.to(xs.dtype).t()) @ lw.b.to(xs.dtype).t()) * lw.scaling
+                parts.append(torch.nn.functional.pad(delta, (0, 0, 0, x.shape[1] - w)))
+            start += n
+        return out + torch.cat(parts)
 
     def _add_adapters_inplace(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """The same sum without autograd: in place, scaling folded into addmm_ / index_add_.

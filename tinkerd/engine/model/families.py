@@ -15,19 +15,22 @@ Saved keys differ from constructor keywords: `Qwen3MoeConfig(num_experts=4)` is 
 | qwen3_moe  | qwen3_moe                        | attention, every routed expert (lora/experts.py), dense MLP layers, lm_head |
 | qwen3_5    | qwen3_5_text; qwen3_5 text only  | Gated DeltaNet in_proj_qkv/in_proj_z/out_proj, gated attention q/k/v/o, MLP, lm_head |
 | qwen3_5_moe | qwen3_5_moe_text; qwen3_5_moe text only | as qwen3_5, with every routed expert and the shared expert instead of the MLP |
+| qwen3_vl   | qwen3_vl (with its vision tower) | the language model's attention, MLP, lm_head; none on the tower |
+| qwen3_5 VL | qwen3_5 with preprocessor_config.json | as qwen3_5; none on the tower |
 
 Qwen3.5 is hybrid linear attention: 3 of every 4 layers are Gated DeltaNet (conv + recurrent
 state, no KV cache; the sampler keeps both, sampler/hybrid.py). A `qwen3_5` checkpoint (the
-vision-language one, with `vision_config`) is served text only for now: `AutoModelForCausalLM`
-loads its `Qwen3_5ForCausalLM` language model and the vision tower is left out, which the
-registry logs as a warning naming the model (images are issue 22 item 3).
+vision-language one, with `vision_config`) is served with its vision tower when its
+`preprocessor_config.json` is there (images in, engine/model/vision.py); without it, and for
+`qwen3_5_moe` VLM checkpoints, `AutoModelForCausalLM` loads the language model alone and the
+registry logs as a warning, naming the model, that the tower is not loaded and images are refused.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tinkerd.errors import UserError
+from tinkerd.errors import UnservableModel
 
 
 @dataclass(frozen=True)
@@ -40,33 +43,37 @@ class Family:
     layer_types: frozenset[str] = frozenset({"full_attention"})
     # A vision-language checkpoint served through its language model only (its tower is not loaded).
     text_only: bool = False
+    # A vision-language model served with its tower: loaded as image-text-to-text, takes ImageChunks
+    # (engine/model/vision.py).
+    vision: bool = False
 
 
 DENSE = Family("dense")
 QWEN3_MOE = Family("qwen3_moe", experts_class="Qwen3MoeExperts")
 _HYBRID = frozenset({"full_attention", "linear_attention"})
+QWEN3_VL = Family("qwen3_vl", vision=True)
 QWEN3_5 = Family("qwen3_5", layer_types=_HYBRID)
 QWEN3_5_TEXT_ONLY = Family("qwen3_5", layer_types=_HYBRID, text_only=True)
+QWEN3_5_VL = Family("qwen3_5", layer_types=_HYBRID, vision=True)
 QWEN3_5_MOE = Family("qwen3_5_moe", experts_class="Qwen3_5MoeExperts", layer_types=_HYBRID)
 QWEN3_5_MOE_TEXT_ONLY = Family("qwen3_5_moe", experts_class="Qwen3_5MoeExperts", layer_types=_HYBRID, text_only=True)
 
 _SERVED = {"llama": DENSE, "mistral": DENSE, "qwen2": DENSE, "qwen3": DENSE, "qwen3_moe": QWEN3_MOE,
-           "qwen3_5_text": QWEN3_5, "qwen3_5_moe_text": QWEN3_5_MOE}
+           "qwen3_5_text": QWEN3_5, "qwen3_5_moe_text": QWEN3_5_MOE, "qwen3_vl": QWEN3_VL}
 # Vision-language checkpoints served as their language model alone (see the module docstring).
 _TEXT_ONLY = {"qwen3_5": QWEN3_5_TEXT_ONLY, "qwen3_5_moe": QWEN3_5_MOE_TEXT_ONLY}
+# ... and the same served with the tower, when the checkpoint has its image processor's
+# preprocessor_config.json (the image token count depends on it).
+_WITH_TOWER = {"qwen3_5": QWEN3_5_VL}
 
 # Known but not (yet) served, with the reason a user reads.
-_VISION = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "kimi_k25",
+_VISION = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl_moe", "kimi_k25",
            "llava", "mllama", "gemma3", "idefics3", "inkling")
 _NOT_YET = {
     "gpt_oss": "gpt-oss MoE (interleaved experts, attention sinks) is not served yet",
     "qwen3_next": "hybrid linear attention (Gated DeltaNet) is not served yet",
     "deepseek_v3": "DeepSeek-V3 MoE is not served yet",
 }
-
-
-class UnservableModel(UserError):
-    """A base model whose family tinkerd does not serve; `message` says which and why."""
 
 
 def _experts(config: dict) -> int:
@@ -77,8 +84,10 @@ def _experts(config: dict) -> int:
     return 0
 
 
-def detect(config: dict, name: str) -> Family:
-    """The family of the model whose saved config is `config`, or UnservableModel naming why not."""
+def detect(config: dict, name: str, has_processor: bool = False) -> Family:
+    """The family of the model whose saved config is `config`, or UnservableModel naming why not.
+    `has_processor`: its preprocessor_config.json is there (a Qwen3.5 VLM is then served with its
+    vision tower, else text only)."""
     model_type = config.get("model_type") or "?"
     arch = ",".join(config.get("architectures") or []) or model_type
 
@@ -88,7 +97,9 @@ def detect(config: dict, name: str) -> Family:
                                f"(served model types: {served})")
 
     if model_type in _TEXT_ONLY:
-        family = _TEXT_ONLY[model_type]
+        family = _WITH_TOWER.get(model_type, _TEXT_ONLY[model_type]) if has_processor else _TEXT_ONLY[model_type]
+    elif model_type in _SERVED and _SERVED[model_type].vision:
+        family = _SERVED[model_type]
     elif model_type in _VISION or "vision_config" in config:
         raise refuse("it is a vision-language model; tinkerd serves text-only models")
     elif model_type in _NOT_YET:

@@ -13,13 +13,17 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, PretrainedConfig, PreTrainedModel
 
 from tinkerd.engine.model import families, tiny
+from tinkerd.engine.model.vision import Vision
 from tinkerd.engine.precision import Precision
 from tinkerd.errors import UserError
 
 log = logging.getLogger(__name__)
+
+# The image processor's configuration beside a vision-language checkpoint (engine/model/vision.py).
+PROCESSOR_FILE = "preprocessor_config.json"
 
 
 @dataclass
@@ -34,6 +38,8 @@ class LoadedModel:
     # (a client on another machine can resolve nothing else), else the server-side directory.
     tokenizer_id: str = ""
     family: families.Family = families.DENSE
+    # A vision-language model's image path (processor, placeholders, M-RoPE); None: text only.
+    vision: Vision | None = None
 
 
 def cache_dir_for(name: str, models_dir: Path) -> Path:
@@ -67,22 +73,28 @@ def _saved_config(name: str, where: str | Path) -> dict:
         raise UserError(f"cannot load base model {name!r}: {e}") from e
 
 
-def _detect(name: str, config: dict) -> families.Family:
-    family = families.detect(config, name)
+def _detect(name: str, config: dict, path: Path | None = None) -> families.Family:
+    has_processor = path is not None and (Path(path) / PROCESSOR_FILE).is_file()
+    family = families.detect(config, name, has_processor)
     if family.text_only:
         vision = config.get("vision_config") or {}
+        why = "" if has_processor else f" (no {PROCESSOR_FILE})"
         # Loud on purpose: AutoModelForCausalLM drops the tower without a word.
         log.warning("base model %s (%s) is a vision-language model: serving its language model only; the vision "
-                    "tower (%s, depth %s) is NOT loaded and image inputs are refused", name,
+                    "tower (%s, depth %s) is NOT loaded%s and image inputs are refused", name,
                     ",".join(config.get("architectures") or []) or config.get("model_type"),
-                    vision.get("model_type", "vision_config"), vision.get("depth", "?"))
+                    vision.get("model_type", "vision_config"), vision.get("depth", "?"), why)
     return family
 
 
 def _load_dir(name: str, path: Path, precision: Precision, tokenizer_id: str | None = None) -> LoadedModel:
-    family = _detect(name, _saved_config(name, path))
-    model = _place(AutoModelForCausalLM.from_pretrained(path, dtype=precision.torch_dtype), precision)
-    return _finish(name, model, str(path), tokenizer_id, family)
+    family = _detect(name, _saved_config(name, path), path)
+    auto = AutoModelForImageTextToText if family.vision else AutoModelForCausalLM
+    model = _place(auto.from_pretrained(path, dtype=precision.torch_dtype), precision)
+    loaded = _finish(name, model, str(path), tokenizer_id, family)
+    if family.vision:
+        loaded.vision = Vision(model, path)
+    return loaded
 
 
 def _finish(name: str, model: PreTrainedModel, tokenizer_dir: str, tokenizer_id: str | None = None,

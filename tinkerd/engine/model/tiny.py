@@ -13,8 +13,11 @@ from pathlib import Path
 
 import torch
 from transformers import (AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
-                          Qwen3MoeForCausalLM, Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3_5ForCausalLM,
+                          Qwen3MoeForCausalLM, Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLMoeConfig,
+                          Qwen3VLMoeForConditionalGeneration, Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration,
                           Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig)
+
+from tinkerd.engine.model.vision import tiny_processor_files
 
 TINY_SEED = 1234
 
@@ -54,7 +57,8 @@ def _moe(common: dict) -> Qwen3MoeConfig:
 
 def _vl(common: dict) -> Qwen3VLConfig:
     # A one-block vision tower; deepstack indexes must lie below its depth, and M-RoPE sections must
-    # sum to head_dim / 2. tinkerd does not serve it: it is the refused family in tests.
+    # sum to head_dim / 2. Patch 16, merge 2 as the released checkpoints (their preprocessor_config.json
+    # is written beside it, build_tiny).
     text = {k: v for k, v in common.items() if k not in ("torch_dtype", "tie_word_embeddings")}
     text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=common["hidden_size"],
@@ -62,18 +66,41 @@ def _vl(common: dict) -> Qwen3VLConfig:
     return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
 
 
+def _vl_moe(common: dict) -> Qwen3VLMoeConfig:
+    # The Qwen3-VL layers and tower with a MoE MLP (4 experts top-2). Not served (its experts are
+    # stored (E, H, 2I), and it is not a hosted family): the refused family in tests.
+    vl = _vl(common)
+    text = vl.text_config.to_dict()
+    text.update(moe_intermediate_size=40, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[])
+    return Qwen3VLMoeConfig(text_config=text, vision_config=vl.vision_config.to_dict(), tie_word_embeddings=False)
+
+
 def _qwen3_5(common: dict) -> Qwen3_5TextConfig:
     # Hybrid linear attention: 4 layers, the default interval of 4 makes layers 0-2 Gated DeltaNet
     # and layer 3 gated full attention. DeltaNet heads: 2 key heads of 8 and 4 value heads of 16
     # (value heads a multiple of key heads, as in the released configs), conv kernel 4. Rotary on a
     # quarter of each 16-wide head (partial_rotary_factor 0.25): the M-RoPE sections sum to 2.
-    # Text only (Qwen3_5ForCausalLM, model_type qwen3_5_text): the vision tower is issue 22 item 3.
+    # Text only (Qwen3_5ForCausalLM, model_type qwen3_5_text); _qwen3_5_vl adds the vision tower.
     text = {k: v for k, v in common.items() if k != "torch_dtype"}
     text.update(num_hidden_layers=4, linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=16,
                 linear_num_key_heads=2, linear_num_value_heads=4,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
                                  "mrope_section": [1, 1, 0], "mrope_interleaved": True})
     return Qwen3_5TextConfig(**text)
+
+
+# The Qwen3 tokenizer's vision tokens (tiny models use it; Qwen3.5's own ids 248053-248056 are past
+# its vocabulary): <|vision_start|>, <|vision_end|>, <|image_pad|>.
+_QWEN3_VISION_IDS = dict(vision_start_token_id=151652, vision_end_token_id=151653, image_token_id=151655)
+
+
+def _qwen3_5_vl(common: dict) -> Qwen3_5Config:
+    # The hybrid layers of _qwen3_5 with a one-block vision tower (patch 16, merge 2, as released):
+    # Qwen3_5ForConditionalGeneration, model_type qwen3_5, as every released Qwen3.5 checkpoint.
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=common["hidden_size"],
+                  patch_size=16, spatial_merge_size=2, temporal_patch_size=2)
+    return Qwen3_5Config(text_config=_qwen3_5(common).to_dict(), vision_config=vision, tie_word_embeddings=False,
+                         **_QWEN3_VISION_IDS)
 
 
 def _qwen3_5_moe(common: dict) -> Qwen3_5MoeTextConfig:
@@ -94,8 +121,10 @@ TINY_MODELS = {
     "tinkerd/tiny-llama": (lambda c: LlamaConfig(**c), LlamaForCausalLM),
     "tinkerd/tiny-qwen3-moe": (_moe, Qwen3MoeForCausalLM),
     "tinkerd/tiny-qwen3-vl": (_vl, Qwen3VLForConditionalGeneration),
+    "tinkerd/tiny-qwen3-vl-moe": (_vl_moe, Qwen3VLMoeForConditionalGeneration),
     "tinkerd/tiny-qwen3.5": (_qwen3_5, Qwen3_5ForCausalLM),
     "tinkerd/tiny-qwen3.5-moe": (_qwen3_5_moe, Qwen3_5MoeForCausalLM),
+    "tinkerd/tiny-qwen3.5-vl": (_qwen3_5_vl, Qwen3_5ForConditionalGeneration),
 }
 
 
@@ -115,3 +144,6 @@ def build_tiny(name: str, out_dir: Path) -> None:
     model.generation_config.eos_token_id = tok.eos_token_id
     model.save_pretrained(out_dir)
     tok.save_pretrained(out_dir)
+    vision = getattr(config, "vision_config", None)
+    if vision is not None:
+        tiny_processor_files(out_dir, vision.patch_size, vision.spatial_merge_size, vision.temporal_patch_size)

@@ -46,6 +46,12 @@ class Prefill:
     alt_u: torch.Tensor | None = None  # [P-1, k] float64 uniforms
     alt_temperature: float = 1.0
     alt: tuple[np.ndarray, np.ndarray] | None = None  # ([P-1, k] ids, [P-1, k] logprobs)
+    # A prompt with images (vision-language models, sample.py: _with_images): the VLM body and its
+    # keyword inputs (pixel_values, image_grid_thw, mm_token_type_ids, M-RoPE position_ids); it is
+    # prefilled whole in one forward. rope_delta: its decode positions' offset (M-RoPE).
+    images: dict | None = None
+    vlm_body: nn.Module | None = None
+    rope_delta: int = 0
 
     @staticmethod
     def start(
@@ -92,7 +98,12 @@ class Prefill:
         """Run up to `budget` more prompt tokens through the body; returns how many ran."""
         start = self.done
         end = min(int(self.prompt.shape[0]), start + budget)
-        out = body(input_ids=self.prompt[None, start:end], cache=self.cache, use_cache=True)
+        if self.images is not None:  # whole, through the VLM body: its tower runs once
+            end = int(self.prompt.shape[0])
+            out = self.vlm_body(input_ids=self.prompt[None], cache=self.cache, use_cache=True, **self.images)
+            self.images = None  # the pixels are not needed again
+        else:
+            out = body(input_ids=self.prompt[None, start:end], cache=self.cache, use_cache=True)
         hidden = out.last_hidden_state[0]  # [c, H]
         if self.scores:
             self._score(head, hidden, start)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -26,8 +25,8 @@ from torch import nn
 
 from tinkerd.engine.lora.layers import pack_for_decode
 from tinkerd.engine.sampler.decode import FusedDecode
-from tinkerd.engine.sampler.hybrid import LINEAR, is_hybrid, new_batch_cache, state_bytes_per_row
-from tinkerd.engine.sampler.kv import default_kv_budget, kv_bytes_per_token
+from tinkerd.engine.sampler.budget import KvBudget
+from tinkerd.engine.sampler.hybrid import LINEAR, is_hybrid, new_batch_cache
 from tinkerd.engine.sampler import prompt_scores
 from tinkerd.engine.sampler.prefill import Prefill, advance_packed
 from tinkerd.engine.sampler.rows import BASE_SLOT, Request, Row
@@ -78,17 +77,19 @@ class Sampler:
         self.rows: list[Row] = []  # the decode batch, in KV cache row order
         self.rules: RowRules | None = None  # aligned with self.rows
         self.hidden: torch.Tensor | None = None  # [B, H] each row's last hidden state, awaiting the head
-        self.cache = new_batch_cache(runtime.model.config, len(self.body.layers))
+        # A vision-language config keeps its language model's shape in text_config.
+        self.text_config = runtime.model.config.get_text_config()
+        self.cache = new_batch_cache(self.text_config, len(self.body.layers))
         self._routing: tuple[tuple[int, ...], list] | None = None  # (slots, ctx.groups) memo
         # Streaming requests' tokens of the steps since the last take_streamed (SampleOp.stream).
         self.streamed: dict[str, list[TokenDelta]] = {}
-        dtype = next(runtime.model.parameters()).dtype
-        self.kv_token_bytes = kv_bytes_per_token(runtime.model.config, dtype)
-        # A hybrid model's linear-attention states, per row whatever its length (sampler/hybrid.py).
-        self.row_state_bytes = state_bytes_per_row(runtime.model.config, dtype)
+        # What the decode batch's KV cache may take, and what a row of it takes (budget.py).
+        self.kv = KvBudget.of(self.text_config, next(runtime.model.parameters()).dtype, self.device,
+                              config.kv_cache_bytes)
         # Packing prompts end to end into one row would run them through one recurrent state.
-        self.pack_prompts = not is_hybrid(runtime.model.config)
-        self.kv_budget = config.kv_cache_bytes or default_kv_budget(self.device)
+        self.pack_prompts = not is_hybrid(self.text_config)
+        # M-RoPE (vision-language models): decode positions carry each row's image offset.
+        self.vision = runtime.loaded.vision
         if config.pack_weights:
             pack_for_decode(runtime.layers)
         # After packing: the fused step binds each linear's packed weight once.
@@ -100,6 +101,18 @@ class Sampler:
         return self.cache.rows * (self.cache.capacity * self.kv_token_bytes + self.row_state_bytes)
 
     @property
+    def kv_token_bytes(self) -> int:
+        return self.kv.token_bytes
+
+    @property
+    def row_state_bytes(self) -> int:
+        return self.kv.state_bytes
+
+    @property
+    def kv_budget(self) -> int:
+        return self.kv.limit
+
+    @property
     def active_rows(self) -> int:
         return len(self.rows) + sum(r.op.num_samples for r in self.joining)
 
@@ -109,22 +122,16 @@ class Sampler:
         """Queue a request for prefill; raises (a UserError for bad input) with nothing changed."""
         validate(op, self.rt.vocab_size, self.rt.loaded.max_context_length)
         prompt_scores.validate(op, self.rt.vocab_size)
-        tokens = int(op.prompt.shape[0]) + op.params.max_tokens
-        need = op.num_samples * (tokens * self.kv_token_bytes + self.row_state_bytes)
-        if need > self.kv_budget:
-            state = f", + {_size(self.row_state_bytes)} of linear-attention state each" if self.row_state_bytes else ""
-            raise UserError(
-                f"this request's KV cache would take {_size(need)} ({op.num_samples} samples x {tokens} prompt + "
-                f"max_tokens positions x {_size(self.kv_token_bytes)}{state}), more than the sampler's {_size(self.kv_budget)}: "
-                f"lower num_samples or max_tokens, or split the request"
-            )
+        self.kv.check(op)
         adapter = acquire_adapter(self.rt, op.adapter_path, self.config.max_sampler_adapters)
         try:
             prefill = Prefill.start(
-                op.prompt, self.rt.model.config, self.device, op.prompt_logprobs,
+                op.prompt, self.text_config, self.device, op.prompt_logprobs,
                 op.topk_prompt_logprobs, op.prompt_logprobs_last_n,
             )
             prefill.also_score(op)
+            if op.images:
+                self._with_images(prefill, op)
             req = Request(ticket, op, adapter, prefill)
             p = op.params
             stop = StopRule(
@@ -163,14 +170,15 @@ class Sampler:
         budget = self.config.prefill_tokens_per_step
         ready: list[Request] = []
         packed: dict[int, list[Request]] = {}  # unstarted prompts that fit whole, by adapter slot
-        room, waiting = self._kv_room(), False
+        room, waiting = self.kv.room(self.rows, self.joining), False
         for req in list(self.joining):
             if budget <= 0:
                 break
             if req.prefill.done == 0 and (waiting or not room(req)):
                 waiting = True  # it waits for rows to leave, and those admitted after it wait behind it
                 continue
-            if req.prefill.done == 0 and req.prefill.remaining <= self.config.prefill_tokens_per_step:
+            if req.prefill.done == 0 and req.prefill.remaining <= self.config.prefill_tokens_per_step \
+                    and req.prefill.images is None:
                 # A prompt that fits one step's budget is never split, even past what is left of it
                 # this step: a 23-token prompt cut 22 + 1 costs two more weight streams and joins
                 # the batch a step late, which then ends with steps of one row (-6% on the sampling
@@ -214,28 +222,6 @@ class Sampler:
                         req.unfinished = 0
                         self._finish(req, done, error)
                 self._fail_batch(done, error)
-
-    def _kv_room(self):
-        """A check, for unstarted requests in admission order, of whether each fits the KV budget
-        beside the rows decoding and the requests already prefilling (and those it said yes to).
-
-        The bound is rows x the widest final length among them: rows share one cache width, which
-        can grow to the longest row's prompt + max_tokens. A request alone always fits (admission
-        refused it otherwise), so the batch never waits on an empty engine.
-        """
-        started = [req for req in self.joining if req.prefill.done > 0]
-        rows = len(self.rows) + sum(len(req.rows) for req in started)
-        width = max([row.request.final_len for row in self.rows] + [req.final_len for req in started], default=0)
-
-        def room(req: Request) -> bool:
-            nonlocal rows, width
-            new_rows, new_width = rows + len(req.rows), max(width, req.final_len)
-            if rows and new_rows * (new_width * self.kv_token_bytes + self.row_state_bytes) > self.kv_budget:
-                return False
-            rows, width = new_rows, new_width
-            return True
-
-        return room
 
     def _fail_prefill(self, reqs: list[Request], done: list, e: Exception) -> None:
         log.exception("prefill failed")
@@ -292,6 +278,8 @@ class Sampler:
             self.hidden = None
             return
         positions, mask = self.cache.step_inputs()
+        if self.vision is not None:
+            positions = self._mrope_positions(positions)
         self._set_routing([r.slot for r in self.rows])
         if self.fused is not None:
             adapters = any(row.slot != BASE_SLOT for row in self.rows)
@@ -303,6 +291,25 @@ class Sampler:
             hidden = out.last_hidden_state[:, -1]
         self.cache.advance()
         self.hidden = hidden  # [B, H]
+
+    def _with_images(self, prefill: Prefill, op: SampleOp) -> None:
+        """Give an image prompt's prefill the VLM body and its inputs (pixels, M-RoPE positions);
+        the prompt is then prefilled whole in one forward, so the tower runs once per request."""
+        if self.vision is None:
+            raise UserError(f"base model {self.rt.name!r} is a text-only model and takes no images")
+        extra = self.vision.inputs(prefill.prompt[None], None, [op.images])
+        prefill.rope_delta = int(extra.pop("rope_deltas")[0])
+        prefill.images = extra
+        prefill.vlm_body = self.rt.model.model
+
+    def _mrope_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """[B, 1] cache positions -> [4, B, 1]: the text position (the causal mask's) and the three
+        M-RoPE axes, each the text position plus the row's image offset (0 for a text-only prompt),
+        as HF's generate continues from `rope_deltas`."""
+        delta = torch.tensor([row.request.prefill.rope_delta for row in self.rows], dtype=positions.dtype,
+                             device=positions.device)[:, None]
+        shifted = positions + delta
+        return torch.stack([positions, shifted, shifted, shifted])
 
     def _record_topk(self, rows: list[Row], logprobs: torch.Tensor) -> None:
         want = [b for b, r in enumerate(rows) if r.topk > 0]
@@ -349,7 +356,7 @@ class Sampler:
             self.hidden = self.hidden[torch.tensor(keep, dtype=torch.long)]
         else:
             self.rows, self.rules, self.hidden = [], None, None
-            self.cache = new_batch_cache(self.rt.model.config, len(self.body.layers))
+            self.cache = new_batch_cache(self.text_config, len(self.body.layers))
         return done
 
     # -- completion ------------------------------------------------------------------------------
@@ -371,7 +378,7 @@ class Sampler:
             req.unfinished = 0
             self._finish(req, done, error)
         self.rows, self.rules, self.hidden = [], None, None
-        self.cache = new_batch_cache(self.rt.model.config, len(self.body.layers))
+        self.cache = new_batch_cache(self.text_config, len(self.body.layers))
 
     def _release(self, adapter: Adapter | None) -> None:
         if adapter is not None:
@@ -424,7 +431,7 @@ def split_model(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     """
     if getattr(model.config, "final_logit_softcapping", None):
         raise ServerError(f"{type(model).__name__} soft-caps its logits; the sampler does not support that")
-    layer_types = getattr(model.config, "layer_types", None) or ()
+    layer_types = getattr(model.config.get_text_config(), "layer_types", None) or ()
     if any(t not in ("full_attention", LINEAR) for t in layer_types):
         raise ServerError(f"{type(model).__name__} has {set(layer_types)} layers; the sampler supports full and linear attention only")
     return model.get_decoder(), model.get_output_embeddings()
@@ -433,43 +440,34 @@ def split_model(model: nn.Module) -> tuple[nn.Module, nn.Module]:
 def acquire_adapter(runtime: ModelRuntime, adapter_path: str | None, max_idle: int) -> Adapter | None:
     """The pool entry serving `adapter_path`, held for one request (None: the base model).
 
-    Loaded once per path and reused while the files stand: the directory's (inode, mtime) is
-    remembered, so a checkpoint re-saved under the same path (written to a temporary name and
-    renamed in place) is reloaded, while requests already decoding keep the old weights. Loading
-    evicts idle sampler adapters beyond `max_idle`, least recently used first.
+    `adapter_path` is a key of the runtime's ArtifactStore (tinkerd/artifacts.py). Loaded once per
+    key and reused while the artifact stands: its store version is remembered, so a checkpoint
+    re-saved under the same key is reloaded, while requests already decoding keep the old weights.
+    Loading evicts idle sampler adapters beyond `max_idle`, least recently used first.
     """
     if adapter_path is None:
         return None
-    try:
-        st = os.stat(adapter_path)
-    except OSError:
-        raise NotFoundError(f"no sampler weights at {adapter_path!r}") from None
-    fingerprint = (st.st_ino, st.st_mtime_ns)
+    fingerprint = runtime.artifacts.version(adapter_path)
+    if fingerprint is None:
+        raise NotFoundError(f"no sampler weights at {adapter_path!r}")
     pool = runtime.pool
     if adapter_path in pool:
         if pool.get(adapter_path).extra.get("fingerprint") == fingerprint:
             return pool.acquire(adapter_path)
         pool.retire(adapter_path)
-    files = _read_adapter(adapter_path)
+    files = _read_adapter(runtime.artifacts, adapter_path)
     pool.evict_idle(keep=max(0, max_idle - 1))
     adapter = pool.create_from_tensors(adapter_path, files.spec, files.weights, trainable=False)
     adapter.extra["fingerprint"] = fingerprint
     return pool.acquire(adapter_path)
 
 
-def _read_adapter(path: str):
+def _read_adapter(store, key: str):
     # Imported here, not at the top: checkpoints.py brings in the PEFT file format, which only
     # requests naming a sampler checkpoint need.
-    from tinkerd.engine.checkpoints import read_adapter
+    from tinkerd.engine import checkpoints
 
-    return read_adapter(path)
-
-
-def _size(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
+    return checkpoints.read_adapter_from(store, key)
 
 
 def _decoder(runtime: ModelRuntime):

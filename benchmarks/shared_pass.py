@@ -1,0 +1,111 @@
+"""Training across tenants: N runs' forward_backward ops in one pass (engine/cotrain.py) vs one op per pass.
+
+In the engine, no HTTP: each of N adapters (rank 32) trains on its own batch (2 x 256 tokens by
+default, issue 20's case); a round is one forward_backward and one optim_step per adapter. "shared"
+hands the N forward_backward ops to Engine.step in one StepBatch, as the scheduler does under
+--train-batch-tokens; "apart" hands them one per step, as with --train-batch-tokens 0. Modes and
+tenant counts are interleaved round by round (ABBA), so machine noise hits both alike. Prints the
+aggregate tokens/s of each and shared / apart last, and checks on the way that both modes give
+the same losses (twin adapters: same rank and seed).
+
+    python benchmarks/shared_pass.py                        # SmolLM2-135M, 1 thread, N = 1, 2, 4
+    python benchmarks/shared_pass.py --threads 2 --rounds 3 --tenants 1 2 4 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from tinkerd.engine.engine import Engine  # noqa: E402
+from tinkerd.types import AdamParams, CreateModelOp, Datum, ForwardBackwardOp, LoraSpec, OptimStepOp, StepBatch  # noqa: E402
+
+
+def batch(seed: int, datums: int, tokens: int, vocab: int) -> list[Datum]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(datums):
+        seq = rng.integers(0, vocab, tokens + 1)
+        out.append(Datum(tokens=seq[:-1], loss_fn_inputs={"target_tokens": seq[1:],
+                                                         "weights": np.ones(tokens, np.float32)}))
+    return out
+
+
+def round_s(engine: Engine, ids: list[str], data: list[list[Datum]], shared: bool) -> tuple[float, float, list[float]]:
+    """Seconds for the forward_backward ops of every run, for them and an optim_step of every run,
+    and the losses."""
+    fbs = [(f"fb{k}", ForwardBackwardOp(m, data[k], "cross_entropy")) for k, m in enumerate(ids)]
+    t0 = time.perf_counter()
+    if shared:
+        out = engine.step(StepBatch(run=fbs))
+        assert len(ids) == 1 or out.shared_passes == [len(ids)], out.shared_passes
+        done = dict(out.done)
+    else:
+        done = {}
+        for fb in fbs:
+            done.update(engine.step(StepBatch(run=[fb])).done)
+    fb_s = time.perf_counter() - t0
+    engine.step(StepBatch(run=[(f"opt{k}", OptimStepOp(m, AdamParams(learning_rate=1e-4))) for k, m in enumerate(ids)]))
+    elapsed = time.perf_counter() - t0
+    return fb_s, elapsed, [done[f"fb{k}"].metrics["loss:sum"] for k in range(len(ids))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
+    ap.add_argument("--models-dir", default="/tmp/tinkerd-bench/models")
+    ap.add_argument("--tenants", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--datums", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--rank", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    engine = Engine(Path(args.models_dir))
+    rt = engine.load_base_model(args.model)
+    ids = {}
+    for mode in ("shared", "apart"):
+        for k in range(max(args.tenants)):
+            model_id = f"{mode}-{k}"
+            engine.run_ops([CreateModelOp(model_id, args.model, LoraSpec(rank=args.rank, alpha=32.0, seed=k))])
+            ids.setdefault(mode, []).append(model_id)
+    data = [batch(k, args.datums, args.tokens, rt.vocab_size) for k in range(max(args.tenants))]
+    round_s(engine, ids["shared"][:2], data, True)  # warm-up: allocator, oneDNN primitives
+    round_s(engine, ids["apart"][:2], data, False)
+    times: dict[tuple[int, str], list[float]] = {}
+    fb_times: dict[tuple[int, str], list[float]] = {}
+    for r in range(args.rounds):
+        for n in args.tenants:
+            order = ("shared", "apart") if r % 2 == 0 else ("apart", "shared")
+            losses = {}
+            for mode in order:
+                fb_s, s, losses[mode] = round_s(engine, ids[mode][:n], data, mode == "shared")
+                times.setdefault((n, mode), []).append(s)
+                fb_times.setdefault((n, mode), []).append(fb_s)
+            # Twins on the same data, in lock-step: shared equals apart to the bit (engine/cotrain.py).
+            assert losses["shared"] == losses["apart"], losses
+    print(f"model={args.model} rank={args.rank} threads={args.threads} batch/tenant={args.datums}x{args.tokens} "
+          f"rounds={args.rounds} (medians; aggregate tokens/s)")
+    per_round = args.datums * args.tokens
+    for label, table in (("forward_backward only", fb_times), ("forward_backward + optim_step", times)):
+        print(label)
+        print(f"{'tenants':>7} {'apart tok/s':>12} {'shared tok/s':>13} {'shared/apart':>13} {'shared vs 1 tenant':>19}")
+        solo = None
+        for n in args.tenants:
+            apart = n * per_round / statistics.median(table[(n, "apart")])
+            shared = n * per_round / statistics.median(table[(n, "shared")])
+            solo = solo or apart
+            print(f"{n:>7} {apart:>12.1f} {shared:>13.1f} {shared / apart:>13.3f} {shared / solo:>19.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""Concurrent training tenants on one base model: aggregate tokens/s and per-client step latency.
+
+N = 1, 2, 4, 8 (`--tenants`) official SDK clients, each its own ServiceClient in its own thread with
+its own LoRA adapter (same rank, same per-client batch), train at once against one server: each
+client loops forward_backward + optim_step and waits for both before its next step, as a plain SFT
+loop does. The phases are interleaved (1 2 4 8 1 2 4 8 ...) over `--rounds`, so machine noise hits
+every N alike. For each N it prints the aggregate tokens/s (every client's tokens over the phase's
+wall time), the median and worst per-client step latency, and both as ratios to N = 1: with one
+engine running one op at a time the aggregate stays flat and latency grows ~N-fold; batching
+tenants into one pass is what moves these ratios. The issue's targets: at N = 4, aggregate >= 1.5x
+and no client's latency > 1.5x its solo one.
+
+    python benchmarks/training_tenants.py                         # SmolLM2-135M, 2 x 128 per client, 1 thread
+    python benchmarks/training_tenants.py --tenants 1,4 --rounds 3 --threads 2
+    python benchmarks/training_tenants.py --server-args="--dtype bfloat16"
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+import tinker  # noqa: E402
+from tinker import types  # noqa: E402
+
+from benchmarks.training import cpu_jiffies, load_average, make_batch  # noqa: E402
+from tests.serverproc import API_KEY, share_models, start_server  # noqa: E402
+
+
+class Tenant:
+    def __init__(self, url: str, model: str, rank: int, batch: np.ndarray, seed: int):
+        sc = tinker.ServiceClient(base_url=url, api_key=API_KEY)
+        self.tc = sc.create_lora_training_client(base_model=model, rank=rank, seed=seed).result()
+        self.data = [types.Datum(model_input=types.ModelInput.from_ints(row[:-1].tolist()),
+                                 loss_fn_inputs={"target_tokens": row[1:].tolist()}) for row in batch]
+
+    def step(self) -> float:
+        fb = self.tc.forward_backward(self.data, "cross_entropy")
+        opt = self.tc.optim_step(types.AdamParams(learning_rate=1e-4))
+        fb.result()
+        opt.result()
+        return 0.0
+
+
+def phase(tenants: list[Tenant], steps: int) -> tuple[float, list[list[float]]]:
+    """Every tenant runs `steps` steps at once; (wall seconds, each tenant's step latencies)."""
+    latencies: list[list[float]] = [[] for _ in tenants]
+    start = threading.Barrier(len(tenants) + 1)
+
+    def loop(i: int) -> None:
+        start.wait()
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            tenants[i].step()
+            latencies[i].append(time.perf_counter() - t0)
+
+    threads = [threading.Thread(target=loop, args=(i,)) for i in range(len(tenants))]
+    for t in threads:
+        t.start()
+    start.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0, latencies
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
+    ap.add_argument("--data-dir", default="/tmp/tinkerd-bench", help="its models/ is reused")
+    ap.add_argument("--tenants", default="1,2,4,8")
+    ap.add_argument("--rows", type=int, default=2, help="datums per client step")
+    ap.add_argument("--tokens", type=int, default=128, help="tokens per datum")
+    ap.add_argument("--rank", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=2, help="passes over every N")
+    ap.add_argument("--steps", type=int, default=2, help="steps per client per phase")
+    ap.add_argument("--server-args", default="", help="extra `tinkerd serve` arguments, e.g. '--dtype bfloat16'")
+    args = ap.parse_args()
+    os.environ.setdefault("TINKER_TELEMETRY", "0")
+    counts = [int(n) for n in args.tenants.split(",")]
+    base = Path(args.data_dir).resolve()
+    (base / "models").mkdir(parents=True, exist_ok=True)
+    share_models(base / "models")
+    data_dir = Path(tempfile.mkdtemp(prefix="tenants-", dir=base))
+    server = start_server(data_dir, [args.model], ["--threads", str(args.threads), *shlex.split(args.server_args)])
+    try:
+        from transformers import AutoConfig
+
+        from tinkerd.engine.model.registry import cache_dir_for
+
+        model_dir = cache_dir_for(args.model, base / "models")
+        vocab = AutoConfig.from_pretrained(str(model_dir) if model_dir.exists() else args.model).vocab_size
+        # Each tenant its own data and adapter seed: nothing is shared but the base model.
+        tenants = [Tenant(server.url, args.model, args.rank, make_batch(vocab, args.rows, args.tokens, seed=i), seed=i)
+                   for i in range(max(counts))]
+        for t in tenants:  # warm-up: first-step allocations, the optimizer's state
+            t.step()
+        load_before = load_average()
+        busy0, total0 = cpu_jiffies()
+        walls: dict[int, list[float]] = {n: [] for n in counts}
+        lats: dict[int, list[list[float]]] = {n: [] for n in counts}
+        for _ in range(args.rounds):
+            for n in counts:
+                wall, lat = phase(tenants[:n], args.steps)
+                walls[n].append(wall)
+                lats[n].extend(lat)
+        busy1, total1 = cpu_jiffies()
+    finally:
+        server.stop()
+        shutil.rmtree(data_dir, ignore_errors=True)
+
+    tokens = args.rows * args.tokens
+    print(f"model={args.model} threads={args.threads} server_args={args.server_args!r} per-client batch="
+          f"{args.rows}x{args.tokens} rank={args.rank} steps/client/phase={args.steps} rounds={args.rounds} cpus={os.cpu_count()}")
+    print(f"load average before: {load_before}, after: {load_average()}; machine busy "
+          f"{100 * (busy1 - busy0) / max(1, total1 - total0):.0f}% during the run (all processes)")
+    print("| tenants | aggregate tokens/s | x N=1 | median client step ms | worst client median ms | worst / solo |")
+    print("|---|---|---|---|---|---|")
+    solo_rate = solo_lat = None
+    for n in counts:
+        rate = n * args.steps * tokens / float(np.median(walls[n]))
+        per_client = [float(np.median(np.concatenate([lats[n][r * n + i] for r in range(args.rounds)]))) for i in range(n)]
+        med, worst = float(np.median(per_client)), max(per_client)
+        if solo_rate is None:
+            solo_rate, solo_lat = rate, med
+        print(f"| {n} | {rate:.1f} | {rate / solo_rate:.2f} | {med * 1e3:.0f} | {worst * 1e3:.0f} | {worst / solo_lat:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""What the parity tests of the MoE and hybrid families share: the engine side (a loaded engine, an
+op run, a random adapter, logits per adapter slot) and the HF + PEFT oracle (the reference with
+tinkerd's A/B copied in, its LoRA grads in tinkerd's layout, greedy generate on the merged adapter).
+
+The oracle targets every module tinkerd's adapter has (`target_modules`) and, on a MoE, the routed
+experts' stacked weights (`target_parameters`), whose A/B are converted to PEFT ParamWrapper's
+layout. It runs MoE experts through the eager loop: transformers' default on CPU is grouped_mm,
+which has no fp64 kernel.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from tinkerd.engine.engine import Engine
+from tinkerd.types import CreateModelOp, LoraSpec
+
+EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def loaded_engine(models_dir, base: str) -> Engine:
+    engine = Engine(models_dir)
+    engine.load_base_model(base)
+    return engine
+
+
+def run(engine, op):
+    (result,) = engine.run_ops([op])
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
+def random_adapter(engine, key: str, spec: LoraSpec, seed: int, scale: float = 0.05, *, base: str):
+    """An adapter of `base` with random non-zero B everywhere, so every LoRA really moves the outputs."""
+    rt = engine.runtime(base)
+    if key not in rt.pool:
+        run(engine, CreateModelOp(key, base, spec))
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for _, b in rt.pool.get(key).weights.values():
+                b.copy_(torch.randn(b.shape, generator=gen) * scale)
+    return rt.pool.get(key)
+
+
+def peft_reference(model_dir, ad, dtype=torch.float64):
+    """HF + PEFT with the adapter's tensors copied in; expert A/B converted to ParamWrapper's layout."""
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    if any(name.endswith(".experts") for name, _ in base.named_modules()):
+        base.set_experts_implementation("eager")
+    short = {n.rsplit(".", 1)[-1] for n in ad.weights if ".experts." not in n}
+    config = LoraConfig(r=ad.spec.rank, lora_alpha=ad.spec.alpha, lora_dropout=0.0, target_modules=sorted(short),
+                        target_parameters=EXPERT_PARAMS if any(".experts." in n for n in ad.weights) else None)
+    model = get_peft_model(base, config).eval()
+    for name, module in model.base_model.model.named_modules():
+        if not (hasattr(module, "lora_A") and "default" in module.lora_A):
+            continue
+        pname = getattr(module, "parameter_name", None)
+        a, b = ad.weights[f"{name.removesuffix('.base_layer')}.{pname}" if pname else name]
+        with torch.no_grad():
+            if pname:  # A [E, R, in] -> [E*R, in]; B [E, out, R] -> [out, R*E], expert the fast axis
+                module.lora_A["default"].weight.copy_(a.reshape(-1, a.shape[-1]).to(dtype))
+                module.lora_B["default"].weight.copy_(b.permute(1, 2, 0).reshape(b.shape[1], -1).to(dtype))
+            else:
+                module.lora_A["default"].weight.copy_(a.to(dtype))
+                module.lora_B["default"].weight.copy_(b.to(dtype))
+    return model
+
+
+def peft_lora_tensors(model, ad) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The reference's LoRA tensors (grads included) under tinkerd's names and layouts."""
+    out = {}
+    for name, module in model.base_model.model.named_modules():
+        if not (hasattr(module, "lora_A") and "default" in module.lora_A):
+            continue
+        pname = getattr(module, "parameter_name", None)
+        a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
+        if pname:
+            e = module.num_experts
+            out[f"{name.removesuffix('.base_layer')}.{pname}"] = (
+                a.grad.reshape(e, -1, a.shape[-1]), b.grad.reshape(b.shape[0], -1, e).permute(2, 0, 1))
+        else:
+            out[name] = (a.grad, b.grad)
+    assert set(out) == set(ad.weights)
+    return out
+
+
+def logits(rt, ids, slots):
+    rt.ctx.set_rows(slots) if len(slots) > 1 else rt.ctx.set_single(slots[0])
+    try:
+        with torch.no_grad():
+            return rt.model(input_ids=ids).logits
+    finally:
+        rt.ctx.clear()
+
+
+def merged_generate(model_dir, ad, prompt: list[int], n: int):
+    """HF generate (greedy) on the base with the adapter merged in (PEFT merge_and_unload, fp32):
+    the tokens and their logprobs."""
+    merged = peft_reference(model_dir, ad, dtype=torch.float32).merge_and_unload().eval()
+    with torch.no_grad():
+        ids = torch.tensor([prompt])  # an explicit mask: generate would take token 0 in the prompt for padding
+        out = merged.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                              output_logits=True, return_dict_in_generate=True, eos_token_id=None, pad_token_id=151643)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    lps = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.logits, tokens)]
+    return tokens, np.array(lps)

@@ -1,0 +1,141 @@
+"""Several runs' forward_backward in one pass (engine/cotrain.py) equals each run alone, bit for bit.
+
+Each case trains twin adapters (same rank, alpha and seed, so the same initial weights): one twin
+of every run alone, one op per step, the other twins with their ops side by side in one StepBatch,
+which the engine runs as one pass (StepOutput.shared_passes says so: without the shared pass the
+step would run them one by one and that assertion fails). fp32, one torch thread (tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tinkerd.errors import UserError
+from tinkerd.types import AdamParams, CreateModelOp, Datum, ForwardBackwardOp, LoraSpec, OptimStepOp, StepBatch
+
+from tests.unit.engine.test_training import BASE, assert_identical, sft_data
+
+# Ranks, datum lengths and datum counts all differ between runs; one run trains no head LoRA.
+RUNS = (
+    ("r4", LoraSpec(rank=4, alpha=16.0, seed=11), (9, 13, 6, 11)),
+    ("r8", LoraSpec(rank=8, alpha=32.0, seed=12), (21, 5)),
+    ("r16", LoraSpec(rank=16, alpha=8.0, seed=13, train_unembed=False), (3, 17, 8)),
+)
+ADAM = AdamParams(learning_rate=1e-2)
+
+
+def step(engine, ops):
+    out = engine.step(StepBatch(run=[(f"t{i}", op) for i, op in enumerate(ops)]))
+    done = dict(out.done)
+    return [done[f"t{i}"] for i in range(len(ops))], out.shared_passes
+
+
+def alone(engine, op):
+    (result,), shared = step(engine, [op])
+    assert shared == []
+    return result
+
+
+def state(engine, model_id: str) -> dict:
+    adapter = engine.runtime_of(model_id).pool.get(model_id)
+    return {"weights": {n: (a.detach().clone(), b.detach().clone()) for n, (a, b) in adapter.weights.items()},
+            "grads": [None if t.grad is None else t.grad.clone() for t in adapter.parameters()],
+            "pending_grads": adapter.pending_grads}
+
+
+def assert_same_result(ours, theirs) -> None:
+    assert not isinstance(ours, Exception), ours
+    assert ours.metrics == theirs.metrics  # loss:sum included, compared with ==
+    assert len(ours.loss_fn_outputs) == len(theirs.loss_fn_outputs)
+    for a, b in zip(ours.loss_fn_outputs, theirs.loss_fn_outputs):
+        assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def twins(engine, tag: str) -> tuple[list[str], list[str]]:
+    solo, fused = [], []
+    for name, spec, _ in RUNS:
+        for ids in (solo, fused):
+            model_id = f"{tag}-{name}-{len(ids)}-{'solo' if ids is solo else 'fused'}"
+            assert not isinstance(alone(engine, CreateModelOp(model_id, BASE, spec)), Exception)
+            ids.append(model_id)
+    return solo, fused
+
+
+def data_of(k: int, round_: int) -> list[Datum]:
+    return sft_data(100 * round_ + k, lengths=RUNS[k][2])
+
+
+def test_runs_in_one_pass_equal_each_alone_in_loss_logprobs_grads_and_weights(engine):
+    solo, fused = twins(engine, "cotrain")
+    for round_ in range(3):  # round 0 meets B = 0 (A's grads are 0); later rounds train everything
+        mine = [ForwardBackwardOp(m, data_of(k, round_), "cross_entropy") for k, m in enumerate(fused)]
+        together, shared = step(engine, mine)
+        assert shared == [len(RUNS)]
+        for k, m in enumerate(solo):
+            assert_same_result(together[k], alone(engine, ForwardBackwardOp(m, data_of(k, round_), "cross_entropy")))
+            assert_identical(state(engine, fused[k]), state(engine, m), f"{m} after round {round_}")
+        results, shared = step(engine, [OptimStepOp(m, ADAM) for m in fused])
+        assert shared == [] and all(r == {} for r in results)
+        for k, m in enumerate(solo):
+            alone(engine, OptimStepOp(m, ADAM))
+            assert_identical(state(engine, fused[k]), state(engine, m), f"{m} after optim_step {round_}")
+    # The runs really differ from one another, so a routing mix-up could not pass unnoticed.
+    losses = [alone(engine, ForwardBackwardOp(m, data_of(0, 9), "cross_entropy", forward_only=True)).metrics["loss:sum"]
+              for m in solo]
+    assert len(set(losses)) == len(solo)
+
+
+def test_forward_ops_of_several_runs_share_a_pass_and_change_nothing(engine):
+    solo, fused = twins(engine, "cotrain-fwd")
+    for m in solo + fused:  # trained once so that B != 0
+        alone(engine, ForwardBackwardOp(m, data_of(0, 0), "cross_entropy"))
+        alone(engine, OptimStepOp(m, ADAM))
+    before = [state(engine, m) for m in fused]
+    ops = [ForwardBackwardOp(m, data_of(k, 1), "cross_entropy", forward_only=True) for k, m in enumerate(fused)]
+    together, shared = step(engine, ops)
+    assert shared == [len(RUNS)]
+    for k, m in enumerate(solo):
+        assert_same_result(together[k], alone(engine, ForwardBackwardOp(m, data_of(k, 1), "cross_entropy",
+                                                                         forward_only=True)))
+        assert_identical(state(engine, fused[k]), before[k])
+
+
+def test_a_bad_datum_fails_only_its_own_op_in_a_shared_pass(engine):
+    solo, fused = twins(engine, "cotrain-bad")
+    bad = [Datum(tokens=np.arange(8), loss_fn_inputs={"target_tokens": np.arange(1, 8)})]  # 7 targets for 8 tokens
+    before = state(engine, fused[1])
+    ops = [ForwardBackwardOp(fused[0], data_of(0, 0), "cross_entropy"),
+           ForwardBackwardOp(fused[1], bad, "cross_entropy"),
+           ForwardBackwardOp(fused[2], data_of(2, 0), "cross_entropy")]
+    results, shared = step(engine, ops)
+    assert isinstance(results[1], UserError) and "datum 0" in results[1].message
+    assert_identical(state(engine, fused[1]), before)
+    assert shared == [2]  # the other two still share their pass
+    for k in (0, 2):
+        assert_same_result(results[k], alone(engine, ForwardBackwardOp(solo[k], data_of(k, 0), "cross_entropy")))
+        assert_identical(state(engine, fused[k]), state(engine, solo[k]))
+
+
+def test_ops_of_one_run_and_other_ops_are_not_fused(engine):
+    solo, _ = twins(engine, "cotrain-apart")
+    a, b = solo[0], solo[1]
+    ops = [ForwardBackwardOp(a, data_of(0, 0), "cross_entropy"), ForwardBackwardOp(a, data_of(0, 1), "cross_entropy"),
+           OptimStepOp(a, ADAM), ForwardBackwardOp(b, data_of(1, 0), "cross_entropy"),
+           ForwardBackwardOp(a, data_of(0, 2), "cross_entropy", forward_only=True)]
+    results, shared = step(engine, ops)
+    assert not any(isinstance(r, Exception) for r in results)
+    assert shared == []
+    assert torch.is_grad_enabled()
+
+
+def test_an_op_under_min_tokens_runs_alone_and_the_rest_still_share(engine):
+    solo, fused = twins(engine, "cotrain-tiny")
+    tiny = sft_data(5, lengths=(3,))  # 3 tokens: MKL's small-GEMM kernel would round its rows differently
+    ops = [ForwardBackwardOp(fused[0], tiny, "cross_entropy"), ForwardBackwardOp(fused[1], data_of(1, 0), "cross_entropy"),
+           ForwardBackwardOp(fused[2], data_of(2, 0), "cross_entropy")]
+    results, shared = step(engine, ops)
+    assert shared == [2]
+    assert_same_result(results[0], alone(engine, ForwardBackwardOp(solo[0], tiny, "cross_entropy")))
+    for k in (1, 2):
+        assert_same_result(results[k], alone(engine, ForwardBackwardOp(solo[k], data_of(k, 0), "cross_entropy")))

@@ -1,0 +1,28 @@
+"""Tests read what a server recorded through its store and repositories (tests/serverproc.py:
+server_store, logged_ops) or through the public API, never by SQL on its SQLite file: such a read
+ties a test to one backend and to today's table layout (issue 18). The files below open SQLite
+itself for a reason that is SQLite's own, each named."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+ALLOWED = {
+    "tests/unit/control/test_quotas.py": "the accounts table as it was before quotas",
+    "tests/unit/control/test_results.py": "the error type SQLite raises when the disk is full",
+    "tests/unit/control/test_fsck.py": "another process holding SQLite's lock",
+    "tests/unit/control/test_store_probe.py": "another connection holding SQLite's lock",
+    "tests/conformance/test_op_log.py": "the schema of the last pre-op-log commit, before the upgrade",
+    "tests/conformance/test_artifact_keys.py": "the rows a commit before artifact keys wrote, read beside its "
+                                               "running server without migrating them",
+    "tests/e2e/test_faults.py": "the SQLite file locked and made read-only under the server",
+    "tests/e2e/test_disk_full.py": "the SQLite file on a full disk (opening the store there migrates)",
+}
+
+
+def test_no_test_reads_the_servers_sqlite_file_outside_the_named_exceptions():
+    opened = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("*.py")
+                    if re.search(r"\bsqlite3\.connect\(", p.read_text()))
+    assert [p for p in opened if p not in ALLOWED] == []

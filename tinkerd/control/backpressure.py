@@ -1,0 +1,43 @@
+"""Back-pressure: the queue's budget, and the SDK's rate-limit answer to new work beyond it.
+
+Without a bound, a client that pipelines faster than the engine trains (or many clients at once)
+grows the in-memory queue (queue.py) without limit: every queued op holds its datums. With one, a
+new op whose target (a training run or a sampling session) already has `per_target` ops waiting,
+or that finds `total` ops waiting on the server, is refused before it is stored: HTTP 429 with
+Retry-After (errors.QueueFull). The tinker SDK retries a 429 (its HTTP client honours a Retry-After
+of up to 60 s, 10 times; its training calls then back off 1 s doubling to 30 s for 5 minutes), and
+it sends a training run's ops one at a time in seq_id order, each waiting for its predecessor to be
+accepted, so a refusal delays that run's later ops without reordering them.
+
+Nothing accepted is ever dropped: the budget is checked only for new work (an idempotent re-send
+of an accepted op returns its future first, Control.submit), never for ops re-queued by recovery
+or control's own internal ops. Only ops waiting count, not those in the engine: a target whose op
+is running can queue `per_target` more. The check and the put are not one atomic step, so
+concurrent submissions can overshoot a budget by the number of requests in flight at that moment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tinkerd.control.queue import OpQueue
+from tinkerd.errors import QueueFull
+
+
+class QueueBudget:
+    def __init__(self, per_target: int | None, total: int | None):
+        # None: no bound.
+        self.per_target = per_target
+        self.total = total
+
+    def check(self, queue: OpQueue, target: str, on_refused: Callable[[str], None] | None = None) -> None:
+        """Raise QueueFull when a new op of `target` would go over a budget; `on_refused(scope)` first."""
+        if self.per_target is not None and queue.depth(target) >= self.per_target:
+            scope, why = "target", f"{target} already has {self.per_target} ops waiting (--max-queued-ops-per-model)"
+        elif self.total is not None and queue.depth() >= self.total:
+            scope, why = "server", f"the server already has {self.total} ops waiting (--max-queued-ops)"
+        else:
+            return
+        if on_refused is not None:
+            on_refused(scope)
+        raise QueueFull(f"not accepted: {why}; retry after {QueueFull.retry_after_s} s")

@@ -1,0 +1,271 @@
+"""forward_backward (and forward) of several training runs in one pass over their shared base model.
+
+The scheduler (control/scheduler.py: Scheduler._together) puts compatible ops of different runs next
+to each other in a step's `run` list; `run_ops` runs each such stretch as one pass: the runs' datums
+are the rows of one right-padded batch, each run's rows routed to its own adapter slot
+(LoraContext.groups), so every base linear of the body runs once for all of them. Everything a run
+reduces over stays its own:
+
+- its LoRA delta is computed on its rows cut back to its own width (SlotGroup.width), so d loss / d A
+  and d loss / d B sum the same positions in the same order as when its op runs alone (uncut, the
+  sums would get the padding's zeros interleaved: on MKL's fp32 sgemm that moved no bit in
+  test_cotrain, but a BLAS that blocks a reduction by its length would; the cut also spares the
+  LoRA matmuls the padding);
+- the head, the log-softmax and the loss run per run, on its slice of the hidden states, in its own
+  chunks (training._chunks), and its loss's gradient flows back into its slice only;
+- one backward runs through the body for all runs at once: the base weights are frozen, so nothing
+  sums across rows there, and each adapter's grads come only from its own rows.
+
+- attention runs per run, on its rows at its own width with the mask its op alone gets
+  (`GroupedAttention`): SDPA's CPU kernel blocks its softmax sums by the key length, so the same
+  row padded to another width comes out different in the last bits (measured: 9, 13 and 21 tokens
+  padded to 40 all differed).
+
+What a run shares is the number of rows of the body's frozen GEMMs, which changes no bit of a row
+there from 4 rows up; MKL's sgemm takes another kernel below 4 rows (measured on SmolLM2's and the
+tiny model's shapes, fp32, one thread: 1-3 rows differ from the same rows inside a bigger batch),
+so an op of fewer than 4 tokens runs alone. On fp32 CPU no bit of any run's logprobs, loss or grads
+moves (tests/unit/engine/test_cotrain.py pins it against each op run alone, one torch thread);
+another BLAS or a GPU kernel that picks its tiling by the batch may round differently.
+
+Each op is validated alone first, so a bad datum fails only its own op (UserError) and the others
+run; a failure of the shared pass itself (out of memory, a bug) falls back to running each op alone,
+so one op cannot fail its batch-mates. Checks after the pass (engine/finite.py) are per op too.
+
+Which ops go together (`pass_key`): ForwardBackwardOps on one dense full-attention base model, of
+distinct runs, all forward_backward or all forward. Other losses, ranks, lengths and datum counts mix
+freely: the loss runs per run. MoE experts (their per-expert token lists mix runs) and hybrid
+linear-attention models (DeltaNet's chunked scan runs over the padded width) run one op per pass.
+
+Shapes: B rows (datums of all runs), T widest row, M real positions of all runs, H hidden.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+import torch
+
+from tinkerd.engine import training
+from tinkerd.engine.lora.layers import SlotGroup
+from tinkerd.errors import TinkerdError
+from tinkerd.types import ForwardBackwardOp
+
+if TYPE_CHECKING:
+    from tinkerd.engine.engine import Engine, ModelRuntime
+
+log = logging.getLogger(__name__)
+
+
+# Below this many tokens an op's body GEMMs take another MKL kernel than in a bigger batch (docstring).
+MIN_TOKENS = 4
+# The attention implementation a model gets once it runs a shared pass (GroupedAttention).
+ATTENTION = "tinkerd_grouped_sdpa"
+
+
+@dataclass(frozen=True)
+class AttentionGroup:
+    """One run's rows in a shared pass, for attention: which rows, its own width, and whether any of
+    its datums is shorter than that width (then its op alone gets a padding mask)."""
+
+    rows: torch.Tensor  # [B_k] row indices
+    width: int
+    padded: bool
+
+
+def grouped_attention(module, query, key, value, attention_mask, tinkerd_attention_groups=None, **kwargs):
+    """HF's SDPA attention, run per run in a shared pass (module docstring); unchanged otherwise.
+
+    query/key/value [B, heads, T, d], attention_mask None or bool [B, 1, T, T] (HF's sdpa_mask);
+    returns [B, T, heads, d] as sdpa_attention_forward does. A run's rows past its width get zeros:
+    they are padding, and every position that reads them masks them out."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if not tinkerd_attention_groups:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    b, heads, t, _ = query.shape
+    out = query.new_zeros(b, t, heads, value.shape[-1])
+    window = kwargs.get("sliding_window")
+    for g in tinkerd_attention_groups:
+        w = g.width
+        q, k, v = query[g.rows, :, :w], key[g.rows, :, :w], value[g.rows, :, :w]
+        # The op alone gets no mask when none of its datums is padded and no window bites: HF's
+        # sdpa_mask skips it (is_causal instead), and SDPA's causal kernel rounds differently.
+        alone_unmasked = attention_mask is None or (not g.padded and (window is None or w < window))
+        mask = None if alone_unmasked else attention_mask[g.rows][:, :, :w, :w]
+        o, _ = sdpa_attention_forward(module, q, k, v, mask, **kwargs)  # [B_k, w, heads, d]
+        out = out.index_copy(0, g.rows, torch.nn.functional.pad(o, (0, 0, 0, 0, 0, t - w)))
+    return out, None
+
+
+def _use_grouped_attention(rt: "ModelRuntime") -> None:
+    """Switch the model to grouped_attention, which equals HF's SDPA outside shared passes; once."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    config = rt.model.config
+    if config._attn_implementation == ATTENTION:
+        return
+    if config._attn_implementation != "sdpa":
+        raise RuntimeError(f"shared passes need SDPA attention, the model uses {config._attn_implementation!r}")
+    AttentionInterface.register(ATTENTION, grouped_attention)
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+    rt.model.set_attn_implementation(ATTENTION)
+
+
+def fusable(rt: "ModelRuntime") -> bool:
+    """Whether `rt`'s model can run several adapters' training rows in one pass (module docstring)."""
+    family = rt.loaded.family
+    return (family.experts_class is None and family.layer_types == frozenset({"full_attention"})
+            and rt.model.config._attn_implementation in ("sdpa", ATTENTION))
+
+
+def pass_key(engine: "Engine", op: object) -> tuple[str, bool] | None:
+    """(base model, forward_only) of an op that may share a pass with others of the same key (of other
+    runs); None for one that runs alone (not a forward_backward, a model without shared passes, or
+    under MIN_TOKENS tokens)."""
+    if not isinstance(op, ForwardBackwardOp) or engine.group is not None:
+        return None  # ranks (engine/sharding.py) split each op's datums between them: no shared pass there
+    base = engine.model_of.get(op.model_id)
+    if base is None or not fusable(engine.runtimes[base]) or sum(len(d.tokens) for d in op.data) < MIN_TOKENS:
+        return None
+    if any(d.images for d in op.data):  # the vision-language body runs per op (training._hidden)
+        return None
+    return base, op.forward_only
+
+
+def passes(engine: "Engine", run: Sequence[tuple[str, object]]) -> list[list[tuple[str, object]]]:
+    """`run` split into consecutive stretches that go through one pass each (most are one op): ops of
+    one key and of distinct runs, side by side in the order the scheduler put them."""
+    out: list[list[tuple[str, object]]] = []
+    key, taken = None, set()
+    for ticket, op in run:
+        mine = pass_key(engine, op)
+        if out and mine is not None and mine == key and op.model_id not in taken:
+            out[-1].append((ticket, op))
+        else:
+            out.append([(ticket, op)])
+            key, taken = mine, set()
+        taken.add(getattr(op, "model_id", None))
+    return out
+
+
+def run_ops(engine: "Engine", run: Sequence[tuple[str, object]], guarded) -> tuple[list[tuple[str, object]], list[int]]:
+    """Every op of a step's `run` list, in order: (ticket, result or TinkerdError), and the number of
+    ops of each pass that served several (StepOutput.shared_passes). `guarded(fn, op)` is
+    Engine._guarded: fn(op) or the error that failed it."""
+    done: list[tuple[str, object]] = []
+    shared: list[int] = []
+    for stretch in passes(engine, run):
+        if len(stretch) == 1:
+            ticket, op = stretch[0]
+            done.append((ticket, guarded(engine._run, op)))
+            continue
+        results = forward_backward_together(engine, [op for _, op in stretch], guarded, shared)
+        done.extend(zip([t for t, _ in stretch], results))
+    return done, shared
+
+
+def forward_backward_together(engine: "Engine", ops: list[ForwardBackwardOp], guarded, shared: list[int]) -> list[object]:
+    """One result (or error) per op, each as if it ran alone; the valid ones share one pass, whose
+    size is appended to `shared`."""
+    rt = engine.runtime_of(ops[0].model_id)
+    results: list[object] = [None] * len(ops)
+    ready: list[tuple[int, training.Prepared]] = []
+    for i, op in enumerate(ops):
+        prepared = guarded(lambda o: training.prepare_forward_backward(rt, o), op)
+        if isinstance(prepared, TinkerdError):
+            results[i] = prepared
+        else:
+            ready.append((i, prepared))
+    if len(ready) == 1:
+        i, _ = ready[0]
+        results[i] = guarded(engine._run, ops[i])
+    elif ready:
+        started = time.perf_counter()
+        try:
+            outputs = _shared_pass(rt, [p for _, p in ready])
+        except Exception:  # noqa: BLE001  one op must not fail its batch-mates: each runs alone instead
+            log.exception("a forward_backward pass of %d runs failed; running them one by one", len(ready))
+            for i, _ in ready:
+                results[i] = guarded(engine._run, ops[i])
+            return results
+        for (i, prepared), out in zip(ready, outputs):
+            results[i] = guarded(lambda _: training.finish_forward_backward(prepared, *out), ops[i])
+        log.info("forward_backward of %d runs in one pass: %d datums, %d tokens, %.1f ms", len(ready),
+                 sum(len(p.lengths) for _, p in ready), sum(sum(p.lengths) for _, p in ready),
+                 1e3 * (time.perf_counter() - started))
+        shared.append(len(ready))
+    return results
+
+
+def _shared_pass(rt: "ModelRuntime", parts: list[training.Prepared]):
+    """(target_logprobs, loss_sum, metrics, grads or None) per part: training._logprobs_and_grads
+    with the body shared and everything else per part, in the same order as there."""
+    forward_only = parts[0].op.forward_only
+    data = [d for p in parts for d in p.op.data]
+    input_ids, mask = training.padded_tokens(rt, data)  # [B, T]
+    groups, row = [], 0
+    for p in parts:
+        rows = torch.arange(row, row + len(p.lengths))
+        groups.append(SlotGroup(p.adapter.slot, rows, total=len(data), width=max(p.lengths)))
+        row += len(p.lengths)
+    attention = [AttentionGroup(g.rows, g.width, min(p.lengths) < g.width) for g, p in zip(groups, parts)]
+    _use_grouped_attention(rt)
+    rt.ctx.groups, rt.ctx.blocks = groups, True  # run by run, consecutive rows
+    try:
+        with torch.set_grad_enabled(not forward_only):
+            hidden = training._hidden(rt, input_ids, mask, tinkerd_attention_groups=attention)  # [M, H], run by run
+    finally:
+        rt.ctx.clear()
+    offsets = np.cumsum([0] + [sum(p.lengths) for p in parts])
+    g_hidden = None if forward_only else torch.empty_like(hidden)
+    out, body = [], []  # per part: its body params and where their grads go
+    for k, p in enumerate(parts):
+        span = slice(int(offsets[k]), int(offsets[k + 1]))
+        mine = hidden[span].detach()  # [M_k, H]
+        targets = p.inputs["target_tokens"]
+        params = p.adapter.parameters()
+        rt.ctx.set_single(p.adapter.slot)  # the head runs per run: its LoRA, its chunks
+        try:
+            with torch.no_grad():
+                lp = torch.cat([training._head_logprobs(rt, mine[c], targets[c]) for c in training._chunks(rt, mine.shape[0])])
+            if forward_only:
+                loss_sum, metrics = p.loss(lp, p.inputs, p.config)
+                out.append((lp, loss_sum, metrics, None))
+                continue
+            lp_leaf = lp.clone().requires_grad_(True)
+            loss_sum, metrics = p.loss(lp_leaf, p.inputs, p.config)
+            (g_lp,) = torch.autograd.grad(loss_sum, lp_leaf)
+            head_params = [t for t in params if any(t is h for h in training._head_lora(rt, params))]
+            head_grads: list[torch.Tensor | None] = [None] * len(head_params)
+            for c in training._chunks(rt, mine.shape[0]):
+                h_c = mine[c].detach().requires_grad_(True)
+                with torch.enable_grad():
+                    lp_c = training._head_logprobs(rt, h_c, targets[c])
+                got = torch.autograd.grad(lp_c, [h_c, *head_params], grad_outputs=g_lp[c], allow_unused=True)
+                g_hidden[span][c] = got[0]
+                for i, g in enumerate(got[1:]):
+                    if g is not None:
+                        head_grads[i] = g if head_grads[i] is None else head_grads[i] + g
+        finally:
+            rt.ctx.clear()
+        body_params = [t for t in params if not any(t is h for h in head_params)]
+        body.append((params, head_params, head_grads, body_params))
+        out.append((lp, loss_sum.detach(), metrics, None))
+    if forward_only:
+        return out
+    flat = [t for _, _, _, b in body for t in b]
+    flat_grads = torch.autograd.grad(hidden, flat, grad_outputs=g_hidden, allow_unused=True)
+    at = 0
+    for k, (params, head_params, head_grads, body_params) in enumerate(body):
+        body_grads = flat_grads[at : at + len(body_params)]
+        at += len(body_params)
+        by_id = {id(t): g for t, g in zip(head_params, head_grads)} | {id(t): g for t, g in zip(body_params, body_grads)}
+        lp, loss_sum, metrics, _ = out[k]
+        out[k] = (lp, loss_sum, metrics, [by_id[id(t)] for t in params])
+    return out
