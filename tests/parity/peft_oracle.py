@@ -108,3 +108,19 @@ def merged_generate(model_dir, ad, prompt: list[int], n: int):
     tokens = out.sequences[0, len(prompt):].tolist()
     lps = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.logits, tokens)]
     return tokens, np.array(lps)
+
+
+def assert_lora_grads_match(reference, ad) -> None:
+    """Every LoRA A/B grad of the tinkerd adapter `ad` equals the PEFT reference's (after its
+    backward) within assert_close_scaled, none is all zero; then `ad`'s grads are cleared."""
+    from tests.parity.test_lora_parity import assert_close_scaled
+
+    modules = dict(reference.base_model.model.named_modules())
+    for name, (a, b) in ad.weights.items():
+        module = modules[name]
+        assert_close_scaled(a.grad, module.lora_A["default"].weight.grad, f"lora_A grad of {name}")
+        assert_close_scaled(b.grad, module.lora_B["default"].weight.grad, f"lora_B grad of {name}")
+        assert a.grad.abs().max() > 0 and b.grad.abs().max() > 0, name
+    for t in ad.parameters():
+        t.grad = None
+    ad.pending_grads = 0

@@ -18,7 +18,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.parity.peft_oracle import logits, loaded_engine, merged_generate, peft_reference, random_adapter, run
+from tests.parity.peft_oracle import (assert_lora_grads_match, logits, loaded_engine, merged_generate, peft_reference,
+                                      random_adapter, run)
 from tests.parity.test_lora_parity import assert_close_scaled
 from tinkerd.engine.engine import Engine
 from tinkerd.engine.model.registry import cache_dir_for
@@ -93,15 +94,7 @@ def test_logits_logprobs_and_grads_equal_peft(hybrid_engine, hybrid_dir):
         total = total - (lp * torch.from_numpy(w).double()).sum()
     total.backward()
     assert result.metrics["loss:sum"] == pytest.approx(total.item(), rel=1e-5)
-    modules = dict(reference.base_model.model.named_modules())
-    for name, (a, b) in ad.weights.items():
-        module = modules[name]
-        assert_close_scaled(a.grad, module.lora_A["default"].weight.grad, f"lora_A grad of {name}")
-        assert_close_scaled(b.grad, module.lora_B["default"].weight.grad, f"lora_B grad of {name}")
-        assert a.grad.abs().max() > 0 and b.grad.abs().max() > 0, name
-    for t in ad.parameters():
-        t.grad = None
-    ad.pending_grads = 0
+    assert_lora_grads_match(reference, ad)
 
 
 def test_two_tenants_in_one_batch_equal_each_alone(hybrid_engine):
