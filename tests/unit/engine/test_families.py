@@ -24,6 +24,14 @@ def test_qwen3_moe_is_detected_from_the_key_transformers_saves(tmp_path):
     assert families.detect(cfg, "m") is families.QWEN3_MOE
 
 
+def test_gpt_oss_is_served_with_its_sliding_layers(tmp_path):
+    cfg = _saved(tmp_path, "tinkerd/tiny-gpt-oss")
+    assert cfg["layer_types"] == ["sliding_attention", "full_attention"] and cfg["num_local_experts"] == 4
+    assert families.detect(cfg, "m") is families.GPT_OSS and families.GPT_OSS.experts_class == "GptOssExperts"
+    # Its tokenizer is Qwen3's with the Harmony tokens the cookbook's gpt_oss renderers need as one token each.
+    assert cfg["vocab_size"] == 151_669 + len(tiny.HARMONY_TOKENS) and cfg["eos_token_id"] == [151_674, 151_675]
+
+
 def test_dense_families_are_served():
     for model_type in ("llama", "qwen3", "qwen2", "mistral"):
         assert families.detect({"model_type": model_type}, "m") is families.DENSE
@@ -33,7 +41,7 @@ def test_dense_families_are_served():
     ({"model_type": "qwen3_vl_moe", "architectures": ["Qwen3VLMoeForConditionalGeneration"]}, "vision-language"),
     ({"model_type": "llava", "vision_config": {}}, "vision-language"),
     ({"model_type": "qwen3_next"}, "linear attention"),
-    ({"model_type": "gpt_oss"}, "gpt-oss"),
+    ({"model_type": "deepseek_v3"}, "DeepSeek-V3"),
     ({"model_type": "qwen3", "layer_types": ["full_attention", "sliding_attention"]}, "full attention"),
     ({"model_type": "mixtral", "num_local_experts": 8}, "not a family"),
     ({"model_type": "llama", "num_local_experts": 8}, "routed experts"),
