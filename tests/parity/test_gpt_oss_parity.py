@@ -148,6 +148,8 @@ def test_greedy_decode_past_the_window_equals_hf_generate_and_compute_logprobs(e
                         lambda runtime, path, max_idle: None if path is None else runtime.pool.acquire(path))
     config = engine.sampler_config.__class__(**{**engine.sampler_config.__dict__, "prefill_tokens_per_step": 4})
     sampler = Sampler(rt, config)
+    # The budget counts the sliding layer's columns too: both layers keep every position.
+    assert sampler.kv_token_bytes == 2 * 2 * 2 * 16 * 4  # layers x (K, V) x KV heads x head dim x fp32
     params = SamplingParams(max_tokens=12, temperature=0.0, stop_at_eos=False)
     for i, (ad, prompt) in enumerate(zip(ads, prompts)):
         sampler.admit(i, SampleOp(base_model=GPT_OSS, adapter_path=ad.key if ad else None, prompt=np.array(prompt),
