@@ -89,3 +89,25 @@ def test_qwen3_5_moe_is_served_as_hybrid_moe(tmp_path):
     assert cfg["model_type"] == "qwen3_5_moe_text"
     assert families.detect(cfg, "m") is families.QWEN3_5_MOE
     assert families.detect({"model_type": "qwen3_5_moe", "vision_config": {}, "text_config": cfg}, "m").text_only
+
+
+def test_a_moe_without_its_experts_module_is_refused_not_served_without_expert_lora(models_dir, monkeypatch):
+    """A quantized gpt-oss checkpoint can load with its experts swapped for another class (transformers'
+    Mxfp4GptOssExperts); served, train_mlp would put LoRA on no expert without a word."""
+    import dataclasses
+
+    from tinkerd.engine import engine as engine_mod
+
+    real = engine_mod.load_model
+
+    def load(name, *args):
+        loaded = real(name, *args)
+        if name == "tinkerd/tiny-gpt-oss":
+            loaded.family = dataclasses.replace(loaded.family, experts_class="Mxfp4GptOssExperts")
+        return loaded
+
+    monkeypatch.setattr(engine_mod, "load_model", load)
+    engine = Engine(models_dir)
+    engine.load_base_models(["tinkerd/tiny-gpt-oss", "tinkerd/tiny-qwen3"])
+    assert list(engine.runtimes) == ["tinkerd/tiny-qwen3"]
+    assert "no Mxfp4GptOssExperts module" in engine.refused["tinkerd/tiny-gpt-oss"]
