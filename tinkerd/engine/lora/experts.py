@@ -76,7 +76,8 @@ class ExpertsParam:
         return y if bias is None else y + bias[expert]
 
     def _delta(self, x: torch.Tensor, lw: LoraWeights, expert: int) -> torch.Tensor:
-        d = (x @ lw.a[expert].t()) @ lw.b[expert].t()  # [n, out], gate rows first
+        # A bf16 base casts the fp32 master A/B for the pass, as lora_delta_add does (engine/precision.py).
+        d = (x @ lw.a[expert].to(x.dtype).t()) @ lw.b[expert].to(x.dtype).t()  # [n, out], gate rows first
         if self.interleaved:  # [g | u] -> g0, u0, g1, u1, ...
             d = d.view(d.shape[0], 2, -1).transpose(1, 2).reshape(d.shape[0], -1)
         return d
