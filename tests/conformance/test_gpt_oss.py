@@ -64,7 +64,7 @@ def _train(tc, data, steps: int) -> list[float]:
 
 def test_sl_loss_falls_router_metrics_and_save_state_resumes_exactly(server, data):
     sc = tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
-    caps = sc.get_server_capabilities()
+    caps = tinker.RestClient(base_url=server.url, api_key=API_KEY).get_server_capabilities().result()
     assert [(m.model_name, m.max_context_length) for m in caps.supported_models] == [(GPT_OSS, 4096)]
     tc = sc.create_lora_training_client(base_model=GPT_OSS, rank=4, seed=3).result()
     assert tc.get_info().model_data.arch == "GptOssForCausalLM"
