@@ -18,7 +18,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from tinkerd.engine.engine import Engine
-from tinkerd.types import CreateModelOp, LoraSpec
+from tinkerd.types import CreateModelOp, Datum, ForwardBackwardOp, ForwardBackwardResult, LoraSpec
 
 EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
@@ -142,3 +142,40 @@ def assert_lora_grads_match(reference, ad) -> None:
     for t in ad.parameters():
         t.grad = None
     ad.pending_grads = 0
+
+
+def assert_forward_backward_matches(engine, reference, ad, lengths: tuple[int, ...], vocab: int = 151_000,
+                                    seed: int = 1) -> ForwardBackwardResult:
+    """A cross_entropy forward_backward of `ad` on random weighted datums of these lengths (a padded
+    batch) against the reference run one unpadded row at a time: per-token logprobs (1e-5), the
+    loss (1e-5 relative) and every LoRA grad in tinkerd's layouts (peft_lora_tensors,
+    assert_close_scaled; none all zero). Clears `ad`'s grads after; returns the op's result."""
+    import pytest
+
+    from tests.parity.test_lora_parity import assert_close_scaled
+
+    rng = np.random.default_rng(seed)
+    seqs = [rng.integers(0, vocab, n + 1) for n in lengths]
+    weights = [rng.normal(size=n).astype(np.float32) for n in lengths]
+    data = [Datum(tokens=s[:-1], loss_fn_inputs={"target_tokens": s[1:], "weights": w}) for s, w in zip(seqs, weights)]
+    for t in ad.parameters():
+        t.grad = None
+    result = run(engine, ForwardBackwardOp(ad.key, data, "cross_entropy"))
+    assert isinstance(result, ForwardBackwardResult)
+    total = torch.zeros((), dtype=torch.float64)
+    for i, (s, w) in enumerate(zip(seqs, weights)):
+        lp = torch.log_softmax(reference(input_ids=torch.from_numpy(s[:-1])[None]).logits[0], -1)
+        lp = lp.gather(-1, torch.from_numpy(s[1:])[:, None])[:, 0]
+        np.testing.assert_allclose(result.loss_fn_outputs[i]["logprobs"], lp.detach().numpy(), rtol=1e-5, atol=1e-5)
+        total = total - (lp * torch.from_numpy(w).double()).sum()
+    total.backward()
+    assert result.metrics["loss:sum"] == pytest.approx(total.item(), rel=1e-5)
+    want = peft_lora_tensors(reference, ad)
+    for name, (a, b) in ad.weights.items():
+        assert_close_scaled(a.grad, want[name][0], f"lora_A grad of {name}")
+        assert_close_scaled(b.grad, want[name][1], f"lora_B grad of {name}")
+        assert a.grad.abs().max() > 0 and b.grad.abs().max() > 0, name
+    for t in ad.parameters():
+        t.grad = None
+    ad.pending_grads = 0
+    return result

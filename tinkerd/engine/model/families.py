@@ -61,8 +61,8 @@ QWEN3_5 = Family("qwen3_5", layer_types=_HYBRID)
 QWEN3_5_TEXT_ONLY = Family("qwen3_5", layer_types=_HYBRID, text_only=True)
 QWEN3_5_VL = Family("qwen3_5", layer_types=_HYBRID, vision=True)
 QWEN3_5_MOE = Family("qwen3_5_moe", experts_class="Qwen3_5MoeExperts", layer_types=_HYBRID)
-GPT_OSS = Family("gpt_oss", experts_class="GptOssExperts", layer_types=frozenset({"full_attention", "sliding_attention"}))
 QWEN3_5_MOE_TEXT_ONLY = Family("qwen3_5_moe", experts_class="Qwen3_5MoeExperts", layer_types=_HYBRID, text_only=True)
+GPT_OSS = Family("gpt_oss", experts_class="GptOssExperts", layer_types=frozenset({"full_attention", "sliding_attention"}))
 
 _SERVED = {"llama": DENSE, "mistral": DENSE, "qwen2": DENSE, "qwen3": DENSE, "qwen3_moe": QWEN3_MOE,
            "qwen3_5_text": QWEN3_5, "qwen3_5_moe_text": QWEN3_5_MOE, "qwen3_vl": QWEN3_VL, "gpt_oss": GPT_OSS}

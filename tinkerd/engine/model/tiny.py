@@ -12,10 +12,11 @@ import importlib.util
 from pathlib import Path
 
 import torch
-from transformers import (AutoTokenizer, GptOssConfig, GptOssForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
-                          Qwen3MoeForCausalLM, Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLMoeConfig,
-                          Qwen3VLMoeForConditionalGeneration, Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration,
-                          Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig)
+from transformers import (AutoTokenizer, GptOssConfig, GptOssForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, Qwen3VLConfig,
+                          Qwen3VLForConditionalGeneration, Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration,
+                          Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5MoeForCausalLM,
+                          Qwen3_5MoeTextConfig, Qwen3_5TextConfig)
 
 from tinkerd.engine.model.vision import tiny_processor_files
 

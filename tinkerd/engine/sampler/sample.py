@@ -97,7 +97,8 @@ class Sampler:
         if config.pack_weights:
             pack_for_decode(runtime.layers)
         # After packing: the fused step binds each linear's packed weight once.
-        self.fused = FusedDecode.build(self.body) if config.fused_decode else None
+        # (The fused step builds a full-attention mask only: a model with a window keeps the HF path.)
+        self.fused = FusedDecode.build(self.body) if config.fused_decode and self.window is None else None
 
     def kv_cache_bytes(self) -> int:
         """The decode batch's KV cache as allocated now (rows x columns x bytes per position, plus
