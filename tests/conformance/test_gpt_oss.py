@@ -18,6 +18,7 @@ import tinker
 import torch
 from tinker import types
 
+from tests.conformance.cookbook_merge import assert_merges_equal, download
 from tests.serverproc import API_KEY, start_server
 
 GPT_OSS = "tinkerd/tiny-gpt-oss"
@@ -106,12 +107,8 @@ def test_sampling_from_saved_weights_past_the_window_equals_compute_logprobs(tra
 def test_export_is_hosted_layout_and_the_cookbook_merge_equals_the_trained_model(server, trained, tmp_path, monkeypatch):
     from safetensors.torch import load_file
     from tinker_cookbook import weights
-    from transformers import AutoModelForCausalLM
 
-    monkeypatch.setenv("TINKER_API_KEY", API_KEY)
-    monkeypatch.setenv("TINKER_TELEMETRY", "0")
-    adapter = weights.download(tinker_path=trained["external"], output_dir=str(tmp_path / "ext"), base_url=server.url)
-    tensors = load_file(tmp_path / "ext" / "adapter_model.safetensors")
+    adapter, tensors = download(server, trained["external"], tmp_path / "ext", monkeypatch)
     prefix = "base_model.model.model.layers.0.mlp.experts"
     # lora_A [E, R, in], lora_B [E, out, R], as for every MoE: gpt-oss's interleaving stays inside tinkerd.
     assert {k: tuple(v.shape) for k, v in tensors.items() if k.startswith(prefix)} == {
@@ -122,23 +119,10 @@ def test_export_is_hosted_layout_and_the_cookbook_merge_equals_the_trained_model
     assert not any("sinks" in k or "router" in k for k in tensors)
     assert tensors[f"{prefix}.w1.lora_B.weight"].abs().max() > 0 and tensors[f"{prefix}.w3.lora_B.weight"].abs().max() > 0
 
-    ids = trained["prompt_ids"]
-
-    def logprobs(model) -> list[float]:
-        with torch.no_grad():
-            logits = model(torch.tensor([ids])).logits[0, :-1]
-        return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
-
     reference, base = trained["reference"], trained["base"]
     assert max(abs(a - b) for a, b in zip(reference, base)) > 1e-2  # the comparison below can fail
     base_dir = str(server.data_dir / "models" / "tinkerd--tiny-gpt-oss")
-    for strategy in ("shard", "full"):
-        out = tmp_path / f"merged-{strategy}"
-        weights.build_hf_model(base_model=base_dir, adapter_path=adapter, output_path=str(out), dtype="float32",
-                               merge_strategy=strategy)
-        merged = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
-        diff = max(abs(a - b) for a, b in zip(logprobs(merged), reference))
-        assert diff < 1e-4, (strategy, diff)
+    assert_merges_equal(base_dir, adapter, trained["prompt_ids"], reference, tmp_path)
     # build_lora_adapter (PEFT files for vLLM): per-expert 2-D LoRAs whose products are the trained
     # experts' deltas (w3, the up half, of expert 2 here).
     weights.build_lora_adapter(base_model=base_dir, adapter_path=adapter, output_path=str(tmp_path / "peft"))
