@@ -16,7 +16,7 @@ import tinker
 from tinker import types
 
 from tests.conformance.cookbook_merge import assert_merges_equal, download, logprobs
-from tests.conformance.sft import next_token_datum
+from tests.conformance.sft import assert_loss_falls_and_resumes_exactly, losses, next_token_datum
 from tests.serverproc import API_KEY, start_server
 
 DENSE = "tinkerd/tiny-qwen3"
@@ -76,14 +76,6 @@ TOKENS = list(range(2000, 2024))
 PROMPT = [3000, 2000, 2001, 2002, 2003, 2004, 2005, 17, 2010, 2011, 99, 5]
 
 
-def _train(tc, data, steps: int) -> list[float]:
-    futures = []
-    for _ in range(steps):
-        futures.append(tc.forward_backward(data, "cross_entropy"))
-        tc.optim_step(types.AdamParams(learning_rate=2e-2))
-    return [f.result().metrics["loss:sum"] for f in futures]
-
-
 @pytest.fixture(scope="module")
 def moe_data():
     return [next_token_datum(TOKENS)]
@@ -91,12 +83,7 @@ def moe_data():
 
 def test_moe_sl_loss_falls_and_save_state_resumes_exactly(service_client, moe_data):
     tc = service_client.create_lora_training_client(base_model=MOE, rank=4, seed=3).result()
-    first = _train(tc, moe_data, 8)
-    assert first[-1] < 0.5 * first[0], first
-    path = tc.save_state("k8").result().path
-    uninterrupted = _train(tc, moe_data, 3)
-    resumed = _train(service_client.create_training_client_from_state_with_optimizer(path).result(), moe_data, 3)
-    assert resumed == uninterrupted, (uninterrupted, resumed)
+    assert_loss_falls_and_resumes_exactly(service_client, tc, moe_data, 2e-2)
     # The SDK's MoE router metrics come with the output (pinned in tests/parity/test_moe_parity.py).
     metrics = tc.forward(moe_data, "cross_entropy").result().metrics
     assert 0 < metrics["e_frac_with_tokens:mean"] <= 1 and "e_max_violation:max" in metrics, metrics
@@ -106,7 +93,7 @@ def test_moe_sl_loss_falls_and_save_state_resumes_exactly(service_client, moe_da
 def moe_trained(server, moe_data):
     sc = tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
     tc = sc.create_lora_training_client(base_model=MOE, rank=4, seed=9).result()
-    _train(tc, moe_data, 4)
+    losses(tc, moe_data, 4, 2e-2)
     sampler = tc.save_weights_and_get_sampling_client().result()
     reference = sampler.compute_logprobs(types.ModelInput.from_ints(PROMPT)).result()[1:]
     base = sc.create_sampling_client(base_model=MOE).result().compute_logprobs(types.ModelInput.from_ints(PROMPT)).result()[1:]

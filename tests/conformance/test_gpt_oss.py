@@ -19,9 +19,11 @@ import torch
 from tinker import types
 
 from tests.conformance.cookbook_merge import assert_merges_equal, download
+from tests.conformance.sft import assert_loss_falls_and_resumes_exactly, losses
 from tests.serverproc import API_KEY, start_server
 
 GPT_OSS = "tinkerd/tiny-gpt-oss"
+LR = 2e-2
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"},
      {"role": "assistant", "content": "The capital of France is Paris."}],
@@ -55,26 +57,13 @@ def data(renderer):
     return out
 
 
-def _train(tc, data, steps: int) -> list[float]:
-    futures = []
-    for _ in range(steps):
-        futures.append(tc.forward_backward(data, "cross_entropy"))
-        tc.optim_step(types.AdamParams(learning_rate=2e-2))
-    return [f.result().metrics["loss:sum"] for f in futures]
-
-
 def test_sl_loss_falls_router_metrics_and_save_state_resumes_exactly(server, data):
     sc = tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
     caps = tinker.RestClient(base_url=server.url, api_key=API_KEY).get_server_capabilities().result()
     assert [(m.model_name, m.max_context_length) for m in caps.supported_models] == [(GPT_OSS, 4096)]
     tc = sc.create_lora_training_client(base_model=GPT_OSS, rank=4, seed=3).result()
     assert tc.get_info().model_data.arch == "GptOssForCausalLM"
-    first = _train(tc, data, 8)
-    assert first[-1] < 0.5 * first[0], first
-    path = tc.save_state("k8").result().path
-    uninterrupted = _train(tc, data, 3)
-    resumed = _train(sc.create_training_client_from_state_with_optimizer(path).result(), data, 3)
-    assert resumed == uninterrupted, (uninterrupted, resumed)
+    assert_loss_falls_and_resumes_exactly(sc, tc, data, LR)
     metrics = tc.forward(data, "cross_entropy").result().metrics
     assert 0 < metrics["e_frac_with_tokens:mean"] <= 1 and "e_max_violation:max" in metrics, metrics
 
@@ -83,7 +72,7 @@ def test_sl_loss_falls_router_metrics_and_save_state_resumes_exactly(server, dat
 def trained(server, data, renderer):
     sc = tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
     tc = sc.create_lora_training_client(base_model=GPT_OSS, rank=4, seed=9).result()
-    _train(tc, data, 4)
+    losses(tc, data, 4, LR)
     sampler = tc.save_weights_and_get_sampling_client().result()
     prompt = renderer.build_generation_prompt(CHATS[0][:1])
     return {"sampler": sampler, "prompt": prompt, "prompt_ids": prompt.to_ints(),

@@ -20,7 +20,7 @@ import torch
 from tinker import types
 
 from tests.conformance.cookbook_merge import assert_merges_equal, download
-from tests.conformance.sft import next_token_datum
+from tests.conformance.sft import assert_loss_falls_and_resumes_exactly, losses, next_token_datum
 from tests.serverproc import API_KEY, start_server
 
 HYBRID = "tinkerd/tiny-qwen3.5"
@@ -79,13 +79,8 @@ def server(tmp_path_factory, vlm_dir):
     srv.stop()
 
 
-def _train(tc, data, steps: int) -> list[float]:
-    futures = []
-    for _ in range(steps):
-        futures.append(tc.forward_backward(data, "cross_entropy"))
-        # 2e-2 overshoots here (the loss climbs back after 3 steps); 5e-3 falls 449 -> 0.7 in 8.
-        tc.optim_step(types.AdamParams(learning_rate=5e-3))
-    return [f.result().metrics["loss:sum"] for f in futures]
+# 2e-2 overshoots here (the loss climbs back after 3 steps); 5e-3 falls 449 -> 0.7 in 8.
+LR = 5e-3
 
 
 def test_the_vision_language_checkpoint_is_served_text_only_and_says_so(server, service_client, vlm_dir):
@@ -108,19 +103,14 @@ def test_the_vision_language_checkpoint_is_served_text_only_and_says_so(server, 
 def test_sl_loss_falls_and_save_state_resumes_exactly(service_client):
     tc = service_client.create_lora_training_client(base_model=HYBRID, rank=4, seed=3).result()
     data = [next_token_datum(TOKENS)]
-    first = _train(tc, data, 8)
-    assert first[-1] < 0.5 * first[0], first
-    path = tc.save_state("k8").result().path
-    uninterrupted = _train(tc, data, 3)
-    resumed = _train(service_client.create_training_client_from_state_with_optimizer(path).result(), data, 3)
-    assert resumed == uninterrupted, (uninterrupted, resumed)
+    assert_loss_falls_and_resumes_exactly(service_client, tc, data, LR)
 
 
 @pytest.fixture(scope="module")
 def trained(server):
     sc = tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
     tc = sc.create_lora_training_client(base_model=HYBRID, rank=4, seed=9).result()
-    _train(tc, [next_token_datum(TOKENS)], 4)
+    losses(tc, [next_token_datum(TOKENS)], 4, LR)
     sampler = tc.save_weights_and_get_sampling_client().result()
     reference = sampler.compute_logprobs(types.ModelInput.from_ints(PROMPT)).result()[1:]
     base = sc.create_sampling_client(base_model=HYBRID).result().compute_logprobs(types.ModelInput.from_ints(PROMPT)).result()[1:]
@@ -165,8 +155,8 @@ def test_qwen3_5_moe_trains_samples_and_its_export_merges(service_client, server
     sampled logprobs equal compute_logprobs, and the export (split in_proj_q/k/v, experts w1/w3/w2)
     merges with the cookbook into a model that scores as tinkerd does."""
     tc = service_client.create_lora_training_client(base_model=HMOE, rank=4, seed=5).result()
-    losses = _train(tc, [next_token_datum(TOKENS)], 6)
-    assert losses[-1] < 0.5 * losses[0], losses
+    moe_losses = losses(tc, [next_token_datum(TOKENS)], 6, LR)
+    assert moe_losses[-1] < 0.5 * moe_losses[0], moe_losses
     assert "e_frac_with_tokens:mean" in tc.forward([next_token_datum(TOKENS)], "cross_entropy").result().metrics
     sampler = tc.save_weights_and_get_sampling_client().result()
     seq = sampler.sample(types.ModelInput.from_ints(PROMPT), 1, types.SamplingParams(max_tokens=5, temperature=0.0)).result().sequences[0]
