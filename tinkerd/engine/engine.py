@@ -117,6 +117,11 @@ class Engine:
         routing = ExpertsRouting()
         # The fused experts first: their own layer (lora/experts.py), not Linears wrap_model finds.
         experts = wrap_experts(loaded.model, ctx, loaded.family.experts_class, routing)
+        if loaded.family.experts_class and not experts:
+            # E.g. a quantized gpt-oss whose experts transformers swapped for another class: serving
+            # it would train no expert LoRA without a word.
+            raise UserError(f"base model {name!r} has no {loaded.family.experts_class} module to put expert LoRA on "
+                            f"(a quantized checkpoint's experts are not served; load it dequantized)")
         layers = wrap_model(loaded.model, ctx, targets_for(True, True, True))
         pool = AdapterPool({**layers, **experts}, self.max_lora_rank, device=self.precision.torch_device)
         runtime = ModelRuntime(loaded, ctx, layers, pool, routing, self.precision, self.artifacts)

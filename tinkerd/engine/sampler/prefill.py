@@ -18,6 +18,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from tinkerd.engine.sampler import prompt_scores
+from tinkerd.engine.sampler.kv import prefill_cache
 from tinkerd.engine.sampler.rules import EMPTY_LOGPROB
 
 # Prompt positions scored per lm_head call: 128 x 151,669 fp32 logits = 78 MB at a time, instead
@@ -61,7 +62,7 @@ class Prefill:
         scored = n - 1 if last_n is None else min(last_n, n - 1)
         pf = Prefill(
             prompt=torch.as_tensor(prompt, dtype=torch.long, device=device),
-            cache=DynamicCache(config=config),
+            cache=prefill_cache(config),
             want_logprobs=want_logprobs,
             k=k,
             score_from=n - 1 - scored,

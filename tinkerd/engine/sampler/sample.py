@@ -27,6 +27,7 @@ from tinkerd.engine.lora.layers import pack_for_decode
 from tinkerd.engine.sampler.decode import FusedDecode
 from tinkerd.engine.sampler.budget import KvBudget
 from tinkerd.engine.sampler.hybrid import LINEAR, is_hybrid, new_batch_cache
+from tinkerd.engine.sampler.kv import SLIDING, sliding_window, window_masks
 from tinkerd.engine.sampler import prompt_scores
 from tinkerd.engine.sampler.prefill import Prefill, advance_packed
 from tinkerd.engine.sampler.rows import BASE_SLOT, Request, Row
@@ -86,14 +87,18 @@ class Sampler:
         # What the decode batch's KV cache may take, and what a row of it takes (budget.py).
         self.kv = KvBudget.of(self.text_config, next(runtime.model.parameters()).dtype, self.device,
                               config.kv_cache_bytes)
-        # Packing prompts end to end into one row would run them through one recurrent state.
-        self.pack_prompts = not is_hybrid(self.text_config)
+        # Sliding-window layers (gpt-oss) get their own decode mask (kv.window_masks).
+        self.window = sliding_window(self.text_config)
+        # Packing prompts end to end into one row would run them through one recurrent state, and
+        # its block-diagonal mask has no window.
+        self.pack_prompts = not is_hybrid(self.text_config) and self.window is None
         # M-RoPE (vision-language models): decode positions carry each row's image offset.
         self.vision = runtime.loaded.vision
         if config.pack_weights:
             pack_for_decode(runtime.layers)
         # After packing: the fused step binds each linear's packed weight once.
-        self.fused = FusedDecode.build(self.body) if config.fused_decode else None
+        # (The fused step builds a full-attention mask only: a model with a window keeps the HF path.)
+        self.fused = FusedDecode.build(self.body) if config.fused_decode and self.window is None else None
 
     def kv_cache_bytes(self) -> int:
         """The decode batch's KV cache as allocated now (rows x columns x bytes per position, plus
@@ -285,6 +290,9 @@ class Sampler:
             adapters = any(row.slot != BASE_SLOT for row in self.rows)
             hidden = self.fused(tokens, positions, mask, self.cache, adapters=adapters)
         else:
+            if self.window is not None:
+                mask = window_masks(mask, self.cache.width, self.window, self.hidden.dtype,
+                                    additive=self.text_config._attn_implementation == "eager")
             out = self.body(
                 input_ids=tokens[:, None], attention_mask=mask, position_ids=positions, cache=self.cache, use_cache=True
             )
@@ -425,15 +433,17 @@ def split_model(model: nn.Module) -> tuple[nn.Module, nn.Module]:
 
     Logits are computed as head(body(x)), which is what the HF forward does for Qwen3 / Llama.
     Models that post-process logits (Gemma 2's soft-capping) would silently sample from the wrong
-    distribution, and sliding-window layers would get the full-attention mask the decode batch
-    builds, so both are refused instead. Linear-attention layers (Qwen3.5's Gated DeltaNet) keep
-    their states in the hybrid batch cache (hybrid.py).
+    distribution, so it is refused instead. Linear-attention layers (Qwen3.5's Gated DeltaNet) keep
+    their states in the hybrid batch cache (hybrid.py); sliding-window layers (gpt-oss) get their
+    window as a mask of their own (kv.window_masks).
     """
     if getattr(model.config, "final_logit_softcapping", None):
         raise ServerError(f"{type(model).__name__} soft-caps its logits; the sampler does not support that")
     layer_types = getattr(model.config.get_text_config(), "layer_types", None) or ()
-    if any(t not in ("full_attention", LINEAR) for t in layer_types):
-        raise ServerError(f"{type(model).__name__} has {set(layer_types)} layers; the sampler supports full and linear attention only")
+    if any(t not in ("full_attention", LINEAR, SLIDING) for t in layer_types):
+        raise ServerError(f"{type(model).__name__} has {set(layer_types)} layers; the sampler supports full, sliding-window and linear attention only")
+    if SLIDING in layer_types and not sliding_window(model.config.get_text_config()):
+        raise ServerError(f"{type(model).__name__} has sliding-window layers but no sliding_window")
     return model.get_decoder(), model.get_output_embeddings()
 
 
