@@ -218,3 +218,41 @@ def test_greedy_sampling_with_an_image_equals_hf_generate_and_compute_logprobs(v
         scored = _forward_logprobs(vl_engine, ad.key, full, images)
         np.testing.assert_allclose(seq.logprobs, scored[len(tokens) - 1:], atol=1e-4)
         np.testing.assert_allclose(done[i].prompt_logprobs[1:], scored[:len(tokens) - 1], atol=1e-4)
+
+
+def test_checkpoints_take_the_hosted_layout_and_older_ones_with_the_segment_still_load(vl_engine, tmp_path):
+    """Saved adapter keys have no `language_model` segment (hosted Tinker's layout, which the
+    cookbook's weights module expects); a checkpoint written before that, with the segment, loads
+    as a new run, into an existing one (load_state) and into the sampler, with the same tensors."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from tinkerd.engine.checkpoints import WEIGHTS_FILE
+    from tinkerd.types import LoadWeightsOp, SaveWeightsOp
+
+    rt = vl_engine.runtime(vl_engine.vl)
+    ad = adapter(vl_engine, "vl-a", seed=1)
+    run(vl_engine, SaveWeightsOp(ad.key, str(tmp_path / "hosted"), with_optimizer=True, base_model=rt.name))
+    tensors = load_file(tmp_path / "hosted" / WEIGHTS_FILE)
+    assert len(tensors) >= 2 * len(ad.weights) and not [k for k in tensors if "language_model" in k]
+    assert "base_model.model.model.layers.0.mlp.up_proj.lora_A.weight" in tensors
+    # As the code before the hosted layout wrote it: the modules' own names.
+    shutil.copytree(tmp_path / "hosted", tmp_path / "old")
+    save_file({k.replace("base_model.model.model.", "base_model.model.model.language_model."): v for k, v in tensors.items()},
+              tmp_path / "old" / WEIGHTS_FILE)
+
+    def assert_same(loaded):
+        assert set(loaded.weights) == set(ad.weights)
+        for n, (a, b) in ad.weights.items():
+            assert torch.equal(loaded.weights[n][0], a.detach()) and torch.equal(loaded.weights[n][1], b.detach()), n
+
+    for layout in ("hosted", "old"):
+        run(vl_engine, LoadWeightsOp(f"vl-new-{layout}", rt.name, str(tmp_path / layout), with_optimizer=True))
+        assert_same(rt.pool.get(f"vl-new-{layout}"))
+        run(vl_engine, CreateModelOp(f"vl-into-{layout}", rt.name, SPEC))
+        run(vl_engine, LoadWeightsOp(f"vl-into-{layout}", rt.name, str(tmp_path / layout), with_optimizer=True))
+        assert_same(rt.pool.get(f"vl-into-{layout}"))
+        sampled = sample_mod.acquire_adapter(rt, str(tmp_path / layout), max_idle=8)
+        assert_same(sampled)
+        rt.pool.release(sampled)
