@@ -2,8 +2,8 @@
 (issue 22 items 2, 4 and 6 for the VLMs).
 
 Served from their built directories (the cookbook loads tokenizer and image processor by model
-name): `tinkerd/tiny-qwen3.5-vl` (Qwen3_5ForConditionalGeneration, hybrid DeltaNet layers) and
-`tinkerd/tiny-qwen3-vl`. Inputs are the cookbook renderers' the hosted service names for each family
+name): `tinkerd/tiny-qwen3.5-vl` (Qwen3_5ForConditionalGeneration, hybrid DeltaNet layers),
+`tinkerd/tiny-qwen3-vl` and `tinkerd/tiny-qwen3.5-moe-vl` (Qwen3_5MoeForConditionalGeneration). Inputs are the cookbook renderers' the hosted service names for each family
 (`qwen3_5`, `qwen3_5_disable_thinking`, `qwen3_vl_instruct`). Shown: the Qwen3.5 VLM's SL loop on
 images falls, save_state -> load_state resumes exactly, sampling from saved weights with an image
 scores as compute_logprobs does; each family's export is in hosted Tinker's layout (no
@@ -32,9 +32,11 @@ from tinkerd.engine.model.registry import _build_once
 
 QWEN3_5_VL = "tinkerd/tiny-qwen3.5-vl"
 QWEN3_VL = "tinkerd/tiny-qwen3-vl"
+QWEN3_5_MOE_VL = "tinkerd/tiny-qwen3.5-moe-vl"
 # The renderer the hosted service names for each family (cookbook model_info).
-RENDERERS = {QWEN3_5_VL: "qwen3_5", QWEN3_VL: "qwen3_vl_instruct"}
-ARCHES = {QWEN3_5_VL: "Qwen3_5ForConditionalGeneration", QWEN3_VL: "Qwen3VLForConditionalGeneration"}
+RENDERERS = {QWEN3_5_VL: "qwen3_5", QWEN3_VL: "qwen3_vl_instruct", QWEN3_5_MOE_VL: "qwen3_5"}
+ARCHES = {QWEN3_5_VL: "Qwen3_5ForConditionalGeneration", QWEN3_VL: "Qwen3VLForConditionalGeneration",
+          QWEN3_5_MOE_VL: "Qwen3_5MoeForConditionalGeneration"}
 IMAGE_TOKEN = 151655
 COLOURS = {"red": (230, 20, 20), "green": (20, 200, 20), "blue": (20, 20, 230)}
 
@@ -137,7 +139,7 @@ def _hf_logprobs(model, model_dir: str, model_input: types.ModelInput) -> list[f
     return torch.log_softmax(logits.double(), -1).gather(-1, input_ids[0, 1:, None])[:, 0].tolist()
 
 
-@pytest.mark.parametrize("name", [QWEN3_5_VL, QWEN3_VL])
+@pytest.mark.parametrize("name", [QWEN3_5_VL, QWEN3_VL, QWEN3_5_MOE_VL])
 def test_export_is_hosted_layout_and_the_cookbook_builds_the_trained_model(server, sc, dirs, name, tmp_path, monkeypatch):
     from safetensors.torch import load_file
     from tinker_cookbook import weights
@@ -159,7 +161,8 @@ def test_export_is_hosted_layout_and_the_cookbook_builds_the_trained_model(serve
     keys = set(load_file(tmp_path / "ext" / "adapter_model.safetensors"))
     # Hosted Tinker's keys: the language model's modules without `language_model`; lm_head as PEFT names it.
     assert not [k for k in keys if "language_model" in k or "visual" in k], sorted(keys)[:4]
-    assert "base_model.model.model.layers.0.mlp.down_proj.lora_A.weight" in keys
+    assert "base_model.model.model.layers.0.mlp.down_proj.lora_A.weight" in keys or \
+        "base_model.model.model.layers.0.mlp.experts.w2.lora_A.weight" in keys
     assert "base_model.model.lm_head.lora_B.weight" in keys
 
     for strategy in ("shard", "full"):
@@ -174,7 +177,10 @@ def test_export_is_hosted_layout_and_the_cookbook_builds_the_trained_model(serve
         # ill-conditioned: tinkerd is 2.7e-4 from the merged model there, which is 8.9e-4 from
         # itself in fp64. A wrong key or a mis-split in_proj_qkv moves logprobs by whole units.
         in_fp64 = AutoModelForImageTextToText.from_pretrained(str(out), dtype=torch.float64).eval()
+        if name == QWEN3_5_MOE_VL:
+            in_fp64.set_experts_implementation("eager")  # the grouped-mm kernel takes no fp64
         own_error = np.abs(np.array(_hf_logprobs(in_fp64, model_dir, model_input)) - got).max()
+        print("merged", name, strategy, f"diff {diff:.2e}", f"fp32 error {own_error:.2e}")
         assert diff < max(1e-4, own_error), (strategy, diff, own_error)
 
     # build_lora_adapter: PEFT files (for vLLM) under the VLM's own module names, the same tensors.
@@ -182,8 +188,14 @@ def test_export_is_hosted_layout_and_the_cookbook_builds_the_trained_model(serve
     exported = load_file(tmp_path / "ext" / "adapter_model.safetensors")
     converted = load_file(tmp_path / "peft" / "adapter_model.safetensors")
     vlm_names = {k.replace("base_model.model.model.", "base_model.model.model.language_model."): v for k, v in exported.items()}
-    assert set(converted) == set(vlm_names)
-    assert all(torch.equal(converted[k], vlm_names[k]) for k in converted)
+    assert {k for k in converted if ".experts." not in k} == {k for k in vlm_names if ".experts." not in k}
+    assert all(torch.equal(converted[k], vlm_names[k]) for k in converted if ".experts." not in k)
+    if name == QWEN3_5_MOE_VL:
+        # Experts become per-expert 2-D LoRAs whose products are the trained experts' deltas (w1 = gate).
+        experts = "base_model.model.model.language_model.layers.0.mlp.experts"
+        got = converted[f"{experts}.1.gate_proj.lora_B.weight"] @ converted[f"{experts}.1.gate_proj.lora_A.weight"]
+        want = vlm_names[f"{experts}.w1.lora_B.weight"][1] @ vlm_names[f"{experts}.w1.lora_A.weight"][1]
+        assert torch.allclose(got, want, atol=1e-7) and want.abs().max() > 0
     if name == QWEN3_VL:
         # PEFT loads them onto the base as they are (Qwen3.5's split in_proj_q/k/v are vLLM's
         # module names: PEFT has no such modules on the fused in_proj_qkv).
