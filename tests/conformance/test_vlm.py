@@ -155,6 +155,30 @@ def test_bad_images_are_user_errors_and_the_server_carries_on(sc, vl_dir, render
     assert len(sampler.sample(prompt_of(renderer, "blue"), 1, types.SamplingParams(max_tokens=2)).result().sequences) == 1
 
 
+def test_the_image_placeholder_inside_text_is_a_400_naming_it(sc, vl_dir, renderer):
+    """Token 151655 (<|image_pad|>, the model's image_token_id) in a text chunk, with an image beside
+    it or none, is refused by the API on both wire forms, naming the position; a text-only model
+    takes it as any other token."""
+    tc = sc.create_lora_training_client(base_model=vl_dir, rank=4, seed=5).result()
+    sampler = sc.create_sampling_client(base_model=vl_dir).result()
+    image = types.ImageChunk(data=_png(solid("red")), format="png", expected_tokens=70)
+    inputs = {
+        "beside an image": (types.ModelInput(chunks=[types.EncodedTextChunk(tokens=[1, 2]), image,
+                                                     types.EncodedTextChunk(tokens=[3, 151655])]), 73),
+        "text only": (types.ModelInput.from_ints([1, 151655, 2]), 1),
+    }
+    for name, (model_input, at) in inputs.items():
+        n = model_input.length
+        datum = types.Datum(model_input=model_input, loss_fn_inputs={"target_tokens": [0] * n, "weights": [0.0] * n})
+        message = f"text holds token 151655, the model's image placeholder, at position {at}"
+        with pytest.raises(tinker.BadRequestError, match=f"datum 0: {message}"):
+            tc.forward_backward([datum], "cross_entropy").result()  # protobuf
+        with pytest.raises(tinker.BadRequestError, match=f"prompt: {message}"):
+            sampler.sample(model_input, 1, types.SamplingParams(max_tokens=2)).result()  # JSON
+    text_model = sc.create_sampling_client(base_model=TEXT).result()
+    assert len(text_model.compute_logprobs(types.ModelInput.from_ints([1, 151655, 2])).result()) == 3
+
+
 def _colour_dataset(per_class: int) -> datasets.Dataset:
     names = list(COLOURS)
     rows = [(solid(c, (48 + 8 * i, 40)), names.index(c)) for i in range(per_class) for c in names]

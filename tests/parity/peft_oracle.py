@@ -62,9 +62,10 @@ def _deinterleave(b: torch.Tensor) -> torch.Tensor:
     return torch.cat([b[:, 0::2], b[:, 1::2]], dim=1)
 
 
-def peft_reference(model_dir, ad, dtype=torch.float64):
-    """HF + PEFT with the adapter's tensors copied in; expert A/B converted to ParamWrapper's layout."""
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+def peft_reference(model_dir, ad, dtype=torch.float64, auto=AutoModelForCausalLM):
+    """HF + PEFT with the adapter's tensors copied in; expert A/B converted to ParamWrapper's layout.
+    `auto`: the transformers auto class the base loads with (AutoModelForImageTextToText for a VLM)."""
+    base = auto.from_pretrained(model_dir, dtype=dtype).eval()
     if any(name.endswith(".experts") for name, _ in base.named_modules()):
         base.set_experts_implementation("eager")
     short = {n.rsplit(".", 1)[-1] for n in ad.weights if ".experts." not in n}
@@ -133,11 +134,10 @@ def assert_lora_grads_match(reference, ad) -> None:
     backward) within assert_close_scaled, none is all zero; then `ad`'s grads are cleared."""
     from tests.parity.test_lora_parity import assert_close_scaled
 
-    modules = dict(reference.base_model.model.named_modules())
+    grads = peft_lora_tensors(reference, ad)  # experts' grads in tinkerd's layout too
     for name, (a, b) in ad.weights.items():
-        module = modules[name]
-        assert_close_scaled(a.grad, module.lora_A["default"].weight.grad, f"lora_A grad of {name}")
-        assert_close_scaled(b.grad, module.lora_B["default"].weight.grad, f"lora_B grad of {name}")
+        assert_close_scaled(a.grad, grads[name][0], f"lora_A grad of {name}")
+        assert_close_scaled(b.grad, grads[name][1], f"lora_B grad of {name}")
         assert a.grad.abs().max() > 0 and b.grad.abs().max() > 0, name
     for t in ad.parameters():
         t.grad = None

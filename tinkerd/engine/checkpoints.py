@@ -8,6 +8,8 @@ Layout of one checkpoint directory:
                                to_file_layout): <experts>.w1|w3|w2, A [E, R, in], B [E, out, R]
                                Qwen3.5's fused DeltaNet in_proj_qkv as in_proj_q/k/v sharing A
                                (lora/deltanet.py), as hosted Tinker stores it
+                               a vision-language model's language model without the
+                               `language_model` segment (hosted_name), as hosted Tinker keys it
     adapter_config.json        what `peft.PeftModel.from_pretrained` reads (exports need nothing else)
     tinkerd.json               LoRA spec, step, base model (exact spec, incl. seed and train_* flags)
     optimizer.pt               only when with_optimizer: torch.save of an AdamW state_dict whose
@@ -60,6 +62,8 @@ _B_SUFFIX = ".lora_B.weight"
 # PEFT also saves a full copy of a targeted lm_head/embedding (`save_embedding_layers`, on by default
 # when lm_head is a target) in case the vocabulary was resized; tinkerd serves the base's own layer.
 _BASE_LAYER_SUFFIX = ".base_layer.weight"
+# Where a vision-language model (Qwen3-VL, Qwen3.5) keeps its language model's modules.
+_VLM_SEGMENT = "model.language_model."
 
 
 @dataclass
@@ -114,11 +118,33 @@ def _file_layout(name: str, adapter: Adapter) -> list[tuple[str, torch.Tensor, t
     return experts.to_file_layout(name, a, b)
 
 
+def hosted_name(name: str) -> str:
+    """A module name as hosted Tinker keys it: a VLM's `model.language_model.X` is `model.X`.
+
+    The cookbook's `weights` merge and adapter conversion add the segment back when the base's own
+    keys have it (`build_name_remaps`: "model." -> "model.language_model."), so a key that kept it
+    would become `model.language_model.language_model.X` there and match nothing."""
+    return "model." + name[len(_VLM_SEGMENT):] if name.startswith(_VLM_SEGMENT) else name
+
+
+def onto_layers(weights: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                layers) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """A checkpoint's layers under the module names of the model that loads it (`layers`).
+
+    Hosted names (`model.X`) go to the VLM's `model.language_model.X`. Other names stay as they
+    are: a text model's (hosted and module names are one), those of checkpoints written before
+    VLM exports took the hosted layout (they kept the segment: the modules' own names), and names
+    the model lacks, for the caller's "layers this model lacks" error."""
+    by_hosted = {hosted_name(n): n for n in layers}
+    return {by_hosted.get(n, n): ab for n, ab in weights.items()}
+
+
 def lora_tensors(adapter: Adapter) -> dict[str, torch.Tensor]:
     """The adapter's A and B under PEFT key names, fp32 copies (the live tensors keep training)."""
     tensors = {}
     for name in sorted(adapter.weights):
-        for file_name, a, b in _file_layout(name, adapter):
+        for layout_name, a, b in _file_layout(name, adapter):
+            file_name = hosted_name(layout_name)
             tensors[f"{_KEY_PREFIX}{file_name}{_A_SUFFIX}"] = a.detach().float().contiguous().clone()
             tensors[f"{_KEY_PREFIX}{file_name}{_B_SUFFIX}"] = b.detach().float().contiguous().clone()
     return tensors

@@ -421,6 +421,7 @@ def _load_in_place(engine: "Engine", op: LoadWeightsOp, files: checkpoints.Adapt
     if files.base_model != rt.name:
         raise UserError(f"checkpoint was trained on {files.base_model!r}, but model {op.model_id!r} uses {rt.name!r}")
     spec = adapter.spec
+    files.weights = checkpoints.onto_layers(files.weights, rt.pool.layers)
     if (files.spec.rank, files.spec.alpha) != (spec.rank, spec.alpha) or set(files.weights) != set(adapter.weights):
         raise UserError(
             f"checkpoint LoRA config (rank {files.spec.rank}, alpha {files.spec.alpha}, {len(files.weights)} layers) "
@@ -449,6 +450,7 @@ def _load_as_new(engine: "Engine", op: LoadWeightsOp, files: checkpoints.Adapter
     if files.base_model != base_model:
         raise UserError(f"checkpoint was trained on {files.base_model!r}, not on {base_model!r}")
     rt = engine.runtime(base_model)
+    files.weights = checkpoints.onto_layers(files.weights, rt.pool.layers)
     # Same tensor order as a freshly created adapter, so both behave identically bit for bit.
     weights = {n: files.weights[n] for n in rt.pool.layers if n in files.weights}
     unknown = sorted(set(files.weights) - set(weights))

@@ -88,7 +88,10 @@ def test_qwen3_5_moe_is_served_as_hybrid_moe(tmp_path):
     cfg = _saved(tmp_path, "tinkerd/tiny-qwen3.5-moe")
     assert cfg["model_type"] == "qwen3_5_moe_text"
     assert families.detect(cfg, "m") is families.QWEN3_5_MOE
-    assert families.detect({"model_type": "qwen3_5_moe", "vision_config": {}, "text_config": cfg}, "m").text_only
+    vl = {"model_type": "qwen3_5_moe", "vision_config": {}, "text_config": cfg}
+    assert families.detect(vl, "m").text_only
+    # With its preprocessor_config.json, the VLM checkpoint is served with its tower (images in).
+    assert families.detect(vl, "m", has_processor=True) is families.QWEN3_5_MOE_VL
 
 
 def test_a_moe_without_its_experts_module_is_refused_not_served_without_expert_lora(models_dir, monkeypatch):

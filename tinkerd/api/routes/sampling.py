@@ -13,7 +13,7 @@ from tinkerd.artifacts import adapter_key
 from tinkerd.control.control import Work
 from tinkerd.control.oplog import OpRecord, OpType, Payer
 from tinkerd.errors import UserError
-from tinkerd.images import ChunkExpander, ImageLimits
+from tinkerd.images import ChunkExpander, ImageLimits, refuse_text_placeholders
 from tinkerd.types import SampleOp, SamplingParams, base_model_of, long_context_id
 
 router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
@@ -74,6 +74,7 @@ def _prompt_tokens(prompt: t.ModelInput, served, limits: ImageLimits) -> ChunkEx
                             "bytes in an ImageChunk")
         else:
             raise UserError(f"{chunk.type} prompt chunks are not supported by tinkerd")
+    refuse_text_placeholders(chunks.tokens(), chunks.image_inputs(), served.vision, "prompt")
     return chunks
 
 

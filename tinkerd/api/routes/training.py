@@ -19,9 +19,11 @@ from tinkerd.control.oplog import CreateSampler, OpRecord, OpType, Payer, Regist
 from tinkerd.control.records import TrainingRun
 from tinkerd.control.runs import TinkerPath, check_name, check_ttl, parse_tinker_path
 from tinkerd.errors import UserError
+from tinkerd.images import refuse_text_placeholders
 from tinkerd.types import (
     AdamParams,
     CreateModelOp,
+    ForwardBackwardOp,
     LoadWeightsOp,
     LoraSpec,
     OptimStepOp,
@@ -66,6 +68,17 @@ def _trainable(st: AppState, model_id: str, account_id: str | None) -> TrainingR
         raise UserError(f"training run {model_id} holds copied weights and cannot be trained on; "
                         "load them with create_training_client_from_state")
     return run
+
+
+def _refuse_text_placeholders(st: AppState, run: TrainingRun, op: ForwardBackwardOp) -> None:
+    """A VLM's image placeholder id in a datum's text is a 400 here, naming the datum and position,
+    rather than the engine's failed future (engine/model/vision.py)."""
+    try:
+        vision = st.served_model(run.base_model).vision
+    except UserError:  # a base model not served now: the engine reports that, as for any op of the run
+        return
+    for i, d in enumerate(op.data):
+        refuse_text_placeholders(d.tokens, d.images, vision, f"datum {i}")
 
 
 # `completed`: a complete op of a data directory written before the op log (api/legacy.py) is being
@@ -129,6 +142,8 @@ def prepare_forward_backward(st: AppState, body: bytes, account_id: str | None =
 
     op = codec.decode_forward_backward(body, vision_of, st.image_limits())
     run = _trainable(st, op.model_id, account_id)
+    if not completed:
+        _refuse_text_placeholders(st, run, op)
     seq_id = codec.forward_backward_seq_id(body)[1] if sequenced else None
     if not completed and seq_id is not None:
         limits.seq_id(seq_id)

@@ -15,8 +15,9 @@ import torch
 from transformers import (AutoTokenizer, GptOssConfig, GptOssForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3Config,
                           Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, Qwen3VLConfig,
                           Qwen3VLForConditionalGeneration, Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration,
-                          Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5MoeForCausalLM,
-                          Qwen3_5MoeTextConfig, Qwen3_5TextConfig)
+                          Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5MoeConfig,
+                          Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration, Qwen3_5MoeTextConfig,
+                          Qwen3_5TextConfig)
 
 from tinkerd.engine.model.vision import tiny_processor_files
 
@@ -117,6 +118,14 @@ def _qwen3_5_moe(common: dict) -> Qwen3_5MoeTextConfig:
                                 num_experts=4, num_experts_per_tok=2)
 
 
+def _qwen3_5_moe_vl(common: dict) -> Qwen3_5MoeConfig:
+    # The layers of _qwen3_5_moe with the one-block tower of _qwen3_5_vl: Qwen3_5MoeForConditionalGeneration,
+    # model_type qwen3_5_moe, as the released Qwen3.5 / 3.6 MoE checkpoints.
+    vision = _qwen3_5_vl(common).vision_config.to_dict()
+    return Qwen3_5MoeConfig(text_config=_qwen3_5_moe(common).to_dict(), vision_config=vision, tie_word_embeddings=False,
+                            **_QWEN3_VISION_IDS)
+
+
 def _gpt_oss(common: dict) -> GptOssConfig:
     # 2 layers, the released alternation (layer 0 sliding, layer 1 full) with a window of 8, so a
     # test's prompts and decode steps cross it. 4 experts top-2; expert intermediate 40 against
@@ -156,6 +165,7 @@ TINY_MODELS = {
     "tinkerd/tiny-qwen3.5-moe": (_qwen3_5_moe, Qwen3_5MoeForCausalLM),
     "tinkerd/tiny-qwen3.5-vl": (_qwen3_5_vl, Qwen3_5ForConditionalGeneration),
     "tinkerd/tiny-gpt-oss": (_gpt_oss, GptOssForCausalLM),
+    "tinkerd/tiny-qwen3.5-moe-vl": (_qwen3_5_moe_vl, Qwen3_5MoeForConditionalGeneration),
 }
 
 

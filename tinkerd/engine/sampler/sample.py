@@ -465,19 +465,21 @@ def acquire_adapter(runtime: ModelRuntime, adapter_path: str | None, max_idle: i
         if pool.get(adapter_path).extra.get("fingerprint") == fingerprint:
             return pool.acquire(adapter_path)
         pool.retire(adapter_path)
-    files = _read_adapter(runtime.artifacts, adapter_path)
+    files = _read_adapter(runtime.artifacts, adapter_path, runtime.pool.layers)
     pool.evict_idle(keep=max(0, max_idle - 1))
     adapter = pool.create_from_tensors(adapter_path, files.spec, files.weights, trainable=False)
     adapter.extra["fingerprint"] = fingerprint
     return pool.acquire(adapter_path)
 
 
-def _read_adapter(store, key: str):
+def _read_adapter(store, key: str, layers):
     # Imported here, not at the top: checkpoints.py brings in the PEFT file format, which only
     # requests naming a sampler checkpoint need.
     from tinkerd.engine import checkpoints
 
-    return checkpoints.read_adapter_from(store, key)
+    files = checkpoints.read_adapter_from(store, key)
+    files.weights = checkpoints.onto_layers(files.weights, layers)
+    return files
 
 
 def _decoder(runtime: ModelRuntime):
