@@ -79,7 +79,8 @@ def build_app(config: ServerConfig, client=None):
                       worker_id=worker_id)
     if config.role != "all":
         replicas.use_database_notifier(control, store)
-    control.budget = QueueBudget(config.max_queued_ops_per_model, config.max_queued_ops)
+    control.budget = QueueBudget(config.max_queued_ops_per_model, config.max_queued_ops,
+                                 count=control.futures.pending_count if config.role != "all" else None)
     control.scheduler.batch_tokens = config.train_batch_tokens
     if not config.metrics:
         control.metrics.disable()
