@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import httpx
 import pytest
@@ -75,6 +76,62 @@ def test_one_seq_id_sent_to_both_replicas_runs_once(topology):
     assert ids[0] == ids[1]
 
 
+def test_a_replica_refuses_ops_over_the_queue_budget_that_the_driver_holds(topology):
+    """--max-queued-ops-per-model 8 (tests/replicas.py): with 8 of a sampling session's requests
+    waiting in the driver (held by its account's quota), a 9th is answered 429 QueueFull by either
+    replica, whose own queue is empty: the budget counts the database's pending ops. Lifting the
+    quota runs all 8, and the 9th is then accepted."""
+    from tests.conformance.test_quotas import _client, _session, _tinkerd, _until_done
+
+    key = _key(topology, "replicas-budget", "--max-tokens-per-minute", "40")
+    lb = _client(topology, key)
+    r = lb.post("/create_sampling_session", json={"session_id": _session(lb), "sampling_session_seq_id": 0,
+                                                   "base_model": TINY})
+    sampler = r.json()["sampling_session_id"]
+
+    def asample(c, seq_id: int) -> httpx.Response:
+        # 20 prompt tokens + at most 8 sampled = 28: the first fills the account's 40 a minute, and
+        # every later one waits behind it for the minute.
+        return c.post("/asample", json={
+            "sampling_session_id": sampler, "seq_id": seq_id, "num_samples": 1,
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": list(range(1, 21))}]},
+            "sampling_params": {"max_tokens": 8, "stop": []}})
+
+    _until_done(lb, asample(lb, 1).json()["request_id"])
+    held = []
+    for seq_id in range(2, 10):
+        r = asample(lb, seq_id)
+        assert r.status_code == 200, r.text
+        held.append(r.json()["request_id"])
+    for url in topology.doors:  # each replica, its own queue empty, counts the 8 the driver holds
+        refused = asample(_client(topology, key, url), 10)
+        assert refused.status_code == 429 and refused.json()["category"] == "server", (url, refused.text)
+        assert "8 ops waiting" in refused.json()["error"] and refused.headers["retry-after"]
+    lifted = _tinkerd(topology.data_dir, "accounts", "set-quota", "replicas-budget", "--max-tokens-per-minute",
+                      "unlimited", env=topology.cli_env())
+    assert lifted.returncode == 0, lifted.stderr
+    for request_id in held:
+        _until_done(lb, request_id)
+    assert asample(lb, 10).status_code == 200
+
+
+def test_unload_model_on_a_replica_releases_the_run_in_the_driver(topology):
+    """hpcai's unload_model sent to a replica (which has no engine) reaches the driver's residency
+    (NOTIFY tinkerd_release): the run leaves the engine, and its next op rebuilds it exactly."""
+    tc = _sc(topology.url).create_lora_training_client(base_model=TINY, rank=4, seed=2).result()
+    before = tc.forward_backward(_batch(0), "cross_entropy").result().metrics["loss:sum"]
+    r = httpx.post(f"{topology.doors[0]}/api/v1/unload_model", json={"model_id": tc.model_id},
+                   headers={"X-API-Key": API_KEY}, timeout=60)
+    assert r.status_code == 200, r.text
+    deadline = time.monotonic() + 60  # the release runs in its turn on the driver's worker
+    while tc.model_id not in httpx.get(f"{topology.url}/api/v1/engine_status", headers={"X-API-Key": API_KEY},
+                                       timeout=30).json()["released_model_ids"]:
+        assert time.monotonic() < deadline, "unload_model on a replica did not release the run"
+        time.sleep(0.5)
+    # No optim_step between: the rebuilt run gives the same loss for the same batch.
+    assert tc.forward_backward(_batch(0), "cross_entropy").result().metrics["loss:sum"] == before
+
+
 @pytest.fixture(scope="module")
 def reference(server) -> list[float]:
     """The faults' loop, uninterrupted, on the embedded SQLite server."""
@@ -119,41 +176,3 @@ def test_a_replica_killed_mid_loop_loses_nothing(reference, topology):
     restarted = start_server(victim.data_dir, [TINY], topology.replica_args[0], env=topology.env)
     victim.proc, victim.lines = restarted.proc, restarted.lines
 
-
-def test_a_replica_refuses_ops_over_the_queue_budget_that_the_driver_holds(topology):
-    """--max-queued-ops-per-model 8 (tests/replicas.py): with 8 of a sampling session's requests
-    waiting in the driver (held by its account's quota), a 9th is answered 429 QueueFull by either
-    replica, whose own queue is empty: the budget counts the database's pending ops. Lifting the
-    quota runs all 8, and the 9th is then accepted."""
-    from tests.conformance.test_quotas import _client, _session, _tinkerd, _until_done
-
-    key = _key(topology, "replicas-budget", "--max-tokens-per-minute", "40")
-    lb = _client(topology, key)
-    r = lb.post("/create_sampling_session", json={"session_id": _session(lb), "sampling_session_seq_id": 0,
-                                                   "base_model": TINY})
-    sampler = r.json()["sampling_session_id"]
-
-    def asample(c, seq_id: int) -> httpx.Response:
-        # 20 prompt tokens + at most 8 sampled = 28: the first fills the account's 40 a minute, and
-        # every later one waits behind it for the minute.
-        return c.post("/asample", json={
-            "sampling_session_id": sampler, "seq_id": seq_id, "num_samples": 1,
-            "prompt": {"chunks": [{"type": "encoded_text", "tokens": list(range(1, 21))}]},
-            "sampling_params": {"max_tokens": 8, "stop": []}})
-
-    _until_done(lb, asample(lb, 1).json()["request_id"])
-    held = []
-    for seq_id in range(2, 10):
-        r = asample(lb, seq_id)
-        assert r.status_code == 200, r.text
-        held.append(r.json()["request_id"])
-    for url in topology.doors:  # each replica, its own queue empty, counts the 8 the driver holds
-        refused = asample(_client(topology, key, url), 10)
-        assert refused.status_code == 429 and refused.json()["category"] == "server", (url, refused.text)
-        assert "8 ops waiting" in refused.json()["error"] and refused.headers["retry-after"]
-    lifted = _tinkerd(topology.data_dir, "accounts", "set-quota", "replicas-budget", "--max-tokens-per-minute",
-                      "unlimited", env=topology.cli_env())
-    assert lifted.returncode == 0, lifted.stderr
-    for request_id in held:
-        _until_done(lb, request_id)
-    assert asample(lb, 10).status_code == 200

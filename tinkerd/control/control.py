@@ -283,10 +283,13 @@ class Control:
         self.metrics.accepted(request_type, Scheduler.lane_of(work.op), request_id)
         return Accepted(request_id, new=True)
 
-    def release_run(self, model_id: str) -> None:
-        """Release a run's adapter as soon as it is idle (hpcai's unload_model); no-op without residency."""
-        if self.residency is not None:
-            self.residency.request_release(model_id)
+    def release_run(self, model_id: str | None = None) -> None:
+        """Release a run's adapter as soon as it is idle (hpcai's unload_model), or with None look for
+        runs to release now (a session ended); an api replica asks the driver. No-op without residency."""
+        if self.engine is None:
+            self.notifier.release(model_id)
+        elif self.residency is not None:
+            self.residency.request_release(model_id) if model_id is not None else self.residency.poke()
 
     def complete_now(self, request_type: str, target: str, payload: bytes, media_type: str,
                      account_id: str | None = None) -> str:
@@ -439,7 +442,7 @@ class Control:
         if self.residency is not None and out.resident is not None:
             self.residency.resident = out.resident
         for request_id, deltas in out.partial:  # before `done`: a stream's last tokens precede its end
-            self.hub.publish(request_id, deltas)
+            self.notifier.publish(request_id, deltas)
         for request_id, result in out.done:
             entry = self._inflight.pop(request_id, None)
             if entry is None:  # failed above when the engine broke, finished by it later

@@ -101,3 +101,9 @@ class FutureRepository:
         found = self.store.query(select(FutureRow.paused_reason).where(FutureRow.request_id == request_id,
                                                                        FutureRow.status == "pending"))
         return found[0] if found else None
+
+    def unloaded_since(self, since) -> list[str]:
+        """The runs hpcai's unload_model was asked for since `since` (their UnloadModel futures): what
+        a driver whose listener was away may have missed (store/listen.py)."""
+        return self.store.query(select(FutureRow.target).where(FutureRow.request_type == "UnloadModel",
+                                                               FutureRow.created_at >= since).distinct())
