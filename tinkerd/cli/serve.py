@@ -79,7 +79,8 @@ def build_app(config: ServerConfig, client=None):
                       worker_id=worker_id)
     if config.role != "all":
         replicas.use_database_notifier(control, store)
-    control.budget = QueueBudget(config.max_queued_ops_per_model, config.max_queued_ops)
+    control.budget = QueueBudget(config.max_queued_ops_per_model, config.max_queued_ops,
+                                 count=control.futures.pending_count if config.role != "all" else None)
     control.scheduler.batch_tokens = config.train_batch_tokens
     if not config.metrics:
         control.metrics.disable()
@@ -89,13 +90,18 @@ def build_app(config: ServerConfig, client=None):
         control.metrics.tracer = OpTracer.otlp(config.otlp_endpoint)
     # Crash debris of checkpoint saves, swept with the snapshots' at start and after engine restarts.
     recovery.sweeps.append(lambda: runs.sweep_stale_temp(older_than_s=0))
-    served = {m.name: m for m in replicas.served_models(config.role, store, client, worker_id)}
+    served = {m.name: m for m in replicas.served_models(config.role, store, client, worker_id, control.notifier)}
     accounts = Accounts(store, audit)
     records = StabilityRecords(store, config.recorded_sequence_ttl_s)
     control.results.recorders.append(records.record)
     control.results.recorders.append(StepMetrics(store).record)  # the console's curves (control/stepmetrics.py)
     app_state = AppState(config=config, control=control, runs=runs, served=served, accounts=accounts, records=records,
                          tokenizers=Tokenizers(served), tokens=Tokens.in_dir(config.data_dir))
+    if config.role == "api":  # the driver's models, again whenever it announces them (a restart with others)
+        def use(models: dict) -> None:
+            app_state.served = app_state.tokenizers.served = models
+
+        replicas.follow_served(control.notifier, store, use)
     legacy.convert(app_state)  # a data directory from before the op log: once, before control recovers
     return create_app(app_state), control
 

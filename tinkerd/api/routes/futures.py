@@ -54,7 +54,7 @@ def _answer(st, request: Request, request_id: str, row: Future | None) -> Respon
         # hold of a long op. An op its account's quota holds back is "paused_rate_limit" (why:
         # control/quotas.py); the SDK keeps polling either way.
         body = {"type": "try_again", "request_id": row.request_id, "queue_state": "active"}
-        reason = st.control.scheduler.pause_reason(row.request_id)
+        reason = st.control.pause_reason(row.request_id)
         if reason is not None:
             body.update(queue_state=PAUSED, queue_state_reason=reason)
         return JSONResponse(body, status_code=408)

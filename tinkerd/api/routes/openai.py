@@ -201,7 +201,11 @@ async def _stream(st: AppState, kind: str, req, tok: text.TextTokenizer, prompts
     queue: asyncio.Queue = asyncio.Queue()
     request_ids = []
     for body, p in zip(bodies, prepared):
-        work = dataclasses.replace(p.work, op=dataclasses.replace(p.work.op, stream=True))
+        # In the logged record too: a driver behind API replicas runs the op as rebuilt from the log
+        # (control/claims.py), and streams only what the record says streams.
+        op = dataclasses.replace(p.work.op, stream=True)
+        record = dataclasses.replace(p.work.record, op=op) if p.work.record is not None else None
+        work = dataclasses.replace(p.work, op=op, record=record)
         accepted = st.control.submit(p.request_type, p.target, p.seq_id, body, work, account_id=account_id)
         st.control.hub.subscribe(accepted.request_id, queue)  # same loop tick as submit: nothing is missed
         request_ids.append(accepted.request_id)

@@ -97,8 +97,7 @@ def finish_session(session_id: str, request: Request, body: bytes = Depends(read
         pass  # no reason, or one of another shape: the session still finishes
     st = state(request)
     st.runs.finish_session(session_id, reason, account(request))
-    if st.control.residency is not None:
-        st.control.residency.poke()  # release its runs now: their quota places come free
+    st.control.release_run()  # release its runs now: their quota places come free
     return empty()
 
 

@@ -5,7 +5,7 @@ queries the table in its modules; they move here as they are touched."""
 
 from __future__ import annotations
 
-from sqlalchemy import or_, select, update
+from sqlalchemy import func, or_, select, update
 
 from tinkerd.control.clock import utcnow
 from tinkerd.control.store.db import Store
@@ -77,3 +77,33 @@ class FutureRepository:
         with self.store.write() as s:
             return s.execute(update(FutureRow).where(FutureRow.status == "pending")
                              .values(claimed_by=worker_id)).rowcount
+
+    # -- what api replicas learn of the driver's queue (docs/deployment.md) -----------------------
+
+    def pending_count(self, target: str | None = None) -> int:
+        """Ops accepted and not finished (unclaimed, waiting in the driver's queue, or in its
+        engine), of one target or all: the back-pressure budget's count with replicas
+        (control/backpressure.py)."""
+        stmt = select(func.count()).select_from(FutureRow).where(FutureRow.status == "pending")
+        if target is not None:
+            stmt = stmt.where(FutureRow.target == target)
+        return self.store.query(stmt)[0]
+
+    def post_pauses(self, reasons: dict[str, str | None]) -> None:
+        """The driver's quota pauses that changed (request_id -> reason, None: no longer held), in
+        one transaction (control/pauses.py)."""
+        with self.store.write() as s:
+            for request_id, reason in reasons.items():
+                s.execute(update(FutureRow).where(FutureRow.request_id == request_id).values(paused_reason=reason))
+
+    def paused_reason(self, request_id: str) -> str | None:
+        """What the driver last posted for a pending op (an api replica's retrieve_future)."""
+        found = self.store.query(select(FutureRow.paused_reason).where(FutureRow.request_id == request_id,
+                                                                       FutureRow.status == "pending"))
+        return found[0] if found else None
+
+    def unloaded_since(self, since) -> list[str]:
+        """The runs hpcai's unload_model was asked for since `since` (their UnloadModel futures): what
+        a driver whose listener was away may have missed (store/listen.py)."""
+        return self.store.query(select(FutureRow.target).where(FutureRow.request_type == "UnloadModel",
+                                                               FutureRow.created_at >= since).distinct())
