@@ -167,3 +167,20 @@ def test_hybrid_models_reuse_whole_prompts_only(eng):
     for t in "abc":
         assert_identical(cached[t], plain[t])
     assert sampler.prefix.hits == 1 and sampler.prefix.prefix_hits == 0  # a recurrent state cannot be cut
+
+
+def test_followers_of_a_cancelled_request_prefill_themselves(eng):
+    rt = eng.runtime(TINY)
+    sampler = Sampler(rt, SamplerConfig(prefill_tokens_per_step=8))  # PROMPT takes 3 steps
+    for t in ("lead", "f1", "f2"):
+        sampler.admit(t, op(PROMPT, 4, **GREEDY))
+    sampler.step()
+    assert [r.leader is not None for r in sampler.joining] == [False, True, True]
+    got = dict(sampler.cancel("lead"))
+    for _ in range(20):  # bounded: followers left waiting on a gone leader would never finish
+        got.update(sampler.step())
+    assert not sampler.active_rows
+    assert got["lead"].message.startswith("cancelled")
+    want = drive(Sampler(rt, SamplerConfig(prefix_cache=False)), {0: [("x", op(PROMPT, 4, **GREEDY))]})["x"]
+    assert_same(got["f1"], want)
+    assert_same(got["f2"], want)

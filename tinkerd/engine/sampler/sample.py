@@ -183,7 +183,7 @@ class Sampler:
                    and (name := prefix_name(req)) is not None}
         for req in list(self.joining):
             if req.leader is not None:
-                if req.leader not in self.joining:  # it failed or was cancelled: prefill alone
+                if not any(other is req.leader for other in self.joining):  # it failed or was cancelled: prefill alone
                     req.leader = None
                 continue
             if req.prefill.done == 0:
