@@ -239,7 +239,11 @@ def test_a_grpo_group_sent_as_requests_and_resaved_sampler_weights_sample_their_
         sampler = sc.create_sampling_client(model_path=tc.save_weights_for_sampler("grpo").result().path).result()
         params = types.SamplingParams(max_tokens=6, temperature=0.0, stop=[])
         group = [sampler.sample(_mi(PROMPT), 1, params) for _ in range(4)]
-        together = sampler.sample(_mi(PROMPT), 4, params).result().sequences
+        together_response = sampler.sample(_mi(PROMPT), 4, params).result()
+        together = together_response.sequences
+        # One of the five requests prefilled; the others followed it or found its prefill kept.
+        hits = [f.result().prompt_cache_hit_tokens for f in group] + [together_response.prompt_cache_hit_tokens]
+        assert sorted(hits) == [0] + [len(PROMPT)] * 4
         for f, want in zip(group, together):
             got = f.result().sequences[0]
             assert got.tokens == want.tokens

@@ -83,6 +83,8 @@ def test_a_prompt_seen_again_is_not_prefilled_and_samples_bit_identically(eng, p
     for t in "abc":
         assert_identical(cached[t], plain[t])
     assert sampler.prefix.hits == 2 and len(sampler.prefix) == 1
+    assert [cached[t].prompt_cache_hit_tokens for t in "abc"] == [0, len(PROMPT), len(PROMPT)]
+    assert [plain[t].prompt_cache_hit_tokens for t in "abc"] == [0, 0, 0]
 
 
 def test_a_group_sent_as_separate_requests_prefills_once(eng, monkeypatch):
@@ -96,6 +98,7 @@ def test_a_group_sent_as_separate_requests_prefills_once(eng, monkeypatch):
     # One prefill ran (the leader's); the four followers joined the batch in the same step from it.
     assert calls[0] == [[len(PROMPT)], [], [], [], []]
     assert sampler.prefix.hits == 4
+    assert [cached[t].prompt_cache_hit_tokens for t, _ in group] == [0] + [len(PROMPT)] * 4
     for t, _ in group:  # uncached, the five prompts were packed into one forward: rounding apart
         assert_same(cached[t], plain[t])
     # Bit for bit what one request of num_samples=4 gives: the same prefill copied into the same rows.
@@ -110,6 +113,7 @@ def test_a_shared_system_prompt_is_prefilled_once(eng):
     schedule = {0: [("a", op(PROMPT, 5, **SEEDED))], 8: [("b", op(other, 5, **SEEDED))]}
     cached, plain, sampler = both(eng, schedule)
     assert sampler.prefix.prefix_hits == 1 and len(sampler.prefix) == 2
+    assert cached["b"].prompt_cache_hit_tokens == len(SYSTEM)
     assert_identical(cached["a"], plain["a"])
     assert_same(cached["b"], plain["b"])  # its last 4 tokens ran as a chunk after the 18 kept ones
 

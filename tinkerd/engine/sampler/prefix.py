@@ -114,6 +114,7 @@ class PrefixCache:
             if req.leader is not None and id(req.leader) in leading:
                 pf, src = req.prefill, req.leader.prefill
                 pf.cache, pf.last_hidden, pf.done = src.cache, src.last_hidden, src.done
+                pf.cached = pf.done
                 req.leader = None
                 self.hits += 1
                 out.append(req)
@@ -136,6 +137,7 @@ class PrefixCache:
         if entry is not None:
             self.entries.move_to_end(name)
             pf.cache, pf.last_hidden, pf.done = entry.cache, entry.last_hidden, len(prompt)
+            pf.cached = pf.done
             self.hits += 1
             return len(prompt)
         if not self.partial:
@@ -154,7 +156,7 @@ class PrefixCache:
             # The unstarted prefill's cache is empty, and update() on an empty layer copies: the
             # entry's tensors stay as they are.
             pf.cache.update(layer.keys[:, :, :m], layer.values[:, :, :m], i)
-        pf.done = m
+        pf.done = pf.cached = m
         pf.chunk_calls.append(0)  # a visible mark, for tests: this prefill started from the cache
         self.prefix_hits += 1
         return m

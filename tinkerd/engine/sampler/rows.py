@@ -86,5 +86,5 @@ class Request:
         pf = self.prefill
         return SampleResult(
             sequences=[row.result() for row in self.rows], prompt_logprobs=pf.logprobs, topk_prompt_logprobs=pf.topk,
-            target_prompt_logprobs=pf.targets, prompt_alt_tokens=pf.alt,
+            target_prompt_logprobs=pf.targets, prompt_alt_tokens=pf.alt, prompt_cache_hit_tokens=pf.cached,
         )
