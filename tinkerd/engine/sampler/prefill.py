@@ -36,6 +36,7 @@ class Prefill:
     # last N prompt tokens starts at P - 1 - N (0 = score everything).
     score_from: int
     done: int = 0  # prompt tokens through the body so far
+    cached: int = 0  # of those, taken from the prefix cache (prefix.py) instead
     last_hidden: torch.Tensor | None = None  # [1, H] of position done - 1
     logprobs: np.ndarray | None = None  # [P] float32, NaN where not scored
     topk: tuple[np.ndarray, np.ndarray] | None = None  # ([P, K] ids, [P, K] logprobs), empty rows

@@ -30,6 +30,7 @@ from tinkerd.engine.sampler.hybrid import LINEAR, is_hybrid, new_batch_cache
 from tinkerd.engine.sampler.kv import SLIDING, sliding_window, window_masks
 from tinkerd.engine.sampler import prompt_scores
 from tinkerd.engine.sampler.prefill import Prefill, advance_packed
+from tinkerd.engine.sampler.prefix import PrefixCache, prefix_name
 from tinkerd.engine.sampler.rows import BASE_SLOT, Request, Row
 from tinkerd.engine.sampler.rules import RowRules, StopRule, choose_tokens, row_generators, validate
 from tinkerd.errors import NotFoundError, ServerError, TinkerdError, UserError
@@ -64,6 +65,9 @@ class SamplerConfig:
     # kv.default_kv_budget). A request that alone would need more is refused at admission; one that
     # does not fit beside the rows in flight waits, in admission order, until rows leave.
     kv_cache_bytes: int | None = None
+    # Keep finished prefills, keyed by the weights and the prompt, inside the KV budget (prefix.py):
+    # GRPO's group of requests with one prompt, and prompts sharing a system prompt, prefill once.
+    prefix_cache: bool = True
 
 
 class Sampler:
@@ -99,6 +103,9 @@ class Sampler:
         # After packing: the fused step binds each linear's packed weight once.
         # (The fused step builds a full-attention mask only: a model with a window keeps the HF path.)
         self.fused = FusedDecode.build(self.body) if config.fused_decode and self.window is None else None
+        # Finished prefills kept for later requests with the same weights and prompt (prefix.py).
+        self.prefix = PrefixCache(self.kv.token_bytes, self.kv.state_bytes, partial=self.pack_prompts) \
+            if config.prefix_cache else None
 
     def kv_cache_bytes(self) -> int:
         """The decode batch's KV cache as allocated now (rows x columns x bytes per position, plus
@@ -175,13 +182,26 @@ class Sampler:
         budget = self.config.prefill_tokens_per_step
         ready: list[Request] = []
         packed: dict[int, list[Request]] = {}  # unstarted prompts that fit whole, by adapter slot
-        room, waiting = self.kv.room(self.rows, self.joining), False
+        room, waiting = self.kv.room(self.rows, self.joining, self.prefix), False
+        # Requests prefilling a cacheable prompt, by (weights, prompt): later ones follow them.
+        leaders = {name: req for req in self.joining if req.prefill.done > 0 and req.leader is None
+                   and (name := prefix_name(req)) is not None}
         for req in list(self.joining):
-            if budget <= 0:
-                break
-            if req.prefill.done == 0 and (waiting or not room(req)):
-                waiting = True  # it waits for rows to leave, and those admitted after it wait behind it
+            if req.leader is not None:
+                if not any(other is req.leader for other in self.joining):  # it failed or was cancelled: prefill alone
+                    req.leader = None
                 continue
+            if req.prefill.done == 0:
+                if waiting or not room(req):
+                    waiting = True  # it waits for rows to leave, and those admitted after it wait behind it
+                    continue
+                if self.prefix is not None and self.prefix.start(req, leaders):
+                    if req.prefill.finished:  # a whole-prompt hit
+                        ready.append(req)
+                    if req.prefill.finished or req.leader is not None:
+                        continue
+            if budget <= 0:
+                continue  # later requests may still be hits or followers, which need no budget
             if req.prefill.done == 0 and req.prefill.remaining <= self.config.prefill_tokens_per_step \
                     and req.prefill.images is None:
                 # A prompt that fits one step's budget is never split, even past what is left of it
@@ -211,10 +231,15 @@ class Sampler:
                 self._fail_prefill(reqs, done, e)
                 continue
             ready.extend(reqs)
+        ready += self.prefix.followers_of(ready, self.joining) if self.prefix is not None else []
         order = {id(r): i for i, r in enumerate(self.joining)}
         ready.sort(key=lambda r: order[id(r)])  # batch rows in admission order, however prefilled
         for req in ready:
             self.joining.remove(req)
+        if ready and self.prefix is not None:
+            spare = self.kv.spare(self.rows + [row for req in ready for row in req.rows], self.joining)
+            for req in ready:
+                self.prefix.add(req, spare)
         if ready:
             try:
                 self._join(ready)
