@@ -171,7 +171,7 @@ def _colour_dataset(per_class: int, height: int) -> datasets.Dataset:
     return datasets.Dataset.from_dict({"image": [r[0] for r in rows], "label": [r[1] for r in rows]}, features=features)
 
 
-@pytest.mark.slow  # 269 s at load 10 on 2 cores (3 model builds and the server start included)
+@pytest.mark.slow  # the call: 95 s at load average 5 on 2 shared cores, 270-670 s at 10-15
 def test_the_cookbooks_vlm_classifier_recipe_learns_the_colours_through_tinkerd(server, vl35_dir, tmp_path, monkeypatch):
     """`recipes/vlm_classifier` unmodified, on the tiny Qwen3.5 VLM with the recipe's own renderer
     (`qwen3_5_disable_thinking`) and its defaults for rank (32) and schedule (cosine); only the
