@@ -15,7 +15,7 @@ prefilling the same key and prompt (sample.py), which is the cookbook's case: n 
 together.
 
 Identity: a key names weights, not a name. A re-saved checkpoint gets a new fingerprint from the
-artifact store (sample.acquire_adapter), so entries of the old weights are never read again and are
+artifact store (adapters.acquire_adapter), so entries of the old weights are never read again and are
 dropped as soon as the new weights are seen. An adapter without a fingerprint (a live training
 adapter used directly, in tests) is never cached: nothing says when its weights change.
 
