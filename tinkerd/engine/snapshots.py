@@ -21,8 +21,8 @@ What stays synchronous, and why:
 - the snapshot of a release (ReleaseAdaptersOp): the adapter is unloaded right after it, so its
   state must be on disk first.
 Both wait for the write in flight first (`wait`), so writes of one store never overlap and the
-older-snapshot cleanup runs in order. At most one write is queued: a new one waits for the one
-before, which bounds the memory held to two copies of one adapter's state.
+older-snapshot cleanup runs in order. At most one write is in flight: a new one waits for the one
+before, so the memory held is one copy of one adapter's state plus its serialised files.
 """
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ class SnapshotWriter:
     def write_later(self, key: str, adapter: Adapter, base_model: str) -> None:
         """Copy `adapter`'s weights and AdamW state now; write them as the snapshot `key` in the
         background. A write that fails is logged: recovery then starts from the snapshot before."""
+        self.wait()  # before the copy: a step outrunning the writer waits rather than piling up copies
         captured = checkpoints.capture(adapter, base_model, with_optimizer=True)
-        self.wait()
         self._pending = self._thread.submit(self._write_logged, key, captured)
 
     def write_now(self, key: str, adapter: Adapter, base_model: str) -> None:
