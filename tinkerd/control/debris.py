@@ -17,5 +17,5 @@ from __future__ import annotations
 
 # Relative to checkpoints/: <model>/<segment>/.<name>.* for named checkpoints, _ephemeral/.<id>.* for samplers.
 CHECKPOINT_TEMP = ("*/*/.*.tmp-*", "*/*/.*.old-*", "*/.*.tmp-*", "*/.*.old-*")
-# Relative to snapshots/: <model_id>/.seq-<n>.tmp-* (engine/training.py: _snapshot).
+# Relative to snapshots/: <model_id>/.seq-<n>.tmp-* (engine/snapshots.py: write).
 SNAPSHOT_TEMP = ("*/.*.tmp-*", "*/.*.old-*")

@@ -60,7 +60,7 @@ REQUIRED_FILES = {
     "sampler": (WEIGHTS_FILE, CONFIG_FILE, META_FILE),
     "external": (WEIGHTS_FILE, CONFIG_FILE),  # a plain PEFT directory (engine/export.py)
 }
-SNAPSHOT_FILES = REQUIRED_FILES["training"]  # engine/training.py: _snapshot saves with the optimizer
+SNAPSHOT_FILES = REQUIRED_FILES["training"]  # engine/snapshots.py: write saves with the optimizer
 # Temp names of every writer under the data directory, relative to the directory they sit in.
 TEMP_PATTERNS = {
     "checkpoints": CHECKPOINT_TEMP,  # named, then _ephemeral (control/debris.py)

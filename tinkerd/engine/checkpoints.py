@@ -194,9 +194,37 @@ def save_adapter_to(store: ArtifactStore, key: str, adapter: Adapter, base_model
 
 def adapter_files(adapter: Adapter, base_model: str, with_optimizer: bool) -> dict[str, bytes]:
     """A checkpoint's files (see the module docstring), serialised."""
+    return capture(adapter, base_model, with_optimizer).files()
+
+
+@dataclass
+class Captured:
+    """An adapter's checkpoint as of one moment, in tensors the adapter no longer touches: the
+    copy is all a write needs from the step, and the files can be serialised and written while the
+    adapter trains on (engine/snapshots.py)."""
+
+    tensors: dict[str, torch.Tensor]  # PEFT key names -> fp32 copies (lora_tensors)
+    config: dict
+    meta: dict
+    optimizer_state: dict | None  # canonical order, its tensors copied
+
+    def files(self) -> dict[str, bytes]:
+        files = {
+            WEIGHTS_FILE: safetensors_bytes(self.tensors, metadata={"format": "pt"}),
+            CONFIG_FILE: json.dumps(self.config, indent=2).encode(),
+            META_FILE: json.dumps(self.meta, indent=2).encode(),
+        }
+        if self.optimizer_state is not None:
+            buf = io.BytesIO()
+            torch.save(self.optimizer_state, buf)
+            files[OPTIMIZER_FILE] = buf.getvalue()
+        return files
+
+
+def capture(adapter: Adapter, base_model: str, with_optimizer: bool) -> Captured:
+    """Copy what a checkpoint of `adapter` holds now (Captured)."""
     if with_optimizer and adapter.optimizer is None:
         raise UserError(f"model {adapter.key!r} has no optimizer state to save")
-    names = sorted(adapter.weights)
     meta = {
         "format_version": FORMAT_VERSION,
         "base_model": base_model,
@@ -204,16 +232,13 @@ def adapter_files(adapter: Adapter, base_model: str, with_optimizer: bool) -> di
         "step": adapter.step,
         "with_optimizer": with_optimizer,
     }
-    files = {
-        WEIGHTS_FILE: safetensors_bytes(lora_tensors(adapter), metadata={"format": "pt"}),
-        CONFIG_FILE: json.dumps(peft_config(adapter.spec, names, base_model), indent=2).encode(),
-        META_FILE: json.dumps(meta, indent=2).encode(),
-    }
+    state = None
     if with_optimizer:
-        buf = io.BytesIO()
-        torch.save(_canonical_optimizer_state(adapter), buf)
-        files[OPTIMIZER_FILE] = buf.getvalue()
-    return files
+        # state_dict() hands out the live moments, which the next optim_step updates in place.
+        state = _canonical_optimizer_state(adapter)
+        state["state"] = {i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+                          for i, s in state["state"].items()}
+    return Captured(lora_tensors(adapter), peft_config(adapter.spec, sorted(adapter.weights), base_model), meta, state)
 
 
 def _local(dir_path: str | os.PathLike) -> tuple[LocalArtifactStore, str]:

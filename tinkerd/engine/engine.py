@@ -25,6 +25,7 @@ from tinkerd.engine.lora.pool import AdapterPool
 from tinkerd.engine.model.registry import LoadedModel, load_model
 from tinkerd.engine.precision import Precision
 from tinkerd.engine.sampler.sample import Sampler, SamplerConfig
+from tinkerd.engine.snapshots import SnapshotWriter
 from tinkerd.errors import NotFoundError, ServerError, TinkerdError, UserError
 from tinkerd.types import EngineOp, Resident, StepBatch, StepOutput
 
@@ -71,6 +72,8 @@ class Engine:
         # Checkpoints, snapshots and exports, by the keys ops carry (tinkerd/artifacts.py). None: keys
         # are absolute paths (tests and tools that hold an Engine); a server passes its store.
         self.artifacts = artifacts if artifacts is not None else LocalArtifactStore("/")
+        # Recovery snapshots after optim_steps are written by a background thread (engine/snapshots.py).
+        self.snapshots = SnapshotWriter(self.artifacts)
         self.precision = precision
         self.max_lora_rank = max_lora_rank
         self.sampler_config = sampler_config
@@ -170,6 +173,10 @@ class Engine:
         return StepOutput(done, active_rows=sum(s.active_rows for s in self.samplers.values()), resident=self.resident(),
                           partial=[p for s in self.samplers.values() for p in s.take_streamed()],
                           shared_passes=shared_passes)
+
+    def close(self) -> None:
+        """Finish the snapshot write in flight (a clean stop leaves no temp dir to sweep)."""
+        self.snapshots.close()
 
     def resident(self) -> Resident:
         """The adapters held now: training ones counted, sampler ones by key."""
