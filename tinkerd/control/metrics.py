@@ -3,7 +3,8 @@
 Two kinds, so that an unscraped server pays almost nothing:
 - events, counted where control already knows them, one call each: an op accepted (`accepted`,
   from Control.submit), an op finished and stored (`completed`, ResultStore.on_stored: its latency
-  from acceptance, its queue wait and its engine time), metered tokens (`on_usage`, a Meter
+  from acceptance, its queue wait, its engine time, and a sample's prompt tokens served from the
+  prefix cache), metered tokens (`on_usage`, a Meter
   listener), an engine recovery (`engine_recovery`), and every SQL statement's duration (SQLAlchemy
   cursor events on the store's engine). Each is a lock and an add, about a microsecond.
 - state, read only when scraped (`_StateCollector`): queue depth and oldest wait by lane, ops in
@@ -56,6 +57,9 @@ class Metrics:
         self.engine_time = Histogram("tinkerd_op_engine_seconds", "Wall time in the engine (admission to last token "
                                      "for a sample)", ["type"], buckets=_OP_BUCKETS, registry=r)
         self.tokens = Counter("tinkerd_tokens", "Metered tokens by kind", ["kind"], registry=r)
+        self.prompt_cache_hits = Counter("tinkerd_prompt_cache_hit_tokens", "Prompt tokens of sample requests taken "
+                                         "from a kept prefill (engine/sampler/prefix.py) instead of prefilled",
+                                         registry=r)
         self.checkpoints = Counter("tinkerd_checkpoints_written", "Metered checkpoints written", registry=r)
         self.engine_restarts = Counter("tinkerd_engine_restarts", "Engine process starts after a crash (attempts)",
                                        registry=r)
@@ -134,6 +138,8 @@ class Metrics:
             self.op_latency.labels(q.request_type).observe(now - accepted_at)
             self.queue_wait.labels(lane).observe(max(queue_wait_s, 0.0))
             self.engine_time.labels(q.request_type).observe(compute_s)
+            if cached := getattr(result, "prompt_cache_hit_tokens", 0):
+                self.prompt_cache_hits.inc(cached)
         if self.tracer is not None:
             queued_at = self._queued_at.pop(q.request_id, accepted_at)  # re-queued after a restart: none
             admitted = max(accepted_at + queue_wait_s, queued_at)
