@@ -10,9 +10,8 @@ import hashlib
 import secrets
 from dataclasses import dataclass
 
-from sqlalchemy import select
-
 from tinkerd.control.audit import AuditLog
+from tinkerd.control.store.accounts import AccountRepository, ApiKeyRepository
 from tinkerd.control.store.db import Store, utcnow
 from tinkerd.control.store.tables import AccountRow, ApiKeyRow
 from tinkerd.errors import NotFoundError, UserError
@@ -36,16 +35,18 @@ class NewKey:
 class Accounts:
     def __init__(self, store: Store, audit: AuditLog | None = None):
         self.store = store
+        self.accounts = AccountRepository(store)
+        self.keys = ApiKeyRepository(store)
         self.audit = audit or AuditLog(store)
 
     def account_id(self, name: str, create: bool = True) -> str:
-        rows = self.store.query(select(AccountRow).where(AccountRow.name == name))
-        if rows:
-            return rows[0].account_id
+        row = self.accounts.by_name(name)
+        if row is not None:
+            return row.account_id
         if not create:
             raise NotFoundError(f"no account named {name!r}")
         account_id = f"acct-{secrets.token_hex(6)}"
-        if not self.store.add(AccountRow(account_id=account_id, name=name, created_at=utcnow())):
+        if not self.accounts.add(AccountRow(account_id=account_id, name=name, created_at=utcnow())):
             return self.account_id(name, create=False)  # created concurrently
         return account_id
 
@@ -58,7 +59,7 @@ class Accounts:
         key_id = f"key-{secrets.token_hex(6)}"
         row = ApiKeyRow(key_id=key_id, key_hash=hash_key(key), account_id=self.account_id(account), name=name,
                         created_at=utcnow())
-        if not self.store.add(row):
+        if not self.keys.add(row):
             raise UserError("that key already exists")
         self.audit.record("api_key_created", row.account_id, key_id=key_id, name=name)
         return NewKey(key_id, key, account)
@@ -70,11 +71,10 @@ class Accounts:
 
     def key_row(self, key: str) -> ApiKeyRow | None:
         """The stored row of a key (revoked or not), found by its hash."""
-        rows = self.store.query(select(ApiKeyRow).where(ApiKeyRow.key_hash == hash_key(key)))
-        return rows[0] if rows else None
+        return self.keys.by_hash(hash_key(key))
 
     def key_by_id(self, key_id: str) -> ApiKeyRow | None:
-        return self.store.get(ApiKeyRow, key_id)
+        return self.keys.get(key_id)
 
     def auth_failed(self, key: str | None, source: str) -> None:
         """Audit a refused key: under its account when it is a revoked key (the owner should see
@@ -86,25 +86,25 @@ class Accounts:
             self.audit.auth_failed(source, None, "unknown key" if key else "missing key")
 
     def account_name(self, account_id: str) -> str | None:
-        row = self.store.get(AccountRow, account_id)
+        row = self.accounts.get(account_id)
         return row.name if row is not None else None
 
     def list_keys(self) -> list[tuple[ApiKeyRow, str]]:
-        names = {a.account_id: a.name for a in self.store.query(select(AccountRow))}
-        return [(k, names.get(k.account_id, "?")) for k in self.store.query(select(ApiKeyRow).order_by(ApiKeyRow.created_at))]
+        names = {a.account_id: a.name for a in self.accounts.all()}
+        return [(k, names.get(k.account_id, "?")) for k in self.keys.all()]
 
     def revoke(self, key_id: str, via: str = "tinkerd keys revoke") -> None:
-        row = self.store.get(ApiKeyRow, key_id)
+        row = self.keys.get(key_id)
         if row is None:
             raise NotFoundError(f"no key {key_id!r}")
-        self.store.update(ApiKeyRow, key_id, revoked_at=utcnow())
+        self.keys.revoke(key_id, utcnow())
         self.audit.record("api_key_revoked", row.account_id, key_id=key_id, name=row.name, via=via)
 
     def has_keys(self) -> bool:
-        return bool(self.store.query(select(ApiKeyRow).limit(1)))
+        return self.keys.any()
 
     def list_accounts(self) -> list[AccountRow]:
-        return self.store.query(select(AccountRow).order_by(AccountRow.name))
+        return self.accounts.all()
 
     def set_quota(self, name: str, **limits: int | None) -> AccountRow:
         """Set an account's quota overrides (AccountRow columns): None = the server's default,
@@ -115,6 +115,6 @@ class Accounts:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise UserError(f"{column} must be a whole number >= 1, 0 for unlimited, or None for the default")
         account_id = self.account_id(name, create=False)
-        self.store.update(AccountRow, account_id, **limits)
+        self.accounts.set(account_id, **limits)
         self.audit.record("account_quota_set", account_id, account=name, **limits)
-        return self.store.get(AccountRow, account_id)
+        return self.accounts.get(account_id)

@@ -16,8 +16,7 @@ import threading
 import time
 from datetime import datetime, timedelta
 
-from sqlalchemy import select
-
+from tinkerd.control.store.accounts import AuditRepository
 from tinkerd.control.store.db import Store, utcnow
 from tinkerd.control.store.tables import AuditRow
 
@@ -38,12 +37,13 @@ MAX_SOURCES = 10_000
 class AuditLog:
     def __init__(self, store: Store):
         self.store = store
+        self.log = AuditRepository(store)
         self._lock = threading.Lock()
         # (source, account_id, minute) -> [audit_id, unwritten count, last write monotonic]
         self._failures: dict[tuple, list] = {}
 
     def record(self, event: str, account_id: str | None, **details) -> None:
-        self.store.add(AuditRow(at=utcnow(), account_id=account_id, event=event, details=details, count=1))
+        self.log.add(AuditRow(at=utcnow(), account_id=account_id, event=event, details=details, count=1))
 
     def auth_failed(self, source: str, account_id: str | None, reason: str, key_id: str | None = None) -> None:
         now = utcnow()
@@ -54,7 +54,7 @@ class AuditLog:
                 self._drop_old(slot[2])
                 details = {"source": source, "reason": reason, **({"key_id": key_id} if key_id else {})}
                 row = AuditRow(at=now, account_id=account_id, event="auth_failed", details=details, count=1)
-                self.store.add(row)
+                self.log.add(row)
                 self._failures[slot] = [row.audit_id, 0, time.monotonic()]
                 return
             entry[1] += 1
@@ -63,9 +63,7 @@ class AuditLog:
 
     def _flush(self, entry: list) -> None:
         if entry[1]:
-            row = self.store.get(AuditRow, entry[0])
-            if row is not None:
-                self.store.update(AuditRow, entry[0], count=row.count + entry[1])
+            self.log.add_count(entry[0], entry[1])
         entry[1], entry[2] = 0, time.monotonic()
 
     def _drop_old(self, minute: datetime) -> None:
@@ -80,10 +78,8 @@ class AuditLog:
         with self._lock:
             for entry in self._failures.values():
                 self._flush(entry)
-        stmt = (select(AuditRow).where(AuditRow.account_id == account_id, AuditRow.at >= start, AuditRow.at < end)
-                .order_by(AuditRow.at, AuditRow.audit_id))
         prefixes = EVENT_TYPES[event_type]
-        rows = self.store.query(stmt)
+        rows = self.log.of_account(account_id, start, end)
         return rows if prefixes is None else [r for r in rows if r.event.startswith(prefixes)]
 
 

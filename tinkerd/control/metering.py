@@ -12,10 +12,9 @@ from dataclasses import dataclass, fields
 from datetime import datetime, timedelta
 from typing import Any, Callable
 
-from sqlalchemy import select
-
 from tinkerd.control.store.db import Store, utcnow
 from tinkerd.control.store.tables import UsageRow
+from tinkerd.control.store.usage import UsageRepository
 
 # Billed token kinds -> the SDK's billing event type (forward-only passes are billed as training,
 # at their own rate).
@@ -49,6 +48,7 @@ class Billing:
 class Meter:
     def __init__(self, store: Store):
         self.store = store
+        self.usage = UsageRepository(store)
         # Called with (request_id, account_id, usage) for every recorded op: the quotas' token window.
         self.listeners: list[Callable[[str, str | None, Usage], None]] = []
 
@@ -59,20 +59,13 @@ class Meter:
                        target=target, base_model=billing.base_model, request_type=request_type,
                        queue_wait_s=max(queue_wait_s, 0.0), compute_s=compute_s, completed_at=utcnow(),
                        **{f.name: getattr(usage, f.name) for f in fields(Usage)})
-        self.store.add(row)  # a re-run after recovery keeps the first record (same request_id)
+        self.usage.add(row)
         for listener in self.listeners:
             listener(request_id, billing.account_id, usage)
 
     def rows(self, account_id: str | None = None, start: datetime | None = None,
              end: datetime | None = None) -> list[UsageRow]:
-        stmt = select(UsageRow).order_by(UsageRow.completed_at)
-        if account_id is not None:
-            stmt = stmt.where(UsageRow.account_id == account_id)
-        if start is not None:
-            stmt = stmt.where(UsageRow.completed_at >= start)
-        if end is not None:
-            stmt = stmt.where(UsageRow.completed_at < end)
-        return self.store.query(stmt)
+        return self.usage.rows(account_id, start, end)
 
 
 @dataclass
