@@ -11,9 +11,8 @@ import secrets
 from dataclasses import dataclass
 
 from tinkerd.control.audit import AuditLog
-from tinkerd.control.store.accounts import AccountRepository, ApiKeyRepository
+from tinkerd.control.store.accounts import Account, AccountRepository, ApiKey, ApiKeyRepository
 from tinkerd.control.store.db import Store, utcnow
-from tinkerd.control.store.tables import AccountRow, ApiKeyRow
 from tinkerd.errors import NotFoundError, UserError
 
 LOCAL_ACCOUNT = "local"
@@ -46,7 +45,7 @@ class Accounts:
         if not create:
             raise NotFoundError(f"no account named {name!r}")
         account_id = f"acct-{secrets.token_hex(6)}"
-        if not self.accounts.add(AccountRow(account_id=account_id, name=name, created_at=utcnow())):
+        if not self.accounts.add(account_id, name, utcnow()):
             return self.account_id(name, create=False)  # created concurrently
         return account_id
 
@@ -57,8 +56,8 @@ class Accounts:
         if not key.startswith("tml-"):
             raise UserError("API keys must start with 'tml-' (the SDK refuses others)")
         key_id = f"key-{secrets.token_hex(6)}"
-        row = ApiKeyRow(key_id=key_id, key_hash=hash_key(key), account_id=self.account_id(account), name=name,
-                        created_at=utcnow())
+        row = ApiKey(key_id=key_id, key_hash=hash_key(key), account_id=self.account_id(account), name=name,
+                     created_at=utcnow(), revoked_at=None)
         if not self.keys.add(row):
             raise UserError("that key already exists")
         self.audit.record("api_key_created", row.account_id, key_id=key_id, name=name)
@@ -69,11 +68,11 @@ class Accounts:
         row = self.key_row(key)
         return row.account_id if row is not None and row.revoked_at is None else None
 
-    def key_row(self, key: str) -> ApiKeyRow | None:
+    def key_row(self, key: str) -> ApiKey | None:
         """The stored row of a key (revoked or not), found by its hash."""
         return self.keys.by_hash(hash_key(key))
 
-    def key_by_id(self, key_id: str) -> ApiKeyRow | None:
+    def key_by_id(self, key_id: str) -> ApiKey | None:
         return self.keys.get(key_id)
 
     def auth_failed(self, key: str | None, source: str) -> None:
@@ -89,7 +88,7 @@ class Accounts:
         row = self.accounts.get(account_id)
         return row.name if row is not None else None
 
-    def list_keys(self) -> list[tuple[ApiKeyRow, str]]:
+    def list_keys(self) -> list[tuple[ApiKey, str]]:
         names = {a.account_id: a.name for a in self.accounts.all()}
         return [(k, names.get(k.account_id, "?")) for k in self.keys.all()]
 
@@ -103,11 +102,11 @@ class Accounts:
     def has_keys(self) -> bool:
         return self.keys.any()
 
-    def list_accounts(self) -> list[AccountRow]:
+    def list_accounts(self) -> list[Account]:
         return self.accounts.all()
 
-    def set_quota(self, name: str, **limits: int | None) -> AccountRow:
-        """Set an account's quota overrides (AccountRow columns): None = the server's default,
+    def set_quota(self, name: str, **limits: int | None) -> Account:
+        """Set an account's quota overrides (Account fields): None = the server's default,
         0 = unlimited, n >= 1 = that limit. Limits not named keep their value."""
         for column, value in limits.items():
             if column not in QUOTA_COLUMNS:

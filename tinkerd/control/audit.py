@@ -16,9 +16,8 @@ import threading
 import time
 from datetime import datetime, timedelta
 
-from tinkerd.control.store.accounts import AuditRepository
+from tinkerd.control.store.accounts import AuditEntry, AuditRepository
 from tinkerd.control.store.db import Store, utcnow
-from tinkerd.control.store.tables import AuditRow
 
 # SDK AdminClient.get_audit_log(event_type=...) -> the event prefixes it selects. tinkerd has no
 # projects or teams; its accounts stand in for organizations.
@@ -43,7 +42,7 @@ class AuditLog:
         self._failures: dict[tuple, list] = {}
 
     def record(self, event: str, account_id: str | None, **details) -> None:
-        self.log.add(AuditRow(at=utcnow(), account_id=account_id, event=event, details=details, count=1))
+        self.log.add(utcnow(), account_id, event, details)
 
     def auth_failed(self, source: str, account_id: str | None, reason: str, key_id: str | None = None) -> None:
         now = utcnow()
@@ -53,9 +52,8 @@ class AuditLog:
             if entry is None:
                 self._drop_old(slot[2])
                 details = {"source": source, "reason": reason, **({"key_id": key_id} if key_id else {})}
-                row = AuditRow(at=now, account_id=account_id, event="auth_failed", details=details, count=1)
-                self.log.add(row)
-                self._failures[slot] = [row.audit_id, 0, time.monotonic()]
+                audit_id = self.log.add(now, account_id, "auth_failed", details)
+                self._failures[slot] = [audit_id, 0, time.monotonic()]
                 return
             entry[1] += 1
             if time.monotonic() - entry[2] >= FLUSH_S:
@@ -73,7 +71,7 @@ class AuditLog:
             if entry is not None:
                 self._flush(entry)
 
-    def entries(self, account_id: str, start: datetime, end: datetime, event_type: str = "all") -> list[AuditRow]:
+    def entries(self, account_id: str, start: datetime, end: datetime, event_type: str = "all") -> list[AuditEntry]:
         """The account's events in [start, end), oldest first."""
         with self._lock:
             for entry in self._failures.values():

@@ -25,7 +25,7 @@ concurrent-training-clients limit.
   budget runs alone instead of waiting forever): over a window the account uses about its budget,
   or one op when a single op is bigger. A failed op keeps its charge: it used the engine.
 
-Limits: ServerConfig defaults, replaced per account by AccountRow values (NULL = default,
+Limits: ServerConfig defaults, replaced per account by Account values (NULL = default,
 0 = unlimited), re-read every few seconds so `tinkerd accounts set-quota` applies to a running
 server. The window lives in memory; at start it is seeded from the last window's usage rows.
 """

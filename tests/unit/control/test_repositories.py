@@ -1,0 +1,48 @@
+"""The repositories hand out domain objects, not SQLAlchemy's (issue 18), for the nouns converted so
+far: accounts, API keys and audit entries are frozen dataclasses with the stored values, on both
+backends. A caller cannot change one and believe it stored, nor hold a session open through it."""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import timedelta
+
+import pytest
+
+from tinkerd.control.accounts import Accounts, hash_key
+from tinkerd.control.store.db import Store, utcnow
+from tinkerd.control.store.tables import Base
+
+
+def _frozen(obj) -> None:
+    assert dataclasses.is_dataclass(obj) and not isinstance(obj, Base), type(obj)
+    field = dataclasses.fields(obj)[0].name
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(obj, field, "changed")
+
+
+def test_accounts_keys_and_audit_entries_are_frozen_dataclasses(db_url):
+    accounts = Accounts(Store(db_url))
+    new = accounts.create_key("ci", account="team-a", key="tml-" + "k" * 40)
+    accounts.set_quota("team-a", max_concurrent_runs=3)
+
+    [account] = accounts.list_accounts()
+    _frozen(account)
+    assert (account.name, account.max_concurrent_runs, account.max_tokens_per_minute) == ("team-a", 3, None)
+    assert accounts.set_quota("team-a", max_tokens_per_minute=0) == dataclasses.replace(account, max_tokens_per_minute=0)
+
+    key = accounts.key_row("tml-" + "k" * 40)
+    _frozen(key)
+    assert (key.key_id, key.key_hash, key.account_id, key.name, key.revoked_at) == (
+        new.key_id, hash_key("tml-" + "k" * 40), account.account_id, "ci", None)
+    assert accounts.key_by_id(new.key_id) == key and accounts.list_keys() == [(key, "team-a")]
+    accounts.revoke(new.key_id)
+    assert accounts.key_by_id(new.key_id).revoked_at is not None and key.revoked_at is None  # a copy, not a view
+
+    accounts.auth_failed("tml-" + "k" * 40, "1.2.3.4")  # a revoked key: audited under its account
+    entries = accounts.audit.entries(account.account_id, utcnow() - timedelta(minutes=5), utcnow() + timedelta(minutes=1))
+    for entry in entries:
+        _frozen(entry)
+    assert [e.event for e in entries] == ["api_key_created", "account_quota_set", "account_quota_set",
+                                          "api_key_revoked", "auth_failed"]
+    assert entries[-1].details == {"source": "1.2.3.4", "reason": "revoked key", "key_id": new.key_id}
