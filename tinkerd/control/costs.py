@@ -29,7 +29,7 @@ KINDS = (*TOKEN_KINDS, STORAGE_KIND)
 
 @dataclass
 class Costed:
-    """Quantities by kind (a UsageRow token column, or storage_gb_hours) and their estimated cost."""
+    """Quantities by kind (a UsageRecord token field, or storage_gb_hours) and their estimated cost."""
 
     quantities: dict[str, float] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
     checkpoints: int = 0

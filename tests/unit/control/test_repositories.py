@@ -1,6 +1,7 @@
 """The repositories hand out domain objects, not SQLAlchemy's (issue 18), for the nouns converted so
-far: accounts, API keys and audit entries are frozen dataclasses with the stored values, on both
-backends. A caller cannot change one and believe it stored, nor hold a session open through it."""
+far: accounts, API keys, audit entries and usage records are frozen dataclasses with the stored
+values, on both backends. A caller cannot change one and believe it stored, nor hold a session open
+through it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from datetime import timedelta
 import pytest
 
 from tinkerd.control.accounts import Accounts, hash_key
+from tinkerd.control.metering import Billing, Meter, Usage
 from tinkerd.control.store.db import Store, utcnow
 from tinkerd.control.store.tables import Base
 
@@ -46,3 +48,16 @@ def test_accounts_keys_and_audit_entries_are_frozen_dataclasses(db_url):
     assert [e.event for e in entries] == ["api_key_created", "account_quota_set", "account_quota_set",
                                           "api_key_revoked", "auth_failed"]
     assert entries[-1].details == {"source": "1.2.3.4", "reason": "revoked key", "key_id": new.key_id}
+
+
+def test_usage_records_are_frozen_dataclasses(db_url):
+    meter = Meter(Store(db_url))
+    billing = Billing("acct-a", "sess-1", "tiny", lambda result: Usage(trained_tokens=result, checkpoints=1))
+    meter.record("req-1", "ForwardBackward", "sess-1:train:0", billing, 7, queue_wait_s=0.5, compute_s=2.0)
+    meter.record("req-1", "ForwardBackward", "sess-1:train:0", billing, 9, queue_wait_s=0.5, compute_s=2.0)  # redone
+    [record] = meter.rows("acct-a")
+    _frozen(record)
+    assert (record.request_id, record.account_id, record.session_id, record.target, record.base_model,
+            record.trained_tokens, record.checkpoints, record.queue_wait_s, record.compute_s) == (
+        "req-1", "acct-a", "sess-1", "sess-1:train:0", "tiny", 7, 1, 0.5, 2.0)  # the first record stays
+    assert meter.rows("acct-b") == [] and meter.usage.of_accounts_after(record.completed_at - timedelta(seconds=1)) == [record]
