@@ -27,7 +27,8 @@ from tinkerd.control.store.checkpoints import CheckpointRepository
 from tinkerd.control.store.db import Store, utcnow
 from tinkerd.control.store.runs import RunRepository
 from tinkerd.control.store.sampling import SamplingSessionRepository
-from tinkerd.control.store.tables import CheckpointRow, SamplingSessionRow, SessionRow, TrainingRunRow
+from tinkerd.control.store.sessions import Session, SessionRepository
+from tinkerd.control.store.tables import CheckpointRow, SamplingSessionRow, TrainingRunRow
 from tinkerd.errors import NotFoundError, ServerError, UserError
 
 log = logging.getLogger(__name__)
@@ -104,6 +105,7 @@ def check_ttl(ttl_seconds) -> int | None:
 class Runs:
     def __init__(self, store: Store, artifacts: ArtifactStore, audit: AuditLog | None = None):
         self.store = store
+        self.sessions = SessionRepository(store)
         self.training_runs = RunRepository(store)
         self.checkpoints = CheckpointRepository(store)
         self.samplers = SamplingSessionRepository(store)
@@ -128,55 +130,53 @@ class Runs:
             self.reserve.check()
         session_id = session_id or f"sess-{secrets.token_hex(8)}"
         now = utcnow()
-        self.store.add(
-            SessionRow(session_id=session_id, account_id=account_id, created_at=now, last_heartbeat_at=now, tags=list(tags or []),
-                       user_metadata=dict(user_metadata or {}), sdk_version=sdk_version,
-                       display_name=display_name, project_id=project_id)
-        )
+        self.sessions.add(Session(session_id=session_id, account_id=account_id, created_at=now, last_heartbeat_at=now,
+                                  tags=list(tags or []), user_metadata=dict(user_metadata or {}), sdk_version=sdk_version,
+                                  finished_reason=None, display_name=display_name, project_id=project_id))
         return session_id
 
     def _lookup(self, row_type: type, key: str, what: str, account_id: str | None = None):
         """The row, or NotFoundError; with an account, another account's row is missing too
         (same message, so existence never leaks). Non-session rows are owned through their session."""
-        row = self.store.get(row_type, key)
+        row = self.sessions.get(key) if row_type is Session else self.store.get(row_type, key)
         if row is not None and account_id is not None:
-            owner = row.account_id if isinstance(row, SessionRow) else self.account_of(row.session_id)
+            owner = row.account_id if isinstance(row, Session) else self.account_of(row.session_id)
             if owner != account_id:
                 row = None
         if row is None:
             raise NotFoundError(f"unknown {what} {key!r}")
         return row
 
-    def session(self, session_id: str) -> SessionRow:
-        return self._lookup(SessionRow, session_id, "session_id")
+    def session(self, session_id: str) -> Session:
+        return self._lookup(Session, session_id, "session_id")
 
-    def owned_session(self, session_id: str, account_id: str | None) -> SessionRow:
-        return self._lookup(SessionRow, session_id, "session_id", account_id)
+    def owned_session(self, session_id: str, account_id: str | None) -> Session:
+        return self._lookup(Session, session_id, "session_id", account_id)
 
     def session_exists(self, session_id: str) -> bool:
-        return self.store.get(SessionRow, session_id) is not None
+        return self.sessions.get(session_id) is not None
 
     def run_count(self, session_id: str) -> int:
         """How many training runs the session has made: the next model_seq_id of an implicit session."""
         return self.training_runs.count_of_session(session_id)
 
     def account_of(self, session_id: str) -> str | None:
-        row = self.store.get(SessionRow, session_id)
+        row = self.sessions.get(session_id)
         return row.account_id if row is not None else None
 
     def set_project(self, session_id: str, project_id: str, account_id: str | None) -> None:
         row = self.owned_session(session_id, account_id)
-        self.store.update(SessionRow, session_id, project_id=project_id)
+        self.sessions.set(session_id, project_id=project_id)
         self.audit.record("project_session_assigned", row.account_id, session_id=session_id, project_id=project_id,
                           previous_project_id=row.project_id)
 
     def heartbeat(self, session_id: str, account_id: str | None = None) -> None:
         self.owned_session(session_id, account_id)
-        self.store.update(SessionRow, session_id, last_heartbeat_at=utcnow())
+        self.sessions.set(session_id, last_heartbeat_at=utcnow())
 
     def finish_session(self, session_id: str, reason: str | None, account_id: str | None = None) -> None:
         self.owned_session(session_id, account_id)
-        self.store.update(SessionRow, session_id, finished_reason=reason or "unknown")
+        self.sessions.set(session_id, finished_reason=reason or "unknown")
 
     # -- training runs ---------------------------------------------------------------------------
 

@@ -13,8 +13,7 @@ from tinkerd.control.runs import Runs
 from tinkerd.control.store.db import utcnow
 from tinkerd.control.store.runs import RunRepository
 from tinkerd.control.store.sampling import SamplingSessionRepository
-from tinkerd.control.store.sessions import SessionRepository
-from tinkerd.control.store.tables import SessionRow
+from tinkerd.control.store.sessions import Session, SessionRepository
 
 CLIENT_REASONS = ("success", "errored", "interrupted")
 
@@ -30,7 +29,7 @@ class SessionSearch:
     project_ids: list[str] | None = None  # None: every project, and sessions in none
 
 
-def status_of(row: SessionRow) -> dict:
+def status_of(row: Session) -> dict:
     if row.finished_reason is None:
         return {"type": "active"}
     if row.finished_reason in CLIENT_REASONS:
@@ -38,7 +37,7 @@ def status_of(row: SessionRow) -> dict:
     return None  # finished for a reason the SDK has no status for (tinkerd's own, or unknown)
 
 
-def _matches_status(row: SessionRow, queries: list[dict] | None) -> bool:
+def _matches_status(row: Session, queries: list[dict] | None) -> bool:
     if queries is None:
         return True
     for q in queries:
@@ -49,7 +48,7 @@ def _matches_status(row: SessionRow, queries: list[dict] | None) -> bool:
     return False
 
 
-def _matches_name(row: SessionRow, display_name: str) -> bool:
+def _matches_name(row: Session, display_name: str) -> bool:
     name = (row.display_name or "").lower()
     return all(word in name for word in display_name.lower().split())
 
@@ -63,15 +62,15 @@ class Sessions:
     def list(self, account_id: str, limit: int, offset: int) -> list[str]:
         return self.sessions.ids_of_account(account_id, limit, offset)
 
-    def get(self, session_id: str, account_id: str) -> tuple[SessionRow, list[str], list[str]]:
+    def get(self, session_id: str, account_id: str) -> tuple[Session, list[str], list[str]]:
         row = self.runs.owned_session(session_id, account_id)
         runs = RunRepository(self.store).ids_of_session(session_id)
         samplers = SamplingSessionRepository(self.store).ids_of_session(session_id)
         return row, runs, samplers
 
-    def search(self, account_id: str, q: SessionSearch) -> tuple[list[SessionRow], bool]:
+    def search(self, account_id: str, q: SessionSearch) -> tuple[list[Session], bool]:
         """A page of the account's matching sessions, newest first, and whether more follow."""
-        page: list[SessionRow] = []
+        page: list[Session] = []
         for row in self.sessions.of_account(account_id, q.project_ids, q.after):
             named = q.session_id is not None or q.display_name is not None
             if named and not (row.session_id == q.session_id
@@ -91,7 +90,7 @@ class Sessions:
         """session_id -> (live checkpoint count, their bytes)."""
         return self.sessions.checkpoint_totals(session_ids, utcnow())
 
-    def by_ids(self, session_ids: set[str]) -> list[SessionRow]:
+    def by_ids(self, session_ids: set[str]) -> list[Session]:
         return self.sessions.by_ids(session_ids)
 
     def projects_of_runs(self, model_ids: set[str]) -> dict[str, str | None]:

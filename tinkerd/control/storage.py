@@ -21,7 +21,8 @@ from datetime import datetime, timedelta
 from tinkerd.control.metering import Bucket
 from tinkerd.control.store.db import Store, utcnow
 from tinkerd.control.store.checkpoints import CheckpointRepository, CheckpointStorageRepository
-from tinkerd.control.store.tables import CheckpointRow, CheckpointStorageRow, SessionRow, TrainingRunRow
+from tinkerd.control.store.sessions import SessionRepository
+from tinkerd.control.store.tables import CheckpointRow, CheckpointStorageRow, TrainingRunRow
 
 BYTES_PER_GB = 1e9
 GB_HOURS_PER_GB_MONTH = 720
@@ -86,7 +87,7 @@ class StorageLedger:
         if self.store.get(CheckpointStorageRow, storage_id(row)) is not None:
             return
         run = self.store.get(TrainingRunRow, row.model_id)
-        session = self.store.get(SessionRow, run.session_id) if run is not None else None
+        session = SessionRepository(self.store).get(run.session_id) if run is not None else None
         self.store.add(CheckpointStorageRow(
             storage_id=storage_id(row), tinker_path=row.tinker_path,
             account_id=session.account_id if session is not None else None,

@@ -1,7 +1,7 @@
 """The repositories hand out domain objects, not SQLAlchemy's (issue 18), for the nouns converted so
-far: accounts, API keys, audit entries and usage records are frozen dataclasses with the stored
-values, on both backends. A caller cannot change one and believe it stored, nor hold a session open
-through it."""
+far: accounts, API keys, audit entries, usage records and sessions are frozen dataclasses with the
+stored values, on both backends. A caller cannot change one and believe it stored, nor hold a
+session open through it."""
 
 from __future__ import annotations
 
@@ -11,9 +11,13 @@ from datetime import timedelta
 import pytest
 
 from tinkerd.control.accounts import Accounts, hash_key
+from tinkerd.artifacts import LocalArtifactStore
 from tinkerd.control.metering import Billing, Meter, Usage
+from tinkerd.control.runs import Runs
+from tinkerd.control.sessions import Sessions, SessionSearch
 from tinkerd.control.store.db import Store, utcnow
 from tinkerd.control.store.tables import Base
+from tinkerd.errors import NotFoundError
 
 
 def _frozen(obj) -> None:
@@ -61,3 +65,20 @@ def test_usage_records_are_frozen_dataclasses(db_url):
             record.trained_tokens, record.checkpoints, record.queue_wait_s, record.compute_s) == (
         "req-1", "acct-a", "sess-1", "sess-1:train:0", "tiny", 7, 1, 0.5, 2.0)  # the first record stays
     assert meter.rows("acct-b") == [] and meter.usage.of_accounts_after(record.completed_at - timedelta(seconds=1)) == [record]
+
+
+def test_sessions_are_frozen_dataclasses(db_url, tmp_path):
+    runs = Runs(Store(db_url), LocalArtifactStore(tmp_path))
+    sid = runs.create_session(["a"], {"k": "v"}, "0.38", account_id="acct-a", display_name="first", project_id="p")
+    session = runs.owned_session(sid, "acct-a")
+    _frozen(session)
+    assert (session.session_id, session.account_id, session.tags, session.user_metadata, session.sdk_version,
+            session.finished_reason, session.display_name, session.project_id) == (
+        sid, "acct-a", ["a"], {"k": "v"}, "0.38", None, "first", "p")
+    runs.finish_session(sid, "success", "acct-a")
+    assert runs.session(sid).finished_reason == "success" and session.finished_reason is None  # a copy
+    sessions = Sessions(runs)
+    [found], more = sessions.search("acct-a", SessionSearch(display_name="first"))
+    assert found == runs.session(sid) and not more and sessions.by_ids({sid}) == [found]
+    with pytest.raises(NotFoundError):
+        runs.owned_session(sid, "acct-b")  # another account's session is missing, as before

@@ -1,9 +1,11 @@
 """Sessions, and what hangs off a session alone (its projects, its custom losses), behind
 repositories: control/sessions.py, control/projects.py, control/custom_losses.py and control/runs.py
-hold the rules, the queries are here."""
+hold the rules, the queries are here. Sessions come out as frozen Session dataclasses, not rows."""
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from datetime import datetime
 
 from sqlalchemy import func, or_, select
@@ -12,21 +14,48 @@ from tinkerd.control.store.db import Store
 from tinkerd.control.store.tables import CheckpointRow, CustomLossRow, SessionRow, TrainingRunRow
 
 
+@dataclass(frozen=True)
+class Session:
+    session_id: str
+    # The account of the key that created it (its runs, checkpoints and samplers are that account's);
+    # None only for internal callers.
+    account_id: str | None
+    created_at: datetime
+    last_heartbeat_at: datetime
+    tags: list
+    user_metadata: dict
+    sdk_version: str | None
+    finished_reason: str | None  # None: active
+    display_name: str | None
+    project_id: str | None
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(Session))
+
+
+def _session(row: SessionRow | None) -> Session | None:
+    if row is None:
+        return None
+    return Session(**{**{name: getattr(row, name) for name in _FIELDS},
+                      "tags": list(row.tags or []), "user_metadata": dict(row.user_metadata or {})})
+
+
 class SessionRepository:
     def __init__(self, store: Store):
         self.store = store
 
-    def get(self, session_id: str) -> SessionRow | None:
-        return self.store.get(SessionRow, session_id)
+    def get(self, session_id: str) -> Session | None:
+        return _session(self.store.get(SessionRow, session_id))
 
-    def add(self, row: SessionRow) -> bool:
-        return self.store.add(row)
+    def add(self, session: Session) -> bool:
+        """False when the session_id exists."""
+        return self.store.add(SessionRow(**dataclasses.asdict(session)))
 
     def set(self, session_id: str, **values) -> None:
         self.store.update(SessionRow, session_id, **values)
 
-    def all(self) -> list[SessionRow]:
-        return self.store.query(select(SessionRow))
+    def all(self) -> list[Session]:
+        return [_session(r) for r in self.store.query(select(SessionRow))]
 
     def ids_of_account(self, account_id: str, limit: int, offset: int) -> list[str]:
         """A page of the account's session ids, newest first."""
@@ -35,7 +64,7 @@ class SessionRepository:
                                 .limit(limit).offset(offset))
 
     def of_account(self, account_id: str, project_ids: list[str] | None = None,
-                   after: tuple[datetime, str] | None = None) -> list[SessionRow]:
+                   after: tuple[datetime, str] | None = None) -> list[Session]:
         """The account's sessions (of `project_ids` when given), newest first, after the cursor
         (created_at, session_id) when given."""
         stmt = select(SessionRow).where(SessionRow.account_id == account_id)
@@ -44,12 +73,12 @@ class SessionRepository:
         if after is not None:
             at, sid = after
             stmt = stmt.where((SessionRow.created_at < at) | ((SessionRow.created_at == at) & (SessionRow.session_id > sid)))
-        return self.store.query(stmt.order_by(SessionRow.created_at.desc(), SessionRow.session_id))
+        return [_session(r) for r in self.store.query(stmt.order_by(SessionRow.created_at.desc(), SessionRow.session_id))]
 
-    def by_ids(self, session_ids) -> list[SessionRow]:
+    def by_ids(self, session_ids) -> list[Session]:
         if not session_ids:
             return []
-        return self.store.query(select(SessionRow).where(SessionRow.session_id.in_(list(session_ids))))
+        return [_session(r) for r in self.store.query(select(SessionRow).where(SessionRow.session_id.in_(list(session_ids))))]
 
     def heard_from_since(self, session_ids, since: datetime) -> set[str]:
         """Those of `session_ids` that sent a heartbeat at or after `since`."""
