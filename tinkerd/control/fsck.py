@@ -44,7 +44,7 @@ from tinkerd.control.store.futures import FutureRepository
 from tinkerd.control.store.runs import RunRepository
 from tinkerd.control.store.sampling import SamplingSessionRepository
 from tinkerd.control.store.sessions import SessionRepository
-from tinkerd.control.store.tables import CheckpointRow, FutureRow, SamplingSessionRow, TrainingRunRow
+from tinkerd.control.store.tables import CheckpointRow, FutureRow, TrainingRunRow
 
 # The files engine/checkpoints.py writes (control may not import the engine; a unit test checks that
 # these names equal engine.checkpoints' own). Exports (external) may be age-encrypted: `<file>.age`.
@@ -223,7 +223,7 @@ class Fsck:
             target = row.target.split("#", 1)[0]  # shared targets carry "#<account>" (api/routes/sampling.py)
             if ":train:" in target and self.store.get(TrainingRunRow, target) is None:
                 missing = f"training run {target}"
-            elif ":sample:" in target and self.store.get(SamplingSessionRow, target) is None:
+            elif ":sample:" in target and SamplingSessionRepository(self.store).get(target) is None:
                 missing = f"sampling session {target}"
             elif target.startswith("tinker://") and self.store.get(CheckpointRow, target) is None:
                 missing = f"checkpoint {target}"

@@ -19,8 +19,7 @@ from typing import Callable
 from tinkerd.artifacts import adapter_key
 from tinkerd.control.oplog import CreateSampler
 from tinkerd.control.runs import Runs
-from tinkerd.control.store.sampling import SamplingSessionRepository
-from tinkerd.control.store.tables import SamplingSessionRow
+from tinkerd.control.store.sampling import SamplingSession, SamplingSessionRepository
 
 
 def _seq(sampling_session_id: str) -> int:
@@ -53,7 +52,7 @@ def publish(runs: Runs, effect: CreateSampler, keep: int, busy: Callable[[str], 
     return deleted
 
 
-def kept_dirs(rows: list[SamplingSessionRow]) -> set[str]:
+def kept_dirs(rows: list[SamplingSession]) -> set[str]:
     """Names under checkpoints/_ephemeral that inflight sessions own (for fsck): each inflight
     session's own save directory, which publish deletes once it is no longer among the kept."""
     return {r.sampling_session_id for r in rows if r.inflight_of is not None}

@@ -18,7 +18,7 @@ import secrets
 import threading
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from typing import Callable
+from typing import Any, Callable
 
 from tinkerd.artifacts import ArtifactStore, join, key_of_path
 from tinkerd.control.audit import AuditLog
@@ -26,9 +26,9 @@ from tinkerd.control.storage import StorageLedger
 from tinkerd.control.store.checkpoints import CheckpointRepository
 from tinkerd.control.store.db import Store, utcnow
 from tinkerd.control.store.runs import RunRepository
-from tinkerd.control.store.sampling import SamplingSessionRepository
+from tinkerd.control.store.sampling import SamplingSession, SamplingSessionRepository
 from tinkerd.control.store.sessions import Session, SessionRepository
-from tinkerd.control.store.tables import CheckpointRow, SamplingSessionRow, TrainingRunRow
+from tinkerd.control.store.tables import CheckpointRow, TrainingRunRow
 from tinkerd.errors import NotFoundError, ServerError, UserError
 
 log = logging.getLogger(__name__)
@@ -135,10 +135,10 @@ class Runs:
                                   finished_reason=None, display_name=display_name, project_id=project_id))
         return session_id
 
-    def _lookup(self, row_type: type, key: str, what: str, account_id: str | None = None):
-        """The row, or NotFoundError; with an account, another account's row is missing too
-        (same message, so existence never leaks). Non-session rows are owned through their session."""
-        row = self.sessions.get(key) if row_type is Session else self.store.get(row_type, key)
+    def _lookup(self, get: Callable[[str], Any], key: str, what: str, account_id: str | None = None):
+        """What `get` finds under `key`, or NotFoundError; with an account, another account's is
+        missing too (same message, so existence never leaks). Non-sessions are owned through their session."""
+        row = get(key)
         if row is not None and account_id is not None:
             owner = row.account_id if isinstance(row, Session) else self.account_of(row.session_id)
             if owner != account_id:
@@ -148,10 +148,10 @@ class Runs:
         return row
 
     def session(self, session_id: str) -> Session:
-        return self._lookup(Session, session_id, "session_id")
+        return self._lookup(self.sessions.get, session_id, "session_id")
 
     def owned_session(self, session_id: str, account_id: str | None) -> Session:
-        return self._lookup(Session, session_id, "session_id", account_id)
+        return self._lookup(self.sessions.get, session_id, "session_id", account_id)
 
     def session_exists(self, session_id: str) -> bool:
         return self.sessions.get(session_id) is not None
@@ -194,10 +194,10 @@ class Runs:
         return (row if created else self.run(model_id)), created
 
     def run(self, model_id: str) -> TrainingRunRow:
-        return self._lookup(TrainingRunRow, model_id, "model_id")
+        return self._lookup(self.training_runs.get, model_id, "model_id")
 
     def owned_run(self, model_id: str, account_id: str | None) -> TrainingRunRow:
-        return self._lookup(TrainingRunRow, model_id, "model_id", account_id)
+        return self._lookup(self.training_runs.get, model_id, "model_id", account_id)
 
     def touch(self, model_id: str) -> None:
         self.store.update(TrainingRunRow, model_id, last_request_at=utcnow())
@@ -342,26 +342,26 @@ class Runs:
 
     def create_sampling_session(self, session_id: str, seq_id: int, base_model: str, model_path: str | None,
                                 adapter_dir: str | None, account_id: str | None = None,
-                                accepted: bool = False, inflight_of: str | None = None) -> SamplingSessionRow:
+                                accepted: bool = False, inflight_of: str | None = None) -> SamplingSession:
         """accepted=True: the sampler an accepted op made (save_weights_for_sampler's ephemeral one),
         which spends the free-space reserve; otherwise a new sampler is new work, refused under it
         (a re-send of one already made is not)."""
         self.owned_session(session_id, account_id)
         sid = f"{session_id}:sample:{seq_id}"
-        if not accepted and self.reserve is not None and self.store.get(SamplingSessionRow, sid) is None:
+        if not accepted and self.reserve is not None and self.samplers.get(sid) is None:
             self.reserve.check()
-        row = SamplingSessionRow(sampling_session_id=sid, session_id=session_id, base_model=base_model,
-                                 model_path=model_path, adapter_dir=adapter_dir, created_at=utcnow(),
-                                 inflight_of=inflight_of)
-        if not self.store.add(row):
+        row = SamplingSession(sampling_session_id=sid, session_id=session_id, base_model=base_model,
+                              model_path=model_path, adapter_dir=adapter_dir, created_at=utcnow(),
+                              clients_joined=None, inflight_of=inflight_of)
+        if not self.samplers.add(row):
             return self.sampling_session(sid)
         return row
 
-    def sampling_session(self, sampling_session_id: str) -> SamplingSessionRow:
-        return self._lookup(SamplingSessionRow, sampling_session_id, "sampling_session_id")
+    def sampling_session(self, sampling_session_id: str) -> SamplingSession:
+        return self._lookup(self.samplers.get, sampling_session_id, "sampling_session_id")
 
-    def owned_sampling_session(self, sampling_session_id: str, account_id: str | None) -> SamplingSessionRow:
-        return self._lookup(SamplingSessionRow, sampling_session_id, "sampling_session_id", account_id)
+    def owned_sampling_session(self, sampling_session_id: str, account_id: str | None) -> SamplingSession:
+        return self._lookup(self.samplers.get, sampling_session_id, "sampling_session_id", account_id)
 
     def join_sampling_session(self, sampling_session_id: str, account_id: str | None) -> int:
         """A new client id of the sampling session, unique among its clients: 1, 2, ... (0 is the
@@ -391,7 +391,7 @@ class Runs:
         for row in ephemeral[: max(0, len(ephemeral) - keep)]:
             if busy(row.sampling_session_id):
                 continue
-            self.store.delete(SamplingSessionRow, row.sampling_session_id)
+            self.samplers.delete(row.sampling_session_id)
             self.artifacts.delete(key_of_path(row.adapter_dir))
             deleted.append(row.sampling_session_id)
         return deleted

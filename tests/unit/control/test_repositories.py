@@ -1,7 +1,7 @@
 """The repositories hand out domain objects, not SQLAlchemy's (issue 18), for the nouns converted so
-far: accounts, API keys, audit entries, usage records and sessions are frozen dataclasses with the
-stored values, on both backends. A caller cannot change one and believe it stored, nor hold a
-session open through it."""
+far: accounts, API keys, audit entries, usage records, sessions and sampling sessions are frozen
+dataclasses with the stored values, on both backends. A caller cannot change one and believe it
+stored, nor hold a session open through it."""
 
 from __future__ import annotations
 
@@ -82,3 +82,19 @@ def test_sessions_are_frozen_dataclasses(db_url, tmp_path):
     assert found == runs.session(sid) and not more and sessions.by_ids({sid}) == [found]
     with pytest.raises(NotFoundError):
         runs.owned_session(sid, "acct-b")  # another account's session is missing, as before
+
+
+def test_sampling_sessions_are_frozen_dataclasses(db_url, tmp_path):
+    runs = Runs(Store(db_url), LocalArtifactStore(tmp_path))
+    sid = runs.create_session([], {}, "0.38", account_id="acct-a")
+    sampler = runs.create_sampling_session(sid, 0, "tiny", "tinker://r/sampler_weights/x", "checkpoints/r/x", "acct-a")
+    _frozen(sampler)
+    assert runs.create_sampling_session(sid, 0, "tiny", None, None, "acct-a") == sampler  # a re-send: the same one
+    assert runs.owned_sampling_session(sampler.sampling_session_id, "acct-a") == sampler
+    assert (sampler.sampling_session_id, sampler.session_id, sampler.model_path, sampler.adapter_dir,
+            sampler.clients_joined, sampler.inflight_of) == (f"{sid}:sample:0", sid, "tinker://r/sampler_weights/x",
+                                                            "checkpoints/r/x", None, None)
+    assert runs.join_sampling_session(sampler.sampling_session_id, "acct-a") == 1
+    assert runs.sampling_session(sampler.sampling_session_id).clients_joined == 1 and sampler.clients_joined is None
+    with pytest.raises(NotFoundError):
+        runs.owned_sampling_session(sampler.sampling_session_id, "acct-b")

@@ -1,9 +1,10 @@
 """Sampling sessions and the samples recorded for stable_reinforce behind repositories
 (control/runs.py, inflight.py, residency.py, overview.py, costs.py and stability.py hold the rules;
-the queries are here)."""
+the queries are here). Sampling sessions come out as frozen SamplingSession dataclasses, not rows."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -14,10 +15,29 @@ from tinkerd.control.store.tables import RecordedSampleRow, SamplingSessionRow, 
 
 
 @dataclass(frozen=True)
+class SamplingSession:
+    sampling_session_id: str  # `{session_id}:sample:{n}`
+    session_id: str
+    base_model: str
+    model_path: str | None  # the tinker:// path the user named (None: base model, ephemeral, inflight)
+    adapter_dir: str | None  # the adapter the engine loads (None: the base model alone)
+    created_at: datetime
+    clients_joined: int | None  # clients that joined it (join_sampling_session); None: none yet
+    inflight_of: str | None  # an inflight sampler: the training run whose inflight target it follows
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingSession))
+
+
+def _sampler(row: SamplingSessionRow | None) -> SamplingSession | None:
+    return None if row is None else SamplingSession(**{name: getattr(row, name) for name in _FIELDS})
+
+
+@dataclass(frozen=True)
 class SamplerUse:
     """A sampling session and its metered sample requests (the console's sampling activity)."""
 
-    session: SamplingSessionRow
+    session: SamplingSession
     requests: int
     prefill_tokens: int
     sampled_tokens: int
@@ -28,11 +48,12 @@ class SamplingSessionRepository:
     def __init__(self, store: Store):
         self.store = store
 
-    def get(self, sampling_session_id: str) -> SamplingSessionRow | None:
-        return self.store.get(SamplingSessionRow, sampling_session_id)
+    def get(self, sampling_session_id: str) -> SamplingSession | None:
+        return _sampler(self.store.get(SamplingSessionRow, sampling_session_id))
 
-    def add(self, row: SamplingSessionRow) -> bool:
-        return self.store.add(row)
+    def add(self, sampler: SamplingSession) -> bool:
+        """False when the id exists."""
+        return self.store.add(SamplingSessionRow(**dataclasses.asdict(sampler)))
 
     def delete(self, sampling_session_id: str) -> None:
         self.store.delete(SamplingSessionRow, sampling_session_id)
@@ -59,15 +80,16 @@ class SamplingSessionRepository:
             row.clients_joined = (row.clients_joined or 0) + 1
             return row.clients_joined
 
-    def ephemeral_of_session(self, session_id: str) -> list[SamplingSessionRow]:
+    def ephemeral_of_session(self, session_id: str) -> list[SamplingSession]:
         """The session's samplers of unnamed weights (no model_path, an adapter, not inflight)."""
-        return self.store.query(select(SamplingSessionRow).where(
+        return [_sampler(r) for r in self.store.query(select(SamplingSessionRow).where(
             SamplingSessionRow.session_id == session_id, SamplingSessionRow.model_path.is_(None),
-            SamplingSessionRow.adapter_dir.is_not(None), SamplingSessionRow.inflight_of.is_(None)))
+            SamplingSessionRow.adapter_dir.is_not(None), SamplingSessionRow.inflight_of.is_(None)))]
 
-    def inflight_of(self, model_id: str) -> list[SamplingSessionRow]:
+    def inflight_of(self, model_id: str) -> list[SamplingSession]:
         """The inflight samplers following a run's inflight target."""
-        return self.store.query(select(SamplingSessionRow).where(SamplingSessionRow.inflight_of == model_id))
+        return [_sampler(r) for r in
+                self.store.query(select(SamplingSessionRow).where(SamplingSessionRow.inflight_of == model_id))]
 
     def repoint_inflight(self, model_id: str, adapter_dir: str) -> None:
         """Every inflight sampler of the run samples `adapter_dir` from now on (one statement)."""
@@ -75,11 +97,11 @@ class SamplingSessionRepository:
             s.execute(update(SamplingSessionRow).where(SamplingSessionRow.inflight_of == model_id)
                       .values(adapter_dir=adapter_dir))
 
-    def with_adapter(self, adapter_dirs: list[str] | None = None) -> list[SamplingSessionRow]:
+    def with_adapter(self, adapter_dirs: list[str] | None = None) -> list[SamplingSession]:
         """Sampling sessions that load an adapter (one of `adapter_dirs` when given)."""
         where = (SamplingSessionRow.adapter_dir.is_not(None) if adapter_dirs is None
                  else SamplingSessionRow.adapter_dir.in_(adapter_dirs))
-        return self.store.query(select(SamplingSessionRow).where(where))
+        return [_sampler(r) for r in self.store.query(select(SamplingSessionRow).where(where))]
 
     def runs_of_account(self, account_id: str) -> list[tuple[str, str | None, str | None]]:
         """(sampling_session_id, model_path, inflight_of) of the account's sampling sessions."""
@@ -100,7 +122,8 @@ class SamplingSessionRepository:
                 .where(of_run)
                 .group_by(SamplingSessionRow.sampling_session_id)
                 .order_by(SamplingSessionRow.created_at.desc()).limit(limit))
-        return [SamplerUse(r, int(n), int(pre), int(samp), last) for r, n, pre, samp, last in self.store.rows(stmt)]
+        return [SamplerUse(_sampler(r), int(n), int(pre), int(samp), last)
+                for r, n, pre, samp, last in self.store.rows(stmt)]
 
 
 class RecordedSampleRepository:
