@@ -234,7 +234,7 @@ class ServerConfig(BaseModel):
                                                        "less; 0: never refuse)")
 
     def token_price_usd_per_mtok(self, kind: str) -> float:
-        """The price of a metered token kind (a UsageRow column name)."""
+        """The price of a metered token kind (a UsageRecord field name)."""
         return {"trained_tokens": self.price_train_usd_per_mtok, "forward_tokens": self.price_forward_usd_per_mtok,
                 "prefill_tokens": self.price_prefill_usd_per_mtok, "sampled_tokens": self.price_sample_usd_per_mtok}[kind]
 

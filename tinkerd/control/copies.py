@@ -20,7 +20,8 @@ import secrets
 from tinkerd.control.projects import check_project_id
 from tinkerd.control.runs import Runs, TinkerPath, check_ttl, parse_tinker_path
 from tinkerd.control.store.db import utcnow
-from tinkerd.control.store.tables import SessionRow, TrainingRunRow, UnloadedRunRow
+from tinkerd.control.store.sessions import Session
+from tinkerd.control.store.tables import TrainingRunRow, UnloadedRunRow
 from tinkerd.errors import UserError
 
 # lora_config key marking a run made by copy_weights (training ops refuse it).
@@ -78,16 +79,16 @@ def _copy_session(runs: Runs, account_id: str | None, idempotency_key: str | Non
     if idempotency_key:
         digest = hashlib.sha256(f"{account_id}\0{idempotency_key}".encode()).hexdigest()[:16]
         session_id = f"sess-{digest}"
-        row = runs.store.get(SessionRow, session_id)
+        row = runs.sessions.get(session_id)
         if row is not None and row.account_id == account_id:
             return session_id
     else:
         session_id = f"sess-{secrets.token_hex(8)}"
     now = utcnow()
     # Finished at once: nobody heart-beats it, and its run must not count as a live one for quotas.
-    runs.store.add(SessionRow(session_id=session_id, account_id=account_id, created_at=now, last_heartbeat_at=now,
+    runs.sessions.add(Session(session_id=session_id, account_id=account_id, created_at=now, last_heartbeat_at=now,
                               tags=["copy_weights"], user_metadata={}, sdk_version=None, finished_reason="copy_weights",
-                              project_id=project_id))
+                              display_name=None, project_id=project_id))
     return runs.owned_session(session_id, account_id).session_id
 
 

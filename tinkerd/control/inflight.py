@@ -16,12 +16,10 @@ from __future__ import annotations
 
 from typing import Callable
 
-from sqlalchemy import select, update
-
 from tinkerd.artifacts import adapter_key
 from tinkerd.control.oplog import CreateSampler
 from tinkerd.control.runs import Runs
-from tinkerd.control.store.tables import SamplingSessionRow
+from tinkerd.control.store.sampling import SamplingSession, SamplingSessionRepository
 
 
 def _seq(sampling_session_id: str) -> int:
@@ -38,11 +36,9 @@ def publish(runs: Runs, effect: CreateSampler, keep: int, busy: Callable[[str], 
     """
     runs.create_sampling_session(effect.session_id, effect.sampling_session_seq_id, effect.base_model, None,
                                  effect.adapter_dir, accepted=True, inflight_of=effect.inflight_of)
-    with runs.store.write() as s:
-        s.execute(update(SamplingSessionRow)
-                  .where(SamplingSessionRow.inflight_of == effect.inflight_of)
-                  .values(adapter_dir=effect.adapter_dir))
-    rows = runs.store.query(select(SamplingSessionRow).where(SamplingSessionRow.inflight_of == effect.inflight_of))
+    samplers = SamplingSessionRepository(runs.store)
+    samplers.repoint_inflight(effect.inflight_of, effect.adapter_dir)
+    rows = samplers.inflight_of(effect.inflight_of)
     if any(busy(r.sampling_session_id) for r in rows):
         return []
     rows.sort(key=lambda r: _seq(r.sampling_session_id))
@@ -56,7 +52,7 @@ def publish(runs: Runs, effect: CreateSampler, keep: int, busy: Callable[[str], 
     return deleted
 
 
-def kept_dirs(rows: list[SamplingSessionRow]) -> set[str]:
+def kept_dirs(rows: list[SamplingSession]) -> set[str]:
     """Names under checkpoints/_ephemeral that inflight sessions own (for fsck): each inflight
     session's own save directory, which publish deletes once it is no longer among the kept."""
     return {r.sampling_session_id for r in rows if r.inflight_of is not None}

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from sqlalchemy import event
 
 from tinkerd.control.metering import Usage
 from tinkerd.control.scheduler import Scheduler
@@ -87,24 +86,16 @@ class Metrics:
         self.watch_store(control.store)
 
     def watch_store(self, store: "Store") -> None:
-        def _start(conn, cursor, statement, parameters, context, executemany):
-            conn.info.setdefault("tinkerd_t0", []).append(time.perf_counter())
+        def observe(kind: str, seconds: float) -> None:
+            self.db_latency.labels(kind if kind in _STATEMENTS else "other").observe(seconds)
 
-        def _end(conn, cursor, statement, parameters, context, executemany):
-            starts = conn.info.get("tinkerd_t0")
-            if starts:
-                kind = statement.lstrip()[:6].lower()
-                self.db_latency.labels(kind if kind in _STATEMENTS else "other").observe(time.perf_counter() - starts.pop())
-
-        for name, fn in (("before_cursor_execute", _start), ("after_cursor_execute", _end)):
-            event.listen(store.engine, name, fn)
-            self._listeners.append((store.engine, name, fn))
+        self._listeners.append(store.time_statements(observe))
 
     def disable(self) -> None:
         """Count nothing from now on (--no-metrics; benchmarks/metrics_overhead.py compares)."""
         self.enabled = False
-        for target, name, fn in self._listeners:
-            event.remove(target, name, fn)
+        for stop in self._listeners:
+            stop()
         self._listeners.clear()
 
     # -- events (called from control) -------------------------------------------------------------

@@ -30,13 +30,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, Iterable
 
-from sqlalchemy import select
-
 from tinkerd.artifacts import ArtifactStore, join
 from tinkerd.control import oplog
 from tinkerd.control.engines import run_ops
 from tinkerd.control.queue import Work
 from tinkerd.control.store.db import Store, utcnow
+from tinkerd.control.store.futures import FutureRepository
 from tinkerd.control.store.tables import FutureRow, TrainingRunRow, UnrecoverableRunRow
 from tinkerd.errors import TinkerdError, UnrecoverableRun
 from tinkerd.types import LoadWeightsOp, OptimStepOp, base_model_of
@@ -68,6 +67,7 @@ class Recovery:
     def __init__(self, store: Store, artifacts: ArtifactStore, rebuild: Callable[[FutureRow], Any] = rebuild_work,
                  snapshot_interval_s: float = 0.0):
         self.store = store
+        self.futures = FutureRepository(store)
         # Where the engine writes snapshots and this lists and reads them (tinkerd/artifacts.py).
         self.artifacts = artifacts
         # rebuild(row) -> Work: the op log's record decoded (a seam for unit tests of the plan).
@@ -103,9 +103,7 @@ class Recovery:
     def last_snapshot_point(self, model_id: str) -> int | None:
         """The seq_id of the run's last completed create, load or optim_step: the adapter's weights
         and AdamW state now are those it left (forward_backward calls since touch only grads)."""
-        seqs = self.store.query(select(FutureRow.seq_id).where(
-            FutureRow.target == model_id, FutureRow.request_type.in_(SNAPSHOT_POINTS),
-            FutureRow.status == "complete", FutureRow.seq_id.is_not(None)))
+        seqs = self.futures.completed_seqs(model_id, SNAPSHOT_POINTS)
         return max(seqs) if seqs else None
 
     def latest_snapshot(self, model_id: str) -> tuple[int, str] | None:
@@ -115,10 +113,7 @@ class Recovery:
         names = [k.rsplit("/", 1)[1] for k in self.artifacts.list(join(SNAPSHOTS, model_id))]
         seqs = sorted(int(n[4:]) for n in names if n.startswith("seq-") and n[4:].isdigit())
         for seq in reversed(seqs):
-            done = self.store.query(select(FutureRow.request_id).where(
-                FutureRow.target == model_id, FutureRow.seq_id == seq,
-                FutureRow.request_type.in_(SNAPSHOT_POINTS), FutureRow.status == "complete"))
-            if done:
+            if self.futures.completed_at(model_id, seq, SNAPSHOT_POINTS):
                 return seq, self.snapshot_key(model_id, seq)
         return None
 
@@ -130,10 +125,7 @@ class Recovery:
         `base_models`; none of `skip`): per run, its snapshot then the logged ops after it. A run that
         cannot be rebuilt (its base model not in `served`, when given; a stored op that cannot be
         read) is recorded instead."""
-        stmt = select(FutureRow).where(FutureRow.status == "complete", FutureRow.request_type.in_(STATE_CHANGING))
-        if model_ids is not None:
-            stmt = stmt.where(FutureRow.target.in_(list(model_ids)))
-        rows = self.store.query(stmt.order_by(FutureRow.target, FutureRow.seq_id))
+        rows = self.futures.completed_of(STATE_CHANGING, model_ids)
         by_model: dict[str, list[FutureRow]] = {}
         for row in rows:
             if row.target not in skip:
@@ -223,6 +215,4 @@ class Recovery:
 
     def pending(self) -> list[FutureRow]:
         """Accepted ops that never finished, in the order they must run again."""
-        return self.store.query(
-            select(FutureRow).where(FutureRow.status == "pending").order_by(FutureRow.created_at, FutureRow.seq_id)
-        )
+        return self.futures.pending()

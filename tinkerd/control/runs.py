@@ -18,15 +18,17 @@ import secrets
 import threading
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from typing import Callable
-
-from sqlalchemy import func, or_, select
+from typing import Any, Callable
 
 from tinkerd.artifacts import ArtifactStore, join, key_of_path
 from tinkerd.control.audit import AuditLog
 from tinkerd.control.storage import StorageLedger
+from tinkerd.control.store.checkpoints import CheckpointRepository
 from tinkerd.control.store.db import Store, utcnow
-from tinkerd.control.store.tables import CheckpointRow, SamplingSessionRow, SessionRow, TrainingRunRow
+from tinkerd.control.store.runs import RunRepository
+from tinkerd.control.store.sampling import SamplingSession, SamplingSessionRepository
+from tinkerd.control.store.sessions import Session, SessionRepository
+from tinkerd.control.store.tables import CheckpointRow, TrainingRunRow
 from tinkerd.errors import NotFoundError, ServerError, UserError
 
 log = logging.getLogger(__name__)
@@ -103,6 +105,10 @@ def check_ttl(ttl_seconds) -> int | None:
 class Runs:
     def __init__(self, store: Store, artifacts: ArtifactStore, audit: AuditLog | None = None):
         self.store = store
+        self.sessions = SessionRepository(store)
+        self.training_runs = RunRepository(store)
+        self.checkpoints = CheckpointRepository(store)
+        self.samplers = SamplingSessionRepository(store)
         # Checkpoint files, by key under CHECKPOINTS (tinkerd/artifacts.py): the engine writes them,
         # control lists, copies and deletes them, both through the store.
         self.artifacts = artifacts
@@ -124,56 +130,53 @@ class Runs:
             self.reserve.check()
         session_id = session_id or f"sess-{secrets.token_hex(8)}"
         now = utcnow()
-        self.store.add(
-            SessionRow(session_id=session_id, account_id=account_id, created_at=now, last_heartbeat_at=now, tags=list(tags or []),
-                       user_metadata=dict(user_metadata or {}), sdk_version=sdk_version,
-                       display_name=display_name, project_id=project_id)
-        )
+        self.sessions.add(Session(session_id=session_id, account_id=account_id, created_at=now, last_heartbeat_at=now,
+                                  tags=list(tags or []), user_metadata=dict(user_metadata or {}), sdk_version=sdk_version,
+                                  finished_reason=None, display_name=display_name, project_id=project_id))
         return session_id
 
-    def _lookup(self, row_type: type, key: str, what: str, account_id: str | None = None):
-        """The row, or NotFoundError; with an account, another account's row is missing too
-        (same message, so existence never leaks). Non-session rows are owned through their session."""
-        row = self.store.get(row_type, key)
+    def _lookup(self, get: Callable[[str], Any], key: str, what: str, account_id: str | None = None):
+        """What `get` finds under `key`, or NotFoundError; with an account, another account's is
+        missing too (same message, so existence never leaks). Non-sessions are owned through their session."""
+        row = get(key)
         if row is not None and account_id is not None:
-            owner = row.account_id if isinstance(row, SessionRow) else self.account_of(row.session_id)
+            owner = row.account_id if isinstance(row, Session) else self.account_of(row.session_id)
             if owner != account_id:
                 row = None
         if row is None:
             raise NotFoundError(f"unknown {what} {key!r}")
         return row
 
-    def session(self, session_id: str) -> SessionRow:
-        return self._lookup(SessionRow, session_id, "session_id")
+    def session(self, session_id: str) -> Session:
+        return self._lookup(self.sessions.get, session_id, "session_id")
 
-    def owned_session(self, session_id: str, account_id: str | None) -> SessionRow:
-        return self._lookup(SessionRow, session_id, "session_id", account_id)
+    def owned_session(self, session_id: str, account_id: str | None) -> Session:
+        return self._lookup(self.sessions.get, session_id, "session_id", account_id)
 
     def session_exists(self, session_id: str) -> bool:
-        return self.store.get(SessionRow, session_id) is not None
+        return self.sessions.get(session_id) is not None
 
     def run_count(self, session_id: str) -> int:
         """How many training runs the session has made: the next model_seq_id of an implicit session."""
-        return int(self.store.query(select(func.count()).select_from(TrainingRunRow)
-                                    .where(TrainingRunRow.session_id == session_id))[0])
+        return self.training_runs.count_of_session(session_id)
 
     def account_of(self, session_id: str) -> str | None:
-        row = self.store.get(SessionRow, session_id)
+        row = self.sessions.get(session_id)
         return row.account_id if row is not None else None
 
     def set_project(self, session_id: str, project_id: str, account_id: str | None) -> None:
         row = self.owned_session(session_id, account_id)
-        self.store.update(SessionRow, session_id, project_id=project_id)
+        self.sessions.set(session_id, project_id=project_id)
         self.audit.record("project_session_assigned", row.account_id, session_id=session_id, project_id=project_id,
                           previous_project_id=row.project_id)
 
     def heartbeat(self, session_id: str, account_id: str | None = None) -> None:
         self.owned_session(session_id, account_id)
-        self.store.update(SessionRow, session_id, last_heartbeat_at=utcnow())
+        self.sessions.set(session_id, last_heartbeat_at=utcnow())
 
     def finish_session(self, session_id: str, reason: str | None, account_id: str | None = None) -> None:
         self.owned_session(session_id, account_id)
-        self.store.update(SessionRow, session_id, finished_reason=reason or "unknown")
+        self.sessions.set(session_id, finished_reason=reason or "unknown")
 
     # -- training runs ---------------------------------------------------------------------------
 
@@ -191,10 +194,10 @@ class Runs:
         return (row if created else self.run(model_id)), created
 
     def run(self, model_id: str) -> TrainingRunRow:
-        return self._lookup(TrainingRunRow, model_id, "model_id")
+        return self._lookup(self.training_runs.get, model_id, "model_id")
 
     def owned_run(self, model_id: str, account_id: str | None) -> TrainingRunRow:
-        return self._lookup(TrainingRunRow, model_id, "model_id", account_id)
+        return self._lookup(self.training_runs.get, model_id, "model_id", account_id)
 
     def touch(self, model_id: str) -> None:
         self.store.update(TrainingRunRow, model_id, last_request_at=utcnow())
@@ -203,23 +206,11 @@ class Runs:
                   project_id: str | None = None) -> tuple[list[TrainingRunRow], int]:
         """A page of runs (of one account, or all; of one of its projects), newest first, and how many
         there are in all."""
-        stmt = select(TrainingRunRow).order_by(TrainingRunRow.created_at.desc(), TrainingRunRow.model_id)
-        count = select(func.count()).select_from(TrainingRunRow)
-        if account_id is not None:
-            stmt, count = _of_account(stmt, account_id), _of_account(count, account_id)
-        if project_id is not None:
-            stmt, count = stmt.where(SessionRow.project_id == project_id), count.where(SessionRow.project_id == project_id)
-        if limit is not None:
-            stmt = stmt.limit(limit)
-        rows = self.store.query(stmt.offset(offset))
-        return rows, self.store.query(count)[0]
+        return self.training_runs.page(limit, offset, account_id, project_id)
 
     def base_models(self, model_ids) -> dict[str, str]:
         """model_id -> base model, for the runs among `model_ids` (one query for a page of checkpoints)."""
-        ids = sorted(set(model_ids))
-        if not ids:
-            return {}
-        return {r.model_id: r.base_model for r in self.store.query(select(TrainingRunRow).where(TrainingRunRow.model_id.in_(ids)))}
+        return self.training_runs.base_models(model_ids)
 
     # -- checkpoints -----------------------------------------------------------------------------
     #
@@ -287,36 +278,11 @@ class Runs:
                          limit: int | None = None, offset: int = 0, account_id: str | None = None,
                          project_id: str | None = None) -> tuple[list[CheckpointRow], int]:
         """A page of live checkpoints (of one account, or all), newest first, and how many there are in all."""
-        live = or_(CheckpointRow.expires_at.is_(None), CheckpointRow.expires_at > utcnow())
-        stmt = select(CheckpointRow).where(live)  # a page and its total count: live rows only
-        count = select(func.count()).select_from(CheckpointRow).where(live)
-        if account_id is not None:
-            own = select(TrainingRunRow.model_id).join(SessionRow, SessionRow.session_id == TrainingRunRow.session_id)
-            own = own.where(SessionRow.account_id == account_id)
-            if project_id is not None:
-                own = own.where(SessionRow.project_id == project_id)
-            stmt, count = stmt.where(CheckpointRow.model_id.in_(own)), count.where(CheckpointRow.model_id.in_(own))
-        if model_id is not None:
-            stmt, count = stmt.where(CheckpointRow.model_id == model_id), count.where(CheckpointRow.model_id == model_id)
-        if checkpoint_type is not None:
-            stmt = stmt.where(CheckpointRow.checkpoint_type == checkpoint_type)
-            count = count.where(CheckpointRow.checkpoint_type == checkpoint_type)
-        stmt = stmt.order_by(CheckpointRow.created_at.desc(), CheckpointRow.tinker_path)
-        if limit is not None:
-            stmt = stmt.limit(limit)
-        return self.store.query(stmt.offset(offset)), self.store.query(count)[0]
+        return self.checkpoints.page(utcnow(), model_id, checkpoint_type, limit, offset, account_id, project_id)
 
     def last_checkpoint(self, model_id: str, checkpoint_type: str) -> CheckpointRow | None:
         """The newest live checkpoint of a type (no sweep: a listing of runs asks this per run)."""
-        live = or_(CheckpointRow.expires_at.is_(None), CheckpointRow.expires_at > utcnow())
-        stmt = (
-            select(CheckpointRow)
-            .where(CheckpointRow.model_id == model_id, CheckpointRow.checkpoint_type == checkpoint_type, live)
-            .order_by(CheckpointRow.created_at.desc())
-            .limit(1)
-        )
-        rows = self.store.query(stmt)
-        return rows[0] if rows else None
+        return self.checkpoints.newest(model_id, checkpoint_type, utcnow())
 
     def delete_checkpoint(self, path: TinkerPath, account_id: str | None = None) -> None:
         row = self.owned_checkpoint(path, account_id)
@@ -345,7 +311,7 @@ class Runs:
         """Remove every expired checkpoint (row and files); returns how many. CheckpointSweeper's
         thread only: storage billing ends at the expiry, whenever the sweep comes (storage.py)."""
         now = utcnow()
-        expired = self.store.query(select(CheckpointRow).where(CheckpointRow.expires_at <= now))
+        expired = self.checkpoints.expired(now)
         for row in expired:
             self._remove(row)
         return len(expired)
@@ -376,35 +342,32 @@ class Runs:
 
     def create_sampling_session(self, session_id: str, seq_id: int, base_model: str, model_path: str | None,
                                 adapter_dir: str | None, account_id: str | None = None,
-                                accepted: bool = False, inflight_of: str | None = None) -> SamplingSessionRow:
+                                accepted: bool = False, inflight_of: str | None = None) -> SamplingSession:
         """accepted=True: the sampler an accepted op made (save_weights_for_sampler's ephemeral one),
         which spends the free-space reserve; otherwise a new sampler is new work, refused under it
         (a re-send of one already made is not)."""
         self.owned_session(session_id, account_id)
         sid = f"{session_id}:sample:{seq_id}"
-        if not accepted and self.reserve is not None and self.store.get(SamplingSessionRow, sid) is None:
+        if not accepted and self.reserve is not None and self.samplers.get(sid) is None:
             self.reserve.check()
-        row = SamplingSessionRow(sampling_session_id=sid, session_id=session_id, base_model=base_model,
-                                 model_path=model_path, adapter_dir=adapter_dir, created_at=utcnow(),
-                                 inflight_of=inflight_of)
-        if not self.store.add(row):
+        row = SamplingSession(sampling_session_id=sid, session_id=session_id, base_model=base_model,
+                              model_path=model_path, adapter_dir=adapter_dir, created_at=utcnow(),
+                              clients_joined=None, inflight_of=inflight_of)
+        if not self.samplers.add(row):
             return self.sampling_session(sid)
         return row
 
-    def sampling_session(self, sampling_session_id: str) -> SamplingSessionRow:
-        return self._lookup(SamplingSessionRow, sampling_session_id, "sampling_session_id")
+    def sampling_session(self, sampling_session_id: str) -> SamplingSession:
+        return self._lookup(self.samplers.get, sampling_session_id, "sampling_session_id")
 
-    def owned_sampling_session(self, sampling_session_id: str, account_id: str | None) -> SamplingSessionRow:
-        return self._lookup(SamplingSessionRow, sampling_session_id, "sampling_session_id", account_id)
+    def owned_sampling_session(self, sampling_session_id: str, account_id: str | None) -> SamplingSession:
+        return self._lookup(self.samplers.get, sampling_session_id, "sampling_session_id", account_id)
 
     def join_sampling_session(self, sampling_session_id: str, account_id: str | None) -> int:
         """A new client id of the sampling session, unique among its clients: 1, 2, ... (0 is the
         original client). Counted in one write transaction, so concurrent joiners never share one."""
         self.owned_sampling_session(sampling_session_id, account_id)
-        with self.store.write() as s:
-            row = s.get(SamplingSessionRow, sampling_session_id)
-            row.clients_joined = (row.clients_joined or 0) + 1
-            return row.clients_joined
+        return self.samplers.join(sampling_session_id)
 
     def ephemeral_key(self, sampling_session_id: str) -> str:
         """The artifact key of an ephemeral sampler's weights (save_weights_and_get_sampling_client)."""
@@ -420,9 +383,7 @@ class Runs:
         row just before, and is not queued yet, fails at admission: the files are gone.) A decoding
         request holds its weights in memory, so deleting files under it is safe.
         """
-        rows = self.store.query(select(SamplingSessionRow).where(
-            SamplingSessionRow.session_id == session_id, SamplingSessionRow.model_path.is_(None),
-            SamplingSessionRow.adapter_dir.is_not(None), SamplingSessionRow.inflight_of.is_(None)))
+        rows = self.samplers.ephemeral_of_session(session_id)
         ephemeral = [r for r in rows if _parent(r.adapter_dir) == EPHEMERAL]
         # `<session>:sample:<n>`, n counting up in creation order (shared with named samplers).
         ephemeral.sort(key=lambda r: int(r.sampling_session_id.rsplit(":", 1)[-1]))
@@ -430,15 +391,10 @@ class Runs:
         for row in ephemeral[: max(0, len(ephemeral) - keep)]:
             if busy(row.sampling_session_id):
                 continue
-            self.store.delete(SamplingSessionRow, row.sampling_session_id)
+            self.samplers.delete(row.sampling_session_id)
             self.artifacts.delete(key_of_path(row.adapter_dir))
             deleted.append(row.sampling_session_id)
         return deleted
-
-
-def _of_account(stmt, account_id: str):
-    """Restrict a select over TrainingRunRow to runs whose session belongs to the account."""
-    return stmt.join(SessionRow, SessionRow.session_id == TrainingRunRow.session_id).where(SessionRow.account_id == account_id)
 
 
 def _expired(row: CheckpointRow, now: datetime) -> bool:

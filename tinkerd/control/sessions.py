@@ -9,11 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from sqlalchemy import func, or_, select
-
 from tinkerd.control.runs import Runs
 from tinkerd.control.store.db import utcnow
-from tinkerd.control.store.tables import CheckpointRow, SamplingSessionRow, SessionRow, TrainingRunRow
+from tinkerd.control.store.runs import RunRepository
+from tinkerd.control.store.sampling import SamplingSessionRepository
+from tinkerd.control.store.sessions import Session, SessionRepository
 
 CLIENT_REASONS = ("success", "errored", "interrupted")
 
@@ -29,7 +29,7 @@ class SessionSearch:
     project_ids: list[str] | None = None  # None: every project, and sessions in none
 
 
-def status_of(row: SessionRow) -> dict:
+def status_of(row: Session) -> dict:
     if row.finished_reason is None:
         return {"type": "active"}
     if row.finished_reason in CLIENT_REASONS:
@@ -37,7 +37,7 @@ def status_of(row: SessionRow) -> dict:
     return None  # finished for a reason the SDK has no status for (tinkerd's own, or unknown)
 
 
-def _matches_status(row: SessionRow, queries: list[dict] | None) -> bool:
+def _matches_status(row: Session, queries: list[dict] | None) -> bool:
     if queries is None:
         return True
     for q in queries:
@@ -48,7 +48,7 @@ def _matches_status(row: SessionRow, queries: list[dict] | None) -> bool:
     return False
 
 
-def _matches_name(row: SessionRow, display_name: str) -> bool:
+def _matches_name(row: Session, display_name: str) -> bool:
     name = (row.display_name or "").lower()
     return all(word in name for word in display_name.lower().split())
 
@@ -57,32 +57,21 @@ class Sessions:
     def __init__(self, runs: Runs):
         self.runs = runs
         self.store = runs.store
+        self.sessions = SessionRepository(runs.store)
 
     def list(self, account_id: str, limit: int, offset: int) -> list[str]:
-        stmt = (select(SessionRow.session_id).where(SessionRow.account_id == account_id)
-                .order_by(SessionRow.created_at.desc(), SessionRow.session_id).limit(limit).offset(offset))
-        return self.store.query(stmt)
+        return self.sessions.ids_of_account(account_id, limit, offset)
 
-    def get(self, session_id: str, account_id: str) -> tuple[SessionRow, list[str], list[str]]:
+    def get(self, session_id: str, account_id: str) -> tuple[Session, list[str], list[str]]:
         row = self.runs.owned_session(session_id, account_id)
-        runs = self.store.query(select(TrainingRunRow.model_id).where(TrainingRunRow.session_id == session_id)
-                                .order_by(TrainingRunRow.created_at, TrainingRunRow.model_id))
-        samplers = self.store.query(select(SamplingSessionRow.sampling_session_id)
-                                    .where(SamplingSessionRow.session_id == session_id)
-                                    .order_by(SamplingSessionRow.created_at, SamplingSessionRow.sampling_session_id))
+        runs = RunRepository(self.store).ids_of_session(session_id)
+        samplers = SamplingSessionRepository(self.store).ids_of_session(session_id)
         return row, runs, samplers
 
-    def search(self, account_id: str, q: SessionSearch) -> tuple[list[SessionRow], bool]:
+    def search(self, account_id: str, q: SessionSearch) -> tuple[list[Session], bool]:
         """A page of the account's matching sessions, newest first, and whether more follow."""
-        stmt = select(SessionRow).where(SessionRow.account_id == account_id)
-        if q.project_ids is not None:
-            stmt = stmt.where(SessionRow.project_id.in_(q.project_ids))
-        if q.after is not None:
-            at, sid = q.after
-            stmt = stmt.where((SessionRow.created_at < at) | ((SessionRow.created_at == at) & (SessionRow.session_id > sid)))
-        stmt = stmt.order_by(SessionRow.created_at.desc(), SessionRow.session_id)
-        page: list[SessionRow] = []
-        for row in self.store.query(stmt):
+        page: list[Session] = []
+        for row in self.sessions.of_account(account_id, q.project_ids, q.after):
             named = q.session_id is not None or q.display_name is not None
             if named and not (row.session_id == q.session_id
                               or (q.display_name is not None and _matches_name(row, q.display_name))):
@@ -99,26 +88,11 @@ class Sessions:
 
     def checkpoint_totals(self, session_ids: list[str]) -> dict[str, tuple[int, int]]:
         """session_id -> (live checkpoint count, their bytes)."""
-        if not session_ids:
-            return {}
-        # Live rows only, filtered rather than swept: removal is CheckpointSweeper's (control/runs.py).
-        live = or_(CheckpointRow.expires_at.is_(None), CheckpointRow.expires_at > utcnow())
-        stmt = (select(TrainingRunRow.session_id, func.count(CheckpointRow.tinker_path),
-                       func.coalesce(func.sum(CheckpointRow.size_bytes), 0))
-                .join(CheckpointRow, CheckpointRow.model_id == TrainingRunRow.model_id)
-                .where(TrainingRunRow.session_id.in_(session_ids), live).group_by(TrainingRunRow.session_id))
-        return {sid: (int(n), int(b)) for sid, n, b in self.store.rows(stmt)}
+        return self.sessions.checkpoint_totals(session_ids, utcnow())
 
-    def by_ids(self, session_ids: set[str]) -> list[SessionRow]:
-        if not session_ids:
-            return []
-        return self.store.query(select(SessionRow).where(SessionRow.session_id.in_(session_ids)))
+    def by_ids(self, session_ids: set[str]) -> list[Session]:
+        return self.sessions.by_ids(session_ids)
 
     def projects_of_runs(self, model_ids: set[str]) -> dict[str, str | None]:
         """model_id -> the project of its session now (a moved session takes its runs along)."""
-        if not model_ids:
-            return {}
-        stmt = (select(TrainingRunRow.model_id, SessionRow.project_id)
-                .join(SessionRow, SessionRow.session_id == TrainingRunRow.session_id)
-                .where(TrainingRunRow.model_id.in_(model_ids)))
-        return dict(self.store.rows(stmt))
+        return self.sessions.projects_of_runs(model_ids)
