@@ -20,7 +20,7 @@ each can go wrong:
   it still have their bodies, and ops the retention sweep forgot lie before that snapshot.
 
 Repair removes debris only (temp directories, orphans) and puts a set-aside checkpoint back when its
-real name is empty, as `Runs.sweep_stale_temp` does at start. It never deletes a registered
+real name is empty, as `Checkpoints.sweep_stale_temp` does at start. It never deletes a registered
 checkpoint, a snapshot recovery may use, or a row.
 """
 
@@ -37,7 +37,7 @@ from tinkerd.artifacts import LocalArtifactStore, key_of_path
 from tinkerd.control.debris import CHECKPOINT_TEMP, SNAPSHOT_TEMP
 from tinkerd.control.recovery import STATE_CHANGING, Recovery, rebuild_work
 from tinkerd.control.retention import dedupe_prefix
-from tinkerd.control.runs import SEGMENT_TYPES
+from tinkerd.control.ids import SEGMENT_TYPES
 from tinkerd.control.store.checkpoints import CheckpointRepository
 from tinkerd.control.store.db import Store, utcnow
 from tinkerd.control.store.futures import FutureRepository

@@ -34,7 +34,7 @@ def publish(runs: Runs, effect: CreateSampler, keep: int, busy: Callable[[str], 
     row read on the API thread, not queued yet) still finds its files; older ones go only while
     none of the run's inflight sessions has a request queued or decoding (else at a later save).
     """
-    runs.create_sampling_session(effect.session_id, effect.sampling_session_seq_id, effect.base_model, None,
+    runs.sampling_sessions.create_sampling_session(effect.session_id, effect.sampling_session_seq_id, effect.base_model, None,
                                  effect.adapter_dir, accepted=True, inflight_of=effect.inflight_of)
     samplers = SamplingSessionRepository(runs.store)
     samplers.repoint_inflight(effect.inflight_of, effect.adapter_dir)
@@ -45,7 +45,7 @@ def publish(runs: Runs, effect: CreateSampler, keep: int, busy: Callable[[str], 
     target = adapter_key(effect.adapter_dir)
     deleted = []
     for row in rows[: max(0, len(rows) - keep)]:
-        key = runs.ephemeral_key(row.sampling_session_id)  # where that session's own save wrote
+        key = runs.sampling_sessions.ephemeral_key(row.sampling_session_id)  # where that session's own save wrote
         if key != target and runs.artifacts.exists(key):
             runs.artifacts.delete(key)
             deleted.append(key)

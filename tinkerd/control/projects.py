@@ -12,7 +12,7 @@ can be changed but not cleared (the SDK documents that).
 
 from __future__ import annotations
 
-from tinkerd.control.runs import check_name
+from tinkerd.control.ids import check_name
 from tinkerd.control.store.db import Store
 from tinkerd.control.store.sessions import SessionRepository
 from tinkerd.errors import NotFoundError

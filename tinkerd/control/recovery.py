@@ -75,7 +75,7 @@ class Recovery:
         self.snapshot_interval_s = snapshot_interval_s
         self._last_snapshot: dict[str, float] = {}
         # More debris sweeps to run before every rebuild, beside the snapshots' own: cli/serve.py
-        # adds the checkpoints' (Runs.sweep_stale_temp with older_than_s=0).
+        # adds the checkpoints' (Checkpoints.sweep_stale_temp with older_than_s=0).
         self.sweeps: list[Callable[[], object]] = []
 
     # -- snapshots -------------------------------------------------------------------------------

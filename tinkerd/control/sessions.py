@@ -1,4 +1,11 @@
-"""Reading sessions for the SDK's RestClient: list, get, search. One account's sessions only.
+"""Sessions: creating, heart-beating and finishing them, who owns them, and reading them for the
+SDK's RestClient (list, get, search; one account's sessions only).
+
+Ownership: a session belongs to the account of the key that created it; its runs, their checkpoints
+and its sampling sessions belong to the same account. The `owned*` lookups (here, and in
+training_runs.py, checkpoints.py, sampling_sessions.py through `Sessions.lookup`) answer another
+account's ids exactly like missing ones (NotFoundError, same message), so nothing leaks that an id
+exists. `account_id=None` means an internal caller (recovery, tests) and skips the check.
 
 A session's status comes from what tinkerd records: `finished_reason` (the client's finish reason)
 or none yet (active). tinkerd never cancels or fails a whole session, so those statuses match nothing.
@@ -6,14 +13,17 @@ or none yet (active). tinkerd never cancels or fails a whole session, so those s
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any, Callable
 
-from tinkerd.control.runs import Runs
-from tinkerd.control.store.db import utcnow
+from tinkerd.control.audit import AuditLog
+from tinkerd.control.store.db import Store, utcnow
 from tinkerd.control.store.runs import RunRepository
 from tinkerd.control.store.sampling import SamplingSessionRepository
 from tinkerd.control.store.sessions import Session, SessionRepository
+from tinkerd.errors import NotFoundError
 
 CLIENT_REASONS = ("success", "errored", "interrupted")
 
@@ -54,16 +64,71 @@ def _matches_name(row: Session, display_name: str) -> bool:
 
 
 class Sessions:
-    def __init__(self, runs: Runs):
-        self.runs = runs
-        self.store = runs.store
-        self.sessions = SessionRepository(runs.store)
+    def __init__(self, store: Store, audit: AuditLog | None = None):
+        self.store = store
+        self.sessions = SessionRepository(store)
+        self.audit = audit or AuditLog(store)
+        # The data directory's free-space reserve (control/diskspace.py): a new session is new work,
+        # refused under it. None (tests) never refuses.
+        self.reserve = None
+
+    def create_session(self, tags: list[str], user_metadata: dict, sdk_version: str | None,
+                       account_id: str | None = None, display_name: str | None = None,
+                       project_id: str | None = None, session_id: str | None = None) -> str:
+        """A new session; `session_id`: a fixed id (an API key's implicit session, api/hpcai.py)."""
+        if self.reserve is not None:
+            self.reserve.check()
+        session_id = session_id or f"sess-{secrets.token_hex(8)}"
+        now = utcnow()
+        self.sessions.add(Session(session_id=session_id, account_id=account_id, created_at=now, last_heartbeat_at=now,
+                                  tags=list(tags or []), user_metadata=dict(user_metadata or {}), sdk_version=sdk_version,
+                                  finished_reason=None, display_name=display_name, project_id=project_id))
+        return session_id
+
+    def lookup(self, get: Callable[[str], Any], key: str, what: str, account_id: str | None = None):
+        """What `get` finds under `key`, or NotFoundError; with an account, another account's is
+        missing too (same message, so existence never leaks). Non-sessions are owned through their session."""
+        row = get(key)
+        if row is not None and account_id is not None:
+            owner = row.account_id if isinstance(row, Session) else self.account_of(row.session_id)
+            if owner != account_id:
+                row = None
+        if row is None:
+            raise NotFoundError(f"unknown {what} {key!r}")
+        return row
+
+    def session(self, session_id: str) -> Session:
+        return self.lookup(self.sessions.get, session_id, "session_id")
+
+    def owned_session(self, session_id: str, account_id: str | None) -> Session:
+        return self.lookup(self.sessions.get, session_id, "session_id", account_id)
+
+    def session_exists(self, session_id: str) -> bool:
+        return self.sessions.get(session_id) is not None
+
+    def account_of(self, session_id: str) -> str | None:
+        row = self.sessions.get(session_id)
+        return row.account_id if row is not None else None
+
+    def set_project(self, session_id: str, project_id: str, account_id: str | None) -> None:
+        row = self.owned_session(session_id, account_id)
+        self.sessions.set(session_id, project_id=project_id)
+        self.audit.record("project_session_assigned", row.account_id, session_id=session_id, project_id=project_id,
+                          previous_project_id=row.project_id)
+
+    def heartbeat(self, session_id: str, account_id: str | None = None) -> None:
+        self.owned_session(session_id, account_id)
+        self.sessions.set(session_id, last_heartbeat_at=utcnow())
+
+    def finish_session(self, session_id: str, reason: str | None, account_id: str | None = None) -> None:
+        self.owned_session(session_id, account_id)
+        self.sessions.set(session_id, finished_reason=reason or "unknown")
 
     def list(self, account_id: str, limit: int, offset: int) -> list[str]:
         return self.sessions.ids_of_account(account_id, limit, offset)
 
     def get(self, session_id: str, account_id: str) -> tuple[Session, list[str], list[str]]:
-        row = self.runs.owned_session(session_id, account_id)
+        row = self.owned_session(session_id, account_id)
         runs = RunRepository(self.store).ids_of_session(session_id)
         samplers = SamplingSessionRepository(self.store).ids_of_session(session_id)
         return row, runs, samplers

@@ -16,7 +16,8 @@ from tinkerd.artifacts import LocalArtifactStore
 from tinkerd.cli import fsck as cli_fsck
 from tinkerd.cli.main import main
 from tinkerd.control import fsck
-from tinkerd.control.runs import Runs, TinkerPath
+from tinkerd.control.ids import TinkerPath
+from tinkerd.control.runs import Runs
 from tinkerd.control.store.db import Store, utcnow
 from tinkerd.control.store.tables import FutureRow, FutureWatermarkRow, SamplingSessionRow
 from tinkerd.engine import checkpoints
@@ -62,17 +63,17 @@ def data(tmp_path, backend):
     snapshot, an ephemeral sampler and a pending op that parses."""
     store = Store(backend[0])
     runs = Runs(store, LocalArtifactStore(tmp_path))
-    session = runs.create_session([], {}, "test")
-    run = runs.create_run(session, 0, "tiny", {"rank": 4}, {})[0].model_id
-    other = runs.create_run(session, 1, "tiny", {"rank": 4}, {})[0].model_id
+    session = runs.sessions.create_session([], {}, "test")
+    run = runs.training_runs.create_run(session, 0, "tiny", {"rank": 4}, {})[0].model_id
+    other = runs.training_runs.create_run(session, 1, "tiny", {"rank": 4}, {})[0].model_id
     for segment, name, names in (("weights", "keep", fsck.REQUIRED_FILES["training"]),
                                  ("sampler_weights", "s", fsck.REQUIRED_FILES["sampler"]),
                                  ("external_weights", "e", fsck.REQUIRED_FILES["external"])):
         path = TinkerPath(run, segment, name)
-        _files(runs.artifacts.path(runs.checkpoint_key(path)), names)
-        runs.register_checkpoint(path, None, None)
+        _files(runs.artifacts.path(runs.checkpoints.checkpoint_key(path)), names)
+        runs.checkpoints.register_checkpoint(path, None, None)
     sid = f"{session}:sample:0"
-    runs.create_sampling_session(session, 0, "tiny", None, str(_files(runs.artifacts.path(runs.ephemeral_key(sid)))))
+    runs.sampling_sessions.create_sampling_session(session, 0, "tiny", None, str(_files(runs.artifacts.path(runs.sampling_sessions.ephemeral_key(sid)))))
     _complete(store, "req-create", "CreateModel", run, 0)
     _complete(store, "req-optim", "OptimStep", run, 2)
     _files(tmp_path / "snapshots" / run / "seq-000000000002")
@@ -99,20 +100,20 @@ def test_each_kind_of_problem_is_found_and_repair_removes_only_debris(data, back
     ck = data_dir / "checkpoints" / run
     # Registered, then damaged from outside: not debris, never touched by repair.
     gone = TinkerPath(run, "weights", "gone")
-    _files(runs.artifacts.path(runs.checkpoint_key(gone)), fsck.REQUIRED_FILES["training"])
-    runs.register_checkpoint(gone, None, None)
-    for f in runs.artifacts.path(runs.checkpoint_key(gone)).iterdir():
+    _files(runs.artifacts.path(runs.checkpoints.checkpoint_key(gone)), fsck.REQUIRED_FILES["training"])
+    runs.checkpoints.register_checkpoint(gone, None, None)
+    for f in runs.artifacts.path(runs.checkpoints.checkpoint_key(gone)).iterdir():
         f.unlink()
-    runs.artifacts.path(runs.checkpoint_key(gone)).rmdir()
+    runs.artifacts.path(runs.checkpoints.checkpoint_key(gone)).rmdir()
     (ck / "sampler_weights" / "s" / fsck.META_FILE).unlink()  # incomplete
     with open(ck / "external_weights" / "e" / fsck.WEIGHTS_FILE, "ab") as f:  # size differs from the row's
         f.write(b"more")
     # A save that crashed between its two renames: the registered checkpoint sits set aside.
     aside = TinkerPath(run, "weights", "aside")
-    _files(runs.artifacts.path(runs.checkpoint_key(aside)), fsck.REQUIRED_FILES["training"])
-    runs.register_checkpoint(aside, None, None)
+    _files(runs.artifacts.path(runs.checkpoints.checkpoint_key(aside)), fsck.REQUIRED_FILES["training"])
+    runs.checkpoints.register_checkpoint(aside, None, None)
     (ck / "weights" / ".aside.old-x1").mkdir()
-    runs.artifacts.path(runs.checkpoint_key(aside)).rename(ck / "weights" / ".aside.old-x1" / "ckpt")
+    runs.artifacts.path(runs.checkpoints.checkpoint_key(aside)).rename(ck / "weights" / ".aside.old-x1" / "ckpt")
     # Debris.
     _files(ck / "weights" / "orphan")
     _files(data_dir / "checkpoints" / "_ephemeral" / f"{session}:sample:9")
@@ -145,7 +146,7 @@ def test_each_kind_of_problem_is_found_and_repair_removes_only_debris(data, back
 
     assert main(["fsck", "--data-dir", str(data_dir), *backend[1], "--repair"]) == 1  # what is not debris stays
     out = capsys.readouterr().out
-    assert f"repair: restored {runs.artifacts.path(runs.checkpoint_key(aside))}" in out
+    assert f"repair: restored {runs.artifacts.path(runs.checkpoints.checkpoint_key(aside))}" in out
     after = _check(data_dir, store)
     assert {p.kind for p in after.problems} == {"missing-checkpoint", "incomplete-checkpoint", "size-mismatch",
                                                 "incomplete-snapshot", "unrecoverable-run", "stranded-future"}
@@ -153,7 +154,7 @@ def test_each_kind_of_problem_is_found_and_repair_removes_only_debris(data, back
     assert not (ck / "weights" / "orphan").exists() and not (data_dir / "snapshots" / "sess-gone:train:0").exists()
     assert not list(data_dir.rglob(".*.tmp-*")) and not list(data_dir.rglob(".build-*"))
     # Registered checkpoints: untouched (the damaged ones too), the set-aside one back in place.
-    assert sorted(p.name for p in runs.artifacts.path(runs.checkpoint_key(aside)).iterdir()) == sorted(fsck.REQUIRED_FILES["training"])
+    assert sorted(p.name for p in runs.artifacts.path(runs.checkpoints.checkpoint_key(aside)).iterdir()) == sorted(fsck.REQUIRED_FILES["training"])
     assert (ck / "weights" / "keep" / fsck.OPTIMIZER_FILE).is_file()
     assert (ck / "sampler_weights" / "s" / fsck.WEIGHTS_FILE).is_file()
     assert (ck / "external_weights" / "e" / fsck.WEIGHTS_FILE).is_file()

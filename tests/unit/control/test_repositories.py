@@ -14,7 +14,7 @@ from tinkerd.control.accounts import Accounts, hash_key
 from tinkerd.artifacts import LocalArtifactStore
 from tinkerd.control.metering import Billing, Meter, Usage
 from tinkerd.control.runs import Runs
-from tinkerd.control.sessions import Sessions, SessionSearch
+from tinkerd.control.sessions import SessionSearch
 from tinkerd.control.store.db import Store, utcnow
 from tinkerd.control.store.tables import Base
 from tinkerd.errors import NotFoundError
@@ -69,32 +69,33 @@ def test_usage_records_are_frozen_dataclasses(db_url):
 
 def test_sessions_are_frozen_dataclasses(db_url, tmp_path):
     runs = Runs(Store(db_url), LocalArtifactStore(tmp_path))
-    sid = runs.create_session(["a"], {"k": "v"}, "0.38", account_id="acct-a", display_name="first", project_id="p")
-    session = runs.owned_session(sid, "acct-a")
+    sid = runs.sessions.create_session(["a"], {"k": "v"}, "0.38", account_id="acct-a", display_name="first", project_id="p")
+    session = runs.sessions.owned_session(sid, "acct-a")
     _frozen(session)
     assert (session.session_id, session.account_id, session.tags, session.user_metadata, session.sdk_version,
             session.finished_reason, session.display_name, session.project_id) == (
         sid, "acct-a", ["a"], {"k": "v"}, "0.38", None, "first", "p")
-    runs.finish_session(sid, "success", "acct-a")
-    assert runs.session(sid).finished_reason == "success" and session.finished_reason is None  # a copy
-    sessions = Sessions(runs)
+    runs.sessions.finish_session(sid, "success", "acct-a")
+    assert runs.sessions.session(sid).finished_reason == "success" and session.finished_reason is None  # a copy
+    sessions = runs.sessions
     [found], more = sessions.search("acct-a", SessionSearch(display_name="first"))
-    assert found == runs.session(sid) and not more and sessions.by_ids({sid}) == [found]
+    assert found == runs.sessions.session(sid) and not more and sessions.by_ids({sid}) == [found]
     with pytest.raises(NotFoundError):
-        runs.owned_session(sid, "acct-b")  # another account's session is missing, as before
+        runs.sessions.owned_session(sid, "acct-b")  # another account's session is missing, as before
 
 
 def test_sampling_sessions_are_frozen_dataclasses(db_url, tmp_path):
     runs = Runs(Store(db_url), LocalArtifactStore(tmp_path))
-    sid = runs.create_session([], {}, "0.38", account_id="acct-a")
-    sampler = runs.create_sampling_session(sid, 0, "tiny", "tinker://r/sampler_weights/x", "checkpoints/r/x", "acct-a")
+    sid = runs.sessions.create_session([], {}, "0.38", account_id="acct-a")
+    sampler = runs.sampling_sessions.create_sampling_session(sid, 0, "tiny", "tinker://r/sampler_weights/x", "checkpoints/r/x", "acct-a")
     _frozen(sampler)
-    assert runs.create_sampling_session(sid, 0, "tiny", None, None, "acct-a") == sampler  # a re-send: the same one
-    assert runs.owned_sampling_session(sampler.sampling_session_id, "acct-a") == sampler
+    assert runs.sampling_sessions.create_sampling_session(sid, 0, "tiny", None, None, "acct-a") == sampler  # a re-send: the same one
+    assert runs.sampling_sessions.owned_sampling_session(sampler.sampling_session_id, "acct-a") == sampler
     assert (sampler.sampling_session_id, sampler.session_id, sampler.model_path, sampler.adapter_dir,
             sampler.clients_joined, sampler.inflight_of) == (f"{sid}:sample:0", sid, "tinker://r/sampler_weights/x",
                                                             "checkpoints/r/x", None, None)
-    assert runs.join_sampling_session(sampler.sampling_session_id, "acct-a") == 1
-    assert runs.sampling_session(sampler.sampling_session_id).clients_joined == 1 and sampler.clients_joined is None
+    assert runs.sampling_sessions.join_sampling_session(sampler.sampling_session_id, "acct-a") == 1
+    assert runs.sampling_sessions.sampling_session(sampler.sampling_session_id).clients_joined == 1 and sampler.clients_joined is None
     with pytest.raises(NotFoundError):
-        runs.owned_sampling_session(sampler.sampling_session_id, "acct-b")
+        runs.sampling_sessions.owned_sampling_session(sampler.sampling_session_id, "acct-b")
+

@@ -74,7 +74,7 @@ async def retrieve_futures(request: Request, body: bytes = Depends(read_body)) -
     req = parse(t.FuturesRetrieveRequest, body)
     target = req.target.sampling_session_id
     # another account's: 404 as an unknown one
-    await run_in_threadpool(st.runs.owned_sampling_session, target, account(request))
+    await run_in_threadpool(st.runs.sampling_sessions.owned_sampling_session, target, account(request))
     limits.integer(req.target.cloned_sampler_id, "target.cloned_sampler_id", hi=limits.INT64_MAX // CLONE_BLOCK)
     limits.integer(req.prev_cursor, "prev_cursor", hi=MAX_CURSOR)
     hold = st.config.retrieve_future_timeout_s

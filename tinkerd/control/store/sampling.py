@@ -1,5 +1,5 @@
 """Sampling sessions and the samples recorded for stable_reinforce behind repositories
-(control/runs.py, inflight.py, residency.py, overview.py, costs.py and stability.py hold the rules;
+(control/sampling_sessions.py, inflight.py, residency.py, overview.py, costs.py and stability.py hold the rules;
 the queries are here). Sampling sessions come out as frozen SamplingSession dataclasses, not rows."""
 
 from __future__ import annotations

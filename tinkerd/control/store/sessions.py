@@ -1,5 +1,5 @@
 """Sessions, and what hangs off a session alone (its projects, its custom losses), behind
-repositories: control/sessions.py, control/projects.py, control/custom_losses.py and control/runs.py
+repositories: control/sessions.py, control/projects.py, control/custom_losses.py and control/training_runs.py
 hold the rules, the queries are here. Sessions come out as frozen Session dataclasses, not rows."""
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ class SessionRepository:
         """session_id -> (live checkpoint count, their bytes)."""
         if not session_ids:
             return {}
-        # Live rows only, filtered rather than swept: removal is CheckpointSweeper's (control/runs.py).
+        # Live rows only, filtered rather than swept: removal is CheckpointSweeper's (control/checkpoints.py).
         live = or_(CheckpointRow.expires_at.is_(None), CheckpointRow.expires_at > now)
         stmt = (select(TrainingRunRow.session_id, func.count(CheckpointRow.tinker_path),
                        func.coalesce(func.sum(CheckpointRow.size_bytes), 0))
