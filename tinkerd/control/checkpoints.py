@@ -13,10 +13,9 @@ from tinkerd.control.audit import AuditLog
 from tinkerd.control.ids import CHECKPOINTS, SEGMENT_TYPES, STALE_TEMP_S, TinkerPath, check_ttl
 from tinkerd.control.sessions import Sessions
 from tinkerd.control.storage import StorageLedger
-from tinkerd.control.store.checkpoints import CheckpointRepository
+from tinkerd.control.store.checkpoints import Checkpoint, CheckpointRepository
 from tinkerd.control.store.db import Store, utcnow
 from tinkerd.control.store.runs import RunRepository
-from tinkerd.control.store.tables import CheckpointRow
 from tinkerd.errors import NotFoundError, ServerError
 
 log = logging.getLogger(__name__)
@@ -50,17 +49,17 @@ class Checkpoints:
         return join(CHECKPOINTS, path.model_id, path.segment, path.name)
 
     @staticmethod
-    def key_of(row: CheckpointRow) -> str:
+    def key_of(row: Checkpoint) -> str:
         """A checkpoint row's artifact key (rows written before keys hold the absolute path)."""
         return key_of_path(row.dir_path)
 
-    def checkpoint(self, path: TinkerPath) -> CheckpointRow:
-        row = self.store.get(CheckpointRow, str(path))
+    def checkpoint(self, path: TinkerPath) -> Checkpoint:
+        row = self.checkpoints.get(str(path))
         if row is None or _expired(row, utcnow()):
             raise NotFoundError(f"checkpoint {path} does not exist")
         return row
 
-    def owned_checkpoint(self, path: TinkerPath, account_id: str | None, public_ok: bool = False) -> CheckpointRow:
+    def owned_checkpoint(self, path: TinkerPath, account_id: str | None, public_ok: bool = False) -> Checkpoint:
         """The checkpoint if the account owns it (or, with public_ok, if it is published)."""
         row = self.checkpoint(path)
         if account_id is None or (public_ok and row.public):
@@ -70,7 +69,7 @@ class Checkpoints:
             raise NotFoundError(f"checkpoint {path} does not exist")
         return row
 
-    def register_checkpoint(self, path: TinkerPath, ttl_seconds: int | None, user_metadata: dict | None) -> CheckpointRow:
+    def register_checkpoint(self, path: TinkerPath, ttl_seconds: int | None, user_metadata: dict | None) -> Checkpoint:
         key = self.checkpoint_key(path)
         if not self.artifacts.exists(key):
             # The engine reported success but the artifact is gone (deleted or swept meanwhile):
@@ -78,17 +77,17 @@ class Checkpoints:
             raise ServerError(f"checkpoint {path} was written but its files are missing; save it again")
         size = self.artifacts.size(key)
         now = utcnow()
-        row = CheckpointRow(
+        row = Checkpoint(
             tinker_path=str(path), model_id=path.model_id, checkpoint_type=SEGMENT_TYPES[path.segment],
             name=path.name, dir_path=key, created_at=now,
             expires_at=now + timedelta(seconds=ttl_seconds) if ttl_seconds else None, size_bytes=size,
             public=False, user_metadata={str(k): str(v) for k, v in (user_metadata or {}).items()},
         )
-        old = self.store.get(CheckpointRow, str(path))
+        old = self.checkpoints.get(str(path))
         if old is not None:  # overwrite=True replaces the registration: the old files' storage ends
             self.storage.removed(old, now)
-            self.store.delete(CheckpointRow, str(path))
-        self.store.add(row)
+            self.checkpoints.delete(str(path))
+        self.checkpoints.add(row)
         return row
 
     def checkpoint_exists(self, path: TinkerPath) -> bool:
@@ -100,11 +99,11 @@ class Checkpoints:
 
     def list_checkpoints(self, model_id: str | None = None, checkpoint_type: str | None = None,
                          limit: int | None = None, offset: int = 0, account_id: str | None = None,
-                         project_id: str | None = None) -> tuple[list[CheckpointRow], int]:
+                         project_id: str | None = None) -> tuple[list[Checkpoint], int]:
         """A page of live checkpoints (of one account, or all), newest first, and how many there are in all."""
         return self.checkpoints.page(utcnow(), model_id, checkpoint_type, limit, offset, account_id, project_id)
 
-    def last_checkpoint(self, model_id: str, checkpoint_type: str) -> CheckpointRow | None:
+    def last_checkpoint(self, model_id: str, checkpoint_type: str) -> Checkpoint | None:
         """The newest live checkpoint of a type (no sweep: a listing of runs asks this per run)."""
         return self.checkpoints.newest(model_id, checkpoint_type, utcnow())
 
@@ -113,20 +112,20 @@ class Checkpoints:
         self._remove(row)
         self.audit_checkpoint("checkpoint_deleted", row)
 
-    def set_ttl(self, path: TinkerPath, ttl_seconds: int | None, account_id: str | None = None) -> CheckpointRow:
+    def set_ttl(self, path: TinkerPath, ttl_seconds: int | None, account_id: str | None = None) -> Checkpoint:
         """Expire `ttl_seconds` from now; None removes the expiry."""
         row = self.owned_checkpoint(path, account_id)
         ttl = check_ttl(ttl_seconds)
         expires_at = utcnow() + timedelta(seconds=ttl) if ttl is not None else None
-        self.store.update(CheckpointRow, row.tinker_path, expires_at=expires_at)
+        self.checkpoints.set(row.tinker_path, expires_at=expires_at)
         return self.checkpoint(path)
 
     def set_public(self, path: TinkerPath, public: bool, account_id: str | None = None) -> None:
         row = self.owned_checkpoint(path, account_id)
-        self.store.update(CheckpointRow, row.tinker_path, public=public)
+        self.checkpoints.set(row.tinker_path, public=public)
         self.audit_checkpoint("checkpoint_published" if public else "checkpoint_unpublished", row)
 
-    def audit_checkpoint(self, event: str, row: CheckpointRow, **details) -> None:
+    def audit_checkpoint(self, event: str, row: Checkpoint, **details) -> None:
         run = self.training_runs.get(row.model_id)
         owner = self.sessions.account_of(run.session_id) if run is not None else None
         self.audit.record(event, owner, model_id=row.model_id, tinker_path=row.tinker_path, **details)
@@ -147,9 +146,9 @@ class Checkpoints:
         copy_weights) are always kept."""
         return len(self.artifacts.sweep_incomplete(CHECKPOINTS, older_than_s))
 
-    def _remove(self, row: CheckpointRow) -> None:
+    def _remove(self, row: Checkpoint) -> None:
         self.storage.removed(row)
-        self.store.delete(CheckpointRow, row.tinker_path)
+        self.checkpoints.delete(row.tinker_path)
         key = self.key_of(row)
         modified = self.artifacts.modified(key)
         if modified is None:
@@ -163,7 +162,7 @@ class Checkpoints:
         self.artifacts.delete(key)
 
 
-def _expired(row: CheckpointRow, now: datetime) -> bool:
+def _expired(row: Checkpoint, now: datetime) -> bool:
     return row.expires_at is not None and row.expires_at <= now
 
 

@@ -21,15 +21,15 @@ from tinkerd.control.projects import check_project_id
 from tinkerd.control.ids import TinkerPath, check_ttl, parse_tinker_path
 from tinkerd.control.runs import Runs
 from tinkerd.control.store.db import utcnow
-from tinkerd.control.store.sessions import Session
-from tinkerd.control.store.tables import TrainingRunRow, UnloadedRunRow
+from tinkerd.control.store.runs import RunRepository, TrainingRun
+from tinkerd.control.store.sessions import Session, SessionRepository
 from tinkerd.errors import UserError
 
 # lora_config key marking a run made by copy_weights (training ops refuse it).
 COPY_OF = "copy_of"
 
 
-def is_copy_run(run: TrainingRunRow) -> bool:
+def is_copy_run(run: TrainingRun) -> bool:
     return bool((run.lora_config or {}).get(COPY_OF))
 
 
@@ -49,25 +49,26 @@ def copy_weights(runs: Runs, source_path: str, account_id: str | None, *, sessio
         raise UserError("copy_weights needs destination_project_id, or both session_id and model_seq_id")
     ckpt = runs.checkpoints.owned_checkpoint(source, account_id, public_ok=True)  # foreign unpublished == missing
     source_run = runs.training_runs.run(ckpt.model_id)
+    training_runs = RunRepository(runs.store)
     if by_slot:
         runs.sessions.owned_session(session_id, account_id)
         model_id = f"{session_id}:train:{model_seq_id}"
-        if runs.store.get(TrainingRunRow, model_id) is not None:
+        if training_runs.get(model_id) is not None:
             raise UserError(f"training run {model_id} already exists: copy into an unused model_seq_id")
     else:
         session_id = _copy_session(runs, account_id, idempotency_key, check_project_id(project_id))
         model_id = f"{session_id}:train:0"
     dest = TinkerPath(model_id, source.segment, source.name)
-    existing = runs.store.get(TrainingRunRow, model_id)
+    existing = training_runs.get(model_id)
     if existing is not None and runs.checkpoints.checkpoint_exists(dest):
         return dest  # the same request, retried after it completed
     now = utcnow()
-    runs.store.add(TrainingRunRow(
+    training_runs.add(TrainingRun(
         model_id=model_id, session_id=session_id, base_model=source_run.base_model, lora_rank=source_run.lora_rank,
         lora_config={**(source_run.lora_config or {}), COPY_OF: str(source)},
         user_metadata=dict(source_run.user_metadata or {}), created_at=now, last_request_at=now))
     # Never in the engine: marked so, residency does not try to release it or count it as loaded.
-    runs.store.add(UnloadedRunRow(model_id=model_id, unloaded_at=now))
+    training_runs.mark_unloaded(model_id, now)
     _copy_files(runs, runs.checkpoints.key_of(ckpt), runs.checkpoints.checkpoint_key(dest))
     row = runs.checkpoints.register_checkpoint(dest, ttl, ckpt.user_metadata)
     runs.checkpoints.audit_checkpoint("checkpoint_copied", row, source_path=str(source))
@@ -80,14 +81,14 @@ def _copy_session(runs: Runs, account_id: str | None, idempotency_key: str | Non
     if idempotency_key:
         digest = hashlib.sha256(f"{account_id}\0{idempotency_key}".encode()).hexdigest()[:16]
         session_id = f"sess-{digest}"
-        row = runs.sessions.sessions.get(session_id)
+        row = SessionRepository(runs.store).get(session_id)
         if row is not None and row.account_id == account_id:
             return session_id
     else:
         session_id = f"sess-{secrets.token_hex(8)}"
     now = utcnow()
     # Finished at once: nobody heart-beats it, and its run must not count as a live one for quotas.
-    runs.sessions.sessions.add(Session(session_id=session_id, account_id=account_id, created_at=now, last_heartbeat_at=now,
+    SessionRepository(runs.store).add(Session(session_id=session_id, account_id=account_id, created_at=now, last_heartbeat_at=now,
                               tags=["copy_weights"], user_metadata={}, sdk_version=None, finished_reason="copy_weights",
                               display_name=None, project_id=project_id))
     return runs.sessions.owned_session(session_id, account_id).session_id

@@ -3,7 +3,7 @@
 `tinkerd fsck` (cli/fsck.py) runs this on a data directory no server holds. What it checks, and why
 each can go wrong:
 
-- every registered checkpoint (CheckpointRow, not expired) has its directory, with the files its
+- every registered checkpoint (not expired) has its directory, with the files its
   type must have and, where the row recorded one, the size it had when it was registered. Saves are
   written to a temp name and renamed (engine/checkpoints.py), so only outside hands (a deleted or
   truncated file, a restore from backup) break this;
@@ -44,7 +44,7 @@ from tinkerd.control.store.futures import FutureRepository
 from tinkerd.control.store.runs import RunRepository
 from tinkerd.control.store.sampling import SamplingSessionRepository
 from tinkerd.control.store.sessions import SessionRepository
-from tinkerd.control.store.tables import CheckpointRow, FutureRow, TrainingRunRow
+from tinkerd.control.store.tables import FutureRow
 
 # The files engine/checkpoints.py writes (control may not import the engine; a unit test checks that
 # these names equal engine.checkpoints' own). Exports (external) may be age-encrypted: `<file>.age`.
@@ -221,11 +221,11 @@ class Fsck:
         for row in self.recovery.pending():
             report.pending += 1
             target = row.target.split("#", 1)[0]  # shared targets carry "#<account>" (api/routes/sampling.py)
-            if ":train:" in target and self.store.get(TrainingRunRow, target) is None:
+            if ":train:" in target and RunRepository(self.store).get(target) is None:
                 missing = f"training run {target}"
             elif ":sample:" in target and SamplingSessionRepository(self.store).get(target) is None:
                 missing = f"sampling session {target}"
-            elif target.startswith("tinker://") and self.store.get(CheckpointRow, target) is None:
+            elif target.startswith("tinker://") and self.checkpoints.get(target) is None:
                 missing = f"checkpoint {target}"
             else:
                 missing = None

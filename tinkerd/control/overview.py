@@ -12,9 +12,8 @@ from datetime import datetime
 from typing import Any
 
 from tinkerd.control.store.db import Store
-from tinkerd.control.store.runs import RunRepository, RunState
+from tinkerd.control.store.runs import RunRepository, RunState, TrainingRun
 from tinkerd.control.store.sampling import SamplingSessionRepository
-from tinkerd.control.store.tables import TrainingRunRow
 
 # A run's status, from its session and the engine's bookkeeping (most telling first):
 # unrecoverable (recovery could not rebuild it), finished (its session was closed), released (its
@@ -77,7 +76,7 @@ def summary(state: RunState) -> RunSummary:
                       run.last_request_at, status, why)
 
 
-def run_summary(store: Store, run: TrainingRunRow) -> RunSummary:
+def run_summary(store: Store, run: TrainingRun) -> RunSummary:
     """One (already ownership-checked) run's summary."""
     return summary(RunRepository(store).state(run))
 

@@ -36,7 +36,8 @@ from tinkerd.control.engines import run_ops
 from tinkerd.control.queue import Work
 from tinkerd.control.store.db import Store, utcnow
 from tinkerd.control.store.futures import FutureRepository
-from tinkerd.control.store.tables import FutureRow, TrainingRunRow, UnrecoverableRunRow
+from tinkerd.control.store.runs import RunRepository, TrainingRun
+from tinkerd.control.store.tables import FutureRow, UnrecoverableRunRow
 from tinkerd.errors import TinkerdError, UnrecoverableRun
 from tinkerd.types import LoadWeightsOp, OptimStepOp, base_model_of
 
@@ -132,7 +133,7 @@ class Recovery:
                 by_model.setdefault(row.target, []).append(row)
         plan: list[Any] = []
         for model_id, ops in by_model.items():
-            run = self.store.get(TrainingRunRow, model_id)
+            run = RunRepository(self.store).get(model_id)
             if base_models is not None and not self._trained_on(run, ops, base_models):
                 continue  # another engine's run: it is alive and holds it
             if served is not None and run is not None and base_model_of(run.base_model) not in served:
@@ -156,7 +157,7 @@ class Recovery:
             plan.extend(steps)
         return plan
 
-    def _trained_on(self, run: TrainingRunRow | None, ops: list[FutureRow], base_models: Collection[str]) -> bool:
+    def _trained_on(self, run: TrainingRun | None, ops: list[FutureRow], base_models: Collection[str]) -> bool:
         if run is not None:
             return base_model_of(run.base_model) in base_models
         try:  # no run row (unit tests of the plan): the create or load op that made the adapter says

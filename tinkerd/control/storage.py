@@ -20,9 +20,10 @@ from datetime import datetime, timedelta
 
 from tinkerd.control.metering import Bucket
 from tinkerd.control.store.db import Store, utcnow
-from tinkerd.control.store.checkpoints import CheckpointRepository, CheckpointStorageRepository
+from tinkerd.control.store.checkpoints import Checkpoint, CheckpointRepository, CheckpointStorageRepository
+from tinkerd.control.store.runs import RunRepository
 from tinkerd.control.store.sessions import SessionRepository
-from tinkerd.control.store.tables import CheckpointRow, CheckpointStorageRow, TrainingRunRow
+from tinkerd.control.store.tables import CheckpointStorageRow
 
 BYTES_PER_GB = 1e9
 GB_HOURS_PER_GB_MONTH = 720
@@ -30,7 +31,7 @@ STORAGE_KIND = "storage_gb_hours"
 _HOUR = timedelta(hours=1)
 
 
-def storage_id(row: CheckpointRow) -> str:
+def storage_id(row: Checkpoint) -> str:
     return f"{row.tinker_path}@{row.created_at.isoformat()}"
 
 
@@ -48,7 +49,7 @@ class StorageLedger:
         self.store = store
         self.ledger = CheckpointStorageRepository(store)
 
-    def removed(self, row: CheckpointRow, now: datetime | None = None) -> None:
+    def removed(self, row: Checkpoint, now: datetime | None = None) -> None:
         """The checkpoint is being deleted (by a user, or as expired): close its interval."""
         now = now or utcnow()
         end = min(now, row.expires_at) if row.expires_at is not None else now
@@ -82,11 +83,11 @@ class StorageLedger:
         return [Interval(r.account_id, r.base_model, r.size_bytes, r.start_at, r.end_at)
                 for r in self.ledger.overlapping(account_id, start, end)]
 
-    def _open(self, row: CheckpointRow) -> None:
+    def _open(self, row: Checkpoint) -> None:
         """Insert the checkpoint's interval (no-op if it exists), attributed to the run's account."""
         if self.store.get(CheckpointStorageRow, storage_id(row)) is not None:
             return
-        run = self.store.get(TrainingRunRow, row.model_id)
+        run = RunRepository(self.store).get(row.model_id)
         session = SessionRepository(self.store).get(run.session_id) if run is not None else None
         self.store.add(CheckpointStorageRow(
             storage_id=storage_id(row), tinker_path=row.tinker_path,

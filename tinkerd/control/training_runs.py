@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from tinkerd.control.sessions import Sessions
 from tinkerd.control.store.db import Store, utcnow
-from tinkerd.control.store.runs import RunRepository
-from tinkerd.control.store.tables import TrainingRunRow
+from tinkerd.control.store.runs import RunRepository, TrainingRun
 
 
 class TrainingRuns:
@@ -16,33 +15,33 @@ class TrainingRuns:
         self.training_runs = RunRepository(store)
 
     def create_run(self, session_id: str, model_seq_id: int, base_model: str, lora_config: dict,
-                   user_metadata: dict | None, account_id: str | None = None) -> tuple[TrainingRunRow, bool]:
+                   user_metadata: dict | None, account_id: str | None = None) -> tuple[TrainingRun, bool]:
         """The run for `{session_id}:train:{model_seq_id}`; (row, created) — re-sends get the same row."""
         self.sessions.owned_session(session_id, account_id)
         model_id = f"{session_id}:train:{model_seq_id}"
         now = utcnow()
-        row = TrainingRunRow(model_id=model_id, session_id=session_id, base_model=base_model,
+        run = TrainingRun(model_id=model_id, session_id=session_id, base_model=base_model,
                              lora_rank=int(lora_config["rank"]), lora_config=lora_config,
                              user_metadata={str(k): str(v) for k, v in (user_metadata or {}).items()},
                              created_at=now, last_request_at=now)
-        created = self.store.add(row)
-        return (row if created else self.run(model_id)), created
+        created = self.training_runs.add(run)
+        return (run if created else self.run(model_id)), created
 
-    def run(self, model_id: str) -> TrainingRunRow:
+    def run(self, model_id: str) -> TrainingRun:
         return self.sessions.lookup(self.training_runs.get, model_id, "model_id")
 
-    def owned_run(self, model_id: str, account_id: str | None) -> TrainingRunRow:
+    def owned_run(self, model_id: str, account_id: str | None) -> TrainingRun:
         return self.sessions.lookup(self.training_runs.get, model_id, "model_id", account_id)
 
     def touch(self, model_id: str) -> None:
-        self.store.update(TrainingRunRow, model_id, last_request_at=utcnow())
+        self.training_runs.set(model_id, last_request_at=utcnow())
 
     def run_count(self, session_id: str) -> int:
         """How many training runs the session has made: the next model_seq_id of an implicit session."""
         return self.training_runs.count_of_session(session_id)
 
     def list_runs(self, limit: int | None = None, offset: int = 0, account_id: str | None = None,
-                  project_id: str | None = None) -> tuple[list[TrainingRunRow], int]:
+                  project_id: str | None = None) -> tuple[list[TrainingRun], int]:
         """A page of runs (of one account, or all; of one of its projects), newest first, and how many
         there are in all."""
         return self.training_runs.page(limit, offset, account_id, project_id)

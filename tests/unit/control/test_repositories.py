@@ -1,7 +1,7 @@
 """The repositories hand out domain objects, not SQLAlchemy's (issue 18), for the nouns converted so
-far: accounts, API keys, audit entries, usage records, sessions and sampling sessions are frozen
-dataclasses with the stored values, on both backends. A caller cannot change one and believe it
-stored, nor hold a session open through it."""
+far: accounts, API keys, audit entries, usage records, sessions, sampling sessions, training runs and
+checkpoints are frozen dataclasses with the stored values, on both backends. A caller cannot change
+one and believe it stored, nor hold a session open through it."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 from tinkerd.control.accounts import Accounts, hash_key
 from tinkerd.artifacts import LocalArtifactStore
 from tinkerd.control.metering import Billing, Meter, Usage
+from tinkerd.control.ids import parse_tinker_path
 from tinkerd.control.runs import Runs
 from tinkerd.control.sessions import SessionSearch
 from tinkerd.control.store.db import Store, utcnow
@@ -99,3 +100,44 @@ def test_sampling_sessions_are_frozen_dataclasses(db_url, tmp_path):
     with pytest.raises(NotFoundError):
         runs.sampling_sessions.owned_sampling_session(sampler.sampling_session_id, "acct-b")
 
+
+def test_training_runs_are_frozen_dataclasses(db_url, tmp_path):
+    runs = Runs(Store(db_url), LocalArtifactStore(tmp_path))
+    sid = runs.sessions.create_session([], {}, "0.38", account_id="acct-a")
+    run, created = runs.training_runs.create_run(sid, 0, "tiny", {"rank": 4}, {"k": 1}, "acct-a")
+    _frozen(run)
+    assert created and (run.model_id, run.session_id, run.base_model, run.lora_rank, run.lora_config, run.user_metadata) == (
+        f"{sid}:train:0", sid, "tiny", 4, {"rank": 4}, {"k": "1"})
+    again, created = runs.training_runs.create_run(sid, 0, "tiny", {"rank": 8}, None, "acct-a")
+    assert not created and again == run  # a re-send: the stored one
+    assert runs.training_runs.owned_run(run.model_id, "acct-a") == run
+    [listed], total = runs.training_runs.list_runs(account_id="acct-a")
+    _frozen(listed)
+    assert listed == run and total == 1
+    runs.training_runs.touch(run.model_id)
+    assert runs.training_runs.run(run.model_id).last_request_at > run.last_request_at  # a copy, not a view
+    with pytest.raises(NotFoundError):
+        runs.training_runs.owned_run(run.model_id, "acct-b")
+
+
+def test_checkpoints_are_frozen_dataclasses(db_url, tmp_path):
+    runs = Runs(Store(db_url), LocalArtifactStore(tmp_path))
+    sid = runs.sessions.create_session([], {}, "0.38", account_id="acct-a")
+    run, _ = runs.training_runs.create_run(sid, 0, "tiny", {"rank": 4}, None, "acct-a")
+    path = parse_tinker_path(f"tinker://{run.model_id}/weights/step-1")
+    runs.artifacts.put(runs.checkpoints.checkpoint_key(path), {"adapter_model.safetensors": b"x" * 10})
+    ckpt = runs.checkpoints.register_checkpoint(path, 3600, {"step": 1})
+    _frozen(ckpt)
+    assert (ckpt.tinker_path, ckpt.model_id, ckpt.checkpoint_type, ckpt.name, ckpt.size_bytes, ckpt.public,
+            ckpt.user_metadata) == (str(path), run.model_id, "training", "step-1", 10, False, {"step": "1"})
+    assert runs.checkpoints.owned_checkpoint(path, "acct-a") == ckpt
+    [listed], total = runs.checkpoints.list_checkpoints(account_id="acct-a")
+    assert listed == ckpt and total == 1 and runs.checkpoints.last_checkpoint(run.model_id, "training") == ckpt
+    _frozen(listed)
+    runs.checkpoints.set_public(path, True, "acct-a")
+    assert runs.checkpoints.checkpoint(path).public and not ckpt.public  # a copy, not a view
+    assert runs.checkpoints.set_ttl(path, None, "acct-a").expires_at is None and ckpt.expires_at is not None
+    with pytest.raises(NotFoundError):
+        runs.checkpoints.owned_checkpoint(path, "acct-b")
+    runs.checkpoints.delete_checkpoint(path, "acct-a")
+    assert not runs.checkpoints.checkpoint_exists(path)

@@ -27,7 +27,7 @@ from tinkerd.api.deps import account, authenticate, empty, state
 from tinkerd.artifacts import ArtifactStore
 from tinkerd.control.ids import SEGMENT_TYPES, TinkerPath, check_name
 from tinkerd.control.runs import Runs
-from tinkerd.control.records import Checkpoint as CheckpointRow
+from tinkerd.control.records import Checkpoint
 from tinkerd.errors import ArchiveTooLarge, NotFoundError, UserError
 
 router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
@@ -38,14 +38,14 @@ _CHUNKS_QUEUED = 64  # the tar writer runs at most 64 gzip writes (~640 KiB) ahe
 _PUT_WAIT_S = 1.0
 
 
-def _owned(runs: Runs, path: TinkerPath, account_id: str) -> CheckpointRow | None:
+def _owned(runs: Runs, path: TinkerPath, account_id: str) -> Checkpoint | None:
     try:
         return runs.checkpoints.owned_checkpoint(path, account_id)
     except NotFoundError:
         return None
 
 
-def _bare(runs: Runs, run_id: str, name: str, account_id: str) -> list[CheckpointRow]:
+def _bare(runs: Runs, run_id: str, name: str, account_id: str) -> list[Checkpoint]:
     """The caller's checkpoints named `name` in run `run_id`, sampler copy first; 404 when none."""
     runs.training_runs.owned_run(run_id, account_id)
     rows = [r for seg in _BARE_ORDER if (r := _owned(runs, TinkerPath(run_id, seg, check_name(name)), account_id))]
@@ -54,7 +54,7 @@ def _bare(runs: Runs, run_id: str, name: str, account_id: str) -> list[Checkpoin
     return rows
 
 
-def _archive(request: Request, row: CheckpointRow) -> Response:
+def _archive(request: Request, row: Checkpoint) -> Response:
     st = state(request)
     key = st.runs.checkpoints.key_of(row)
     files = st.runs.artifacts.files(key)
@@ -146,5 +146,5 @@ def delete_bare(run_id: str, name: str, request: Request) -> Response:
     return empty()
 
 
-def _segment(row: CheckpointRow) -> str:
+def _segment(row: Checkpoint) -> str:
     return next(seg for seg, kind in SEGMENT_TYPES.items() if kind == row.checkpoint_type)

@@ -32,7 +32,7 @@ from tinkerd.artifacts import CHUNK
 from tinkerd.control.control import Work
 from tinkerd.control.oplog import OpRecord, OpType, Payer, RegisterCheckpoint
 from tinkerd.control.ids import TinkerPath, check_name, check_ttl, iso
-from tinkerd.control.records import Checkpoint as CheckpointRow
+from tinkerd.control.records import Checkpoint
 from tinkerd.errors import Forbidden, NotFoundError, UserError
 from tinkerd.types import ExportWeightsOp, base_model_of
 
@@ -126,7 +126,7 @@ def external_weights_urls(run_id: str, name: str, request: Request) -> dict:
     return {"urls": urls, "expires": iso(datetime.fromtimestamp(expires, timezone.utc).replace(tzinfo=None))}
 
 
-def download_urls(request: Request, row: CheckpointRow) -> tuple[dict[str, str], int]:
+def download_urls(request: Request, row: Checkpoint) -> tuple[dict[str, str], int]:
     """Signed download URLs of an (ownership-checked) external_weights checkpoint's files, and when
     they expire (unix time); also the console's download links."""
     run_id, name = row.model_id, row.name

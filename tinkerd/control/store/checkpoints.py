@@ -1,8 +1,11 @@
-"""The checkpoint registry and its storage ledger behind repositories (control/runs.py, storage.py,
-costs.py and fsck.py hold the rules; the queries are here)."""
+"""The checkpoint registry and its storage ledger behind repositories (control/checkpoints.py,
+storage.py, costs.py and fsck.py hold the rules; the queries are here). Checkpoints come out as
+frozen Checkpoint dataclasses, not rows."""
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from datetime import datetime
 
 from sqlalchemy import func, or_, select
@@ -11,20 +14,58 @@ from tinkerd.control.store.db import Store
 from tinkerd.control.store.tables import CheckpointRow, CheckpointStorageRow, SessionRow, TrainingRunRow
 
 
+@dataclass(frozen=True)
+class Checkpoint:
+    tinker_path: str  # tinker://<model_id>/<segment>/<name>
+    model_id: str  # its run's; owned through the run's session
+    checkpoint_type: str  # training | sampler | external
+    name: str
+    dir_path: str  # the artifact key (rows written before keys hold the absolute path)
+    created_at: datetime
+    expires_at: datetime | None  # None: never
+    size_bytes: int | None
+    public: bool  # readable by every account
+    user_metadata: dict
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(Checkpoint))
+
+
+def _checkpoint(row: CheckpointRow | None) -> Checkpoint | None:
+    if row is None:
+        return None
+    return Checkpoint(**{**{name: getattr(row, name) for name in _FIELDS},
+                         "public": bool(row.public), "user_metadata": dict(row.user_metadata or {})})
+
+
 class CheckpointRepository:
     def __init__(self, store: Store):
         self.store = store
 
-    def all(self) -> list[CheckpointRow]:
-        """Every registered checkpoint, expired ones not yet swept included."""
-        return self.store.query(select(CheckpointRow))
+    def get(self, tinker_path: str) -> Checkpoint | None:
+        """The registered checkpoint, expired or not."""
+        return _checkpoint(self.store.get(CheckpointRow, tinker_path))
 
-    def expired(self, now: datetime) -> list[CheckpointRow]:
-        return self.store.query(select(CheckpointRow).where(CheckpointRow.expires_at <= now))
+    def add(self, checkpoint: Checkpoint) -> bool:
+        """False when the tinker_path is registered."""
+        return self.store.add(CheckpointRow(**dataclasses.asdict(checkpoint)))
+
+    def set(self, tinker_path: str, **values) -> None:
+        self.store.update(CheckpointRow, tinker_path, **values)
+
+    def delete(self, tinker_path: str) -> None:
+        self.store.delete(CheckpointRow, tinker_path)
+
+    def all(self) -> list[Checkpoint]:
+        """Every registered checkpoint, expired ones not yet swept included."""
+        return [_checkpoint(r) for r in self.store.query(select(CheckpointRow))]
+
+    def expired(self, now: datetime) -> list[Checkpoint]:
+        return [_checkpoint(r) for r in self.store.query(select(CheckpointRow).where(CheckpointRow.expires_at <= now))]
 
     def page(self, now: datetime, model_id: str | None = None, checkpoint_type: str | None = None,
              limit: int | None = None, offset: int = 0, account_id: str | None = None,
-             project_id: str | None = None) -> tuple[list[CheckpointRow], int]:
+             project_id: str | None = None) -> tuple[list[Checkpoint], int]:
         """A page of the checkpoints live at `now` (of one account, or all; of one of its projects,
         run or type), newest first, and how many there are in all."""
         where = [or_(CheckpointRow.expires_at.is_(None), CheckpointRow.expires_at > now)]
@@ -42,16 +83,16 @@ class CheckpointRepository:
         if limit is not None:
             stmt = stmt.limit(limit)
         count = select(func.count()).select_from(CheckpointRow).where(*where)
-        return self.store.query(stmt.offset(offset)), int(self.store.query(count)[0])
+        return [_checkpoint(r) for r in self.store.query(stmt.offset(offset))], int(self.store.query(count)[0])
 
-    def newest(self, model_id: str, checkpoint_type: str, now: datetime) -> CheckpointRow | None:
+    def newest(self, model_id: str, checkpoint_type: str, now: datetime) -> Checkpoint | None:
         """The run's newest checkpoint of a type live at `now`."""
         rows = self.store.query(
             select(CheckpointRow)
             .where(CheckpointRow.model_id == model_id, CheckpointRow.checkpoint_type == checkpoint_type,
                    or_(CheckpointRow.expires_at.is_(None), CheckpointRow.expires_at > now))
             .order_by(CheckpointRow.created_at.desc()).limit(1))
-        return rows[0] if rows else None
+        return _checkpoint(rows[0]) if rows else None
 
 
 class CheckpointStorageRepository:

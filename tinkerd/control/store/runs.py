@@ -1,9 +1,11 @@
 """Training runs, their residency bookkeeping (released, unrecoverable) and their step metrics
-behind repositories. control/runs.py, residency.py, quotas.py, overview.py and stepmetrics.py hold
-the rules; the queries are here."""
+behind repositories. control/training_runs.py, residency.py, quotas.py, overview.py and
+stepmetrics.py hold the rules; the queries are here. Runs come out as frozen TrainingRun dataclasses,
+not rows."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -21,10 +23,32 @@ from tinkerd.control.store.tables import (
 
 
 @dataclass(frozen=True)
+class TrainingRun:
+    model_id: str  # `{session_id}:train:{model_seq_id}`
+    session_id: str  # owned through it (control/sessions.py)
+    base_model: str
+    lora_rank: int
+    lora_config: dict
+    user_metadata: dict
+    created_at: datetime
+    last_request_at: datetime
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(TrainingRun))
+
+
+def _run(row: TrainingRunRow | None) -> TrainingRun | None:
+    if row is None:
+        return None
+    return TrainingRun(**{**{name: getattr(row, name) for name in _FIELDS},
+                          "lora_config": dict(row.lora_config or {}), "user_metadata": dict(row.user_metadata or {})})
+
+
+@dataclass(frozen=True)
 class RunState:
     """A run with what its status is made of (control/overview.py turns it into one)."""
 
-    run: TrainingRunRow
+    run: TrainingRun
     finished_reason: str | None  # its session's
     released: bool
     unrecoverable: str | None  # why recovery could not rebuild it
@@ -34,17 +58,18 @@ class RunRepository:
     def __init__(self, store: Store):
         self.store = store
 
-    def get(self, model_id: str) -> TrainingRunRow | None:
-        return self.store.get(TrainingRunRow, model_id)
+    def get(self, model_id: str) -> TrainingRun | None:
+        return _run(self.store.get(TrainingRunRow, model_id))
 
-    def add(self, row: TrainingRunRow) -> bool:
-        return self.store.add(row)
+    def add(self, run: TrainingRun) -> bool:
+        """False when the model_id exists."""
+        return self.store.add(TrainingRunRow(**dataclasses.asdict(run)))
 
     def set(self, model_id: str, **values) -> None:
         self.store.update(TrainingRunRow, model_id, **values)
 
-    def all(self) -> list[TrainingRunRow]:
-        return self.store.query(select(TrainingRunRow))
+    def all(self) -> list[TrainingRun]:
+        return [_run(r) for r in self.store.query(select(TrainingRunRow))]
 
     def count_of_session(self, session_id: str) -> int:
         return int(self.store.query(select(func.count()).select_from(TrainingRunRow)
@@ -59,7 +84,7 @@ class RunRepository:
         return self.store.query(_of_account(select(TrainingRunRow.model_id), account_id))
 
     def page(self, limit: int | None = None, offset: int = 0, account_id: str | None = None,
-             project_id: str | None = None) -> tuple[list[TrainingRunRow], int]:
+             project_id: str | None = None) -> tuple[list[TrainingRun], int]:
         """A page of runs (of one account, or all; of one of its projects), newest first, and how many
         there are in all."""
         stmt = select(TrainingRunRow).order_by(TrainingRunRow.created_at.desc(), TrainingRunRow.model_id)
@@ -70,7 +95,7 @@ class RunRepository:
             stmt, count = stmt.where(SessionRow.project_id == project_id), count.where(SessionRow.project_id == project_id)
         if limit is not None:
             stmt = stmt.limit(limit)
-        return self.store.query(stmt.offset(offset)), int(self.store.query(count)[0])
+        return [_run(r) for r in self.store.query(stmt.offset(offset))], int(self.store.query(count)[0])
 
     def states_of_account(self, account_id: str, limit: int, offset: int) -> tuple[list[RunState], int]:
         """A page of the account's runs with their status rows, newest first (one query, joined), and
@@ -84,10 +109,10 @@ class RunRepository:
                 .order_by(TrainingRunRow.created_at.desc(), TrainingRunRow.model_id)
                 .limit(limit).offset(offset))
         count = _of_account(select(func.count()).select_from(TrainingRunRow), account_id)
-        states = [RunState(run, finished, bool(released), broken) for run, finished, released, broken in self.store.rows(stmt)]
+        states = [RunState(_run(run), finished, bool(released), broken) for run, finished, released, broken in self.store.rows(stmt)]
         return states, int(self.store.query(count)[0])
 
-    def state(self, run: TrainingRunRow) -> RunState:
+    def state(self, run: TrainingRun) -> RunState:
         session = self.store.get(SessionRow, run.session_id)
         broken = self.store.get(UnrecoverableRunRow, run.model_id)
         return RunState(run, session.finished_reason if session else None, self.is_unloaded(run.model_id),
