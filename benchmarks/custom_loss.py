@@ -92,7 +92,7 @@ def main() -> None:
             return value
 
         run = interleave({name: functools.partial(step, tc, loss) for name, (tc, loss) in sides.items()},
-                         args.rounds, args.steps, server.proc.pid)
+                         args.rounds, args.steps, {}, shared_pids=(server.proc.pid,))
     finally:
         server.stop()
 

@@ -4,6 +4,10 @@ One copy of the base weights serves every adapter; each adapter adds only its Lo
 AdamW state and gradients. Each client creates a rank-32 LoRA and runs one forward_backward +
 optim_step so its optimizer state exists.
 
+The figure to hold against the target: peak RSS per extra resident adapter, (peak with N - peak
+with 1) / (N - 1), against the budget of LoRA weights + grads + AdamW's two moments, 4x the
+adapter's fp32 weights (the size of its snapshot's adapter_model.safetensors), plus 10%.
+
     python benchmarks/multitenancy.py
 """
 
@@ -53,7 +57,13 @@ def main() -> None:
             if n in (1, args.adapters):
                 rss, peak = rss_mb(pid)
                 print(f"{n} adapter(s): RSS {rss:.0f} MB, peak {peak:.0f} MB")
+                peak_one = peak if n == 1 else peak_one
         print(f"(one copy of the base weights: {args.adapters} adapters cost {rss - base_rss:.0f} MB over the base)")
+        weights = max((srv.data_dir / "snapshots").glob("*/seq-*/adapter_model.safetensors"))  # any run: same shapes
+        budget = 4 * weights.stat().st_size / 2**20
+        per = (peak - peak_one) / (args.adapters - 1)
+        print(f"peak RSS per extra resident adapter: {per:.0f} MB; budget (weights + grads + 2 AdamW moments) "
+              f"{budget:.0f} MB, +10% {1.1 * budget:.0f} MB: {'within' if per <= 1.1 * budget else 'OVER'}")
     finally:
         srv.stop()
 

@@ -84,6 +84,10 @@ def load_average() -> str:
     return " ".join(open("/proc/loadavg").read().split()[:3])
 
 
+# A server is done with a step once it used no CPU for this long (interleave).
+QUIET_S, QUIET_MAX_S = 0.5, 10.0
+
+
 @dataclass
 class Interleaved:
     """An A B A B run: each side's step times and step results, and the CPU that other processes
@@ -98,26 +102,48 @@ class Interleaved:
     wall_s: float
 
 
-def interleave(sides: dict[str, Callable[[], object]], rounds: int, steps: int, server_pids: list[int]) -> Interleaved:
+def interleave(sides: dict[str, Callable[[], object]], rounds: int, steps: int,
+               server_pids: dict[str, int], shared_pids: tuple[int, ...] = ()) -> Interleaved:
     """`rounds` rounds in which each side runs `steps` steps in turn, so machine noise hits both
-    alike; the caller warms each side up first."""
+    alike; the caller warms each side up first. A step's CPU is this process's during the step plus
+    its own server's (`server_pids`: side -> pid; none for an in-process side) from the step's start
+    until that server is quiet again (no CPU for QUIET_S; the next side waits for it): work a server
+    does after answering (a recovery snapshot written in the background) is charged to its own
+    side, not to the side that runs next. A server several sides share (`shared_pids`) is charged
+    to whichever side's step it ran in."""
     times: dict[str, list[float]] = {k: [] for k in sides}
     cpu: dict[str, list[float]] = {k: [] for k in sides}
     results: dict[str, list] = {k: [] for k in sides}
     hz = os.sysconf("SC_CLK_TCK")
 
     def own() -> int:
-        return proc_jiffies(os.getpid()) + sum(tree_jiffies(p) for p in server_pids)
+        return proc_jiffies(os.getpid()) + sum(tree_jiffies(p) for p in (*server_pids.values(), *shared_pids))
+
+    def in_step() -> int:
+        return proc_jiffies(os.getpid()) + sum(tree_jiffies(p) for p in shared_pids)
+
+    def server(name: str) -> int:
+        return tree_jiffies(server_pids[name]) if name in server_pids else 0
+
+    def quiet(name: str) -> int:
+        """The server's jiffies once it used none for QUIET_S (at most QUIET_MAX_S of waiting)."""
+        now, deadline = server(name), time.monotonic() + QUIET_MAX_S
+        while name in server_pids and time.monotonic() < deadline:
+            time.sleep(QUIET_S)
+            if now == (now := server(name)):
+                break
+        return now
 
     busy0, total0 = cpu_jiffies()
     own0 = own()
     for _ in range(rounds):
         for name, step in sides.items():
             for _ in range(steps):
-                j0, t0 = own(), time.perf_counter()
+                s0, j0, t0 = server(name), in_step(), time.perf_counter()
                 results[name].append(step())
                 times[name].append(time.perf_counter() - t0)
-                cpu[name].append((own() - j0) / hz)
+                j1 = in_step()
+                cpu[name].append((j1 - j0 + quiet(name) - s0) / hz)
     busy1, total1 = cpu_jiffies()
     own1 = own()
     wall_s = (total1 - total0) / os.cpu_count() / hz
@@ -253,10 +279,10 @@ def run_config(args, base: Path, dtype: str, threads: int) -> dict:
         probes = [gemm_rate(args.rows * args.tokens, config.hidden_size, DTYPES[dtype])]
         for side in sides.values():  # one warm-up step each: first-step allocations, lazy inits
             side.step()
-        engine0 = engine_seconds(servers["tinkerd"].url)
+        engine0 = {k: engine_seconds(srv.url) for k, srv in servers.items()}
         run = interleave({name: side.step for name, side in sides.items()}, args.rounds, args.steps,
-                         [s.proc.pid for s in servers.values()])
-        engine1 = engine_seconds(servers["tinkerd"].url)
+                         {side: srv.proc.pid for side, srv in zip(sides, servers.values())})
+        engine1 = {k: engine_seconds(srv.url) for k, srv in servers.items()}
         probes.append(gemm_rate(args.rows * args.tokens, config.hidden_size, DTYPES[dtype]))
     ceiling, cpu_ceiling = (max(p[i] for p in probes) for i in (0, 1))
     flops = step_flops(config, args.rank, args.rows, args.tokens)
@@ -274,14 +300,15 @@ def run_config(args, base: Path, dtype: str, threads: int) -> dict:
         print(f"{name:36s} median step {med * 1e3:8.1f} ms  {rates[name]:8.1f} tokens/s  "
               f"{100 * flops / med / ceiling:5.1f}% of ceiling   CPU {cpu:6.2f} s/step  {cpu_rates[name]:7.1f} tokens/CPU-s  "
               f"{100 * flops / cpu / cpu_ceiling:5.1f}% of the CPU-time ceiling")
-    # Where the tinkerd side's step goes: the engine's own time per op (its /metrics) and the rest
-    # (SDK, HTTP, control, the pipe to the engine process, snapshots).
-    per_op = {k: (engine1[k][0] - engine0.get(k, (0, 0))[0]) / max(1, engine1[k][1] - engine0.get(k, (0, 0))[1])
-              for k in ("ForwardBackward", "OptimStep") if k in engine1}
-    first = next(iter(run.times))
-    rest = float(np.mean(run.times[first])) - sum(per_op.values())
-    print("tinkerd step, mean: " + ", ".join(f"engine {k} {v * 1e3:.0f} ms" for k, v in per_op.items())
-          + f", the rest {rest * 1e3:.0f} ms")
+    # Where each server's step goes: the engine's own time per op (its /metrics) and the rest
+    # (SDK, HTTP, control, the pipe to the engine process, snapshots written inline).
+    for (server, e1), name in zip(engine1.items(), run.times):
+        e0 = engine0[server]
+        per_op = {k: (e1[k][0] - e0.get(k, (0, 0))[0]) / max(1, e1[k][1] - e0.get(k, (0, 0))[1])
+                  for k in ("ForwardBackward", "OptimStep") if k in e1}
+        rest = float(np.mean(run.times[name])) - sum(per_op.values())
+        print(f"{name} step, mean: " + ", ".join(f"engine {k} {v * 1e3:.0f} ms" for k, v in per_op.items())
+              + f", the rest {rest * 1e3:.0f} ms")
     names = list(rates)
     pairs = [(n, names[-1]) for n in names[:-1]] + ([(names[0], names[1])] if len(names) == 3 else [])
     for a, b in pairs:

@@ -67,9 +67,10 @@ def server_store(data_dir: Path, db_url: str | None = None) -> Iterator[Store]:
 
 
 def logged_ops(data_dir: Path, target: str | None = None, request_type: str | None = None,
-               status: str | None = None) -> list[FutureRow]:
-    """The op log's rows (control/store/futures.py: FutureRepository.of) of a server's data dir."""
-    with server_store(data_dir) as store:
+               status: str | None = None, db_url: str | None = None) -> list[FutureRow]:
+    """The op log's rows (control/store/futures.py: FutureRepository.of) of a server's data dir (or
+    `db_url`: a PostgreSQL-backed server's, ServerProcess.env["TINKERD_DB_URL"])."""
+    with server_store(data_dir, db_url) as store:
         return FutureRepository(store).of(target, request_type, status)
 
 

@@ -154,7 +154,7 @@ class ServerConfig(BaseModel):
     allow_non_finite: bool = Field(default=False,
                                    description="apply training steps whose loss, gradients or update are NaN or inf "
                                                "(off: such a step fails with a user error and changes nothing)")
-    # control/runs.py: CheckpointSweeper. Expired checkpoints are hidden from the API at once; only this
+    # control/checkpoints.py: CheckpointSweeper. Expired checkpoints are hidden from the API at once; only this
     # sweep deletes their files, off every request path.
     checkpoint_sweep_interval_s: float = Field(default=60.0, gt=0,
                                                description="how often files of expired checkpoints are deleted")
@@ -234,7 +234,7 @@ class ServerConfig(BaseModel):
                                                        "less; 0: never refuse)")
 
     def token_price_usd_per_mtok(self, kind: str) -> float:
-        """The price of a metered token kind (a UsageRow column name)."""
+        """The price of a metered token kind (a UsageRecord field name)."""
         return {"trained_tokens": self.price_train_usd_per_mtok, "forward_tokens": self.price_forward_usd_per_mtok,
                 "prefill_tokens": self.price_prefill_usd_per_mtok, "sampled_tokens": self.price_sample_usd_per_mtok}[kind]
 

@@ -97,6 +97,24 @@ def open_image(data: bytes, fmt: str, limits: ImageLimits, where: str) -> Image.
     return image
 
 
+def refuse_text_placeholders(tokens: np.ndarray, images: list[ImageInput] | None, vision: VisionSpec | None,
+                             where: str) -> None:
+    """A UserError when the model's image placeholder id appears outside the images' own positions:
+    a text chunk holding it would take the place of an image's features (the engine refuses a datum
+    whose placeholders and images disagree), or, with no image at all, train on an embedding that only
+    ever stands for the tower's output."""
+    if vision is None:
+        return
+    stray = tokens == vision.image_token_id
+    for im in images or []:
+        stray[im.offset:im.offset + im.n_tokens] = False
+    if stray.any():
+        at = np.flatnonzero(stray)
+        raise UserError(f"{where}: text holds token {vision.image_token_id}, the model's image placeholder, at "
+                        f"position {int(at[0])}{f' (and {len(at) - 1} more)' if len(at) > 1 else ''}; it is "
+                        "reserved for the positions of image chunks: send the image as an ImageChunk")
+
+
 class ChunkExpander:
     """Builds one model input from its chunks in order: text tokens as they are, each image as its
     placeholder positions (and an ImageInput); `vision` None refuses images (a text-only model)."""

@@ -305,6 +305,9 @@ class SampleResult:
     target_prompt_logprobs: np.ndarray | None = None
     # ([P-1, k] int64 ids, [P-1, k] float32 logprobs) of the prompt_alt_tokens_k draws; when asked.
     prompt_alt_tokens: tuple[np.ndarray, np.ndarray] | None = None
+    # Prompt tokens whose prefill came from the sampler's prefix cache (SampleResponse's
+    # prompt_cache_hit_tokens, which the cookbook's RL metrics sum).
+    prompt_cache_hit_tokens: int = 0
 
 
 EngineOp = (

@@ -42,10 +42,26 @@ def pg_server(tmp_path_factory, pg_server_url):
     srv.stop()
 
 
-@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+@pytest.fixture(scope="session")
+def replicas_server(tmp_path_factory):
+    """Two `--role api` replicas behind HAProxy and a `--role worker`, on a PostgreSQL of their own
+    (tests/replicas.py): one start for the session, shared by every module that runs a test through
+    it (test_replicas, and those parametrized by `store_server` and test_quotas' `minute_server`).
+    Its `url` is the load balancer's."""
+    from tests.replicas import topology
+
+    with topology(tmp_path_factory.mktemp("replicas-data"), [TINY]) as top:
+        yield top
+
+
+STORES = {"sqlite": "server", "postgresql": "pg_server", "replicas": "replicas_server"}
+
+
+@pytest.fixture(scope="module", params=list(STORES))
 def store_server(request):
-    """The shared server on each store: SQLite (the default) and PostgreSQL."""
-    return request.getfixturevalue("server" if request.param == "sqlite" else "pg_server")
+    """The shared server on each store: SQLite (the default), PostgreSQL, and two API replicas on
+    PostgreSQL behind a load balancer."""
+    return request.getfixturevalue(STORES[request.param])
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,8 @@ import tinker
 import torch
 from tinker import types
 
-from tests.conformance.sft import next_token_datum
+from tests.conformance.cookbook_merge import assert_merges_equal, download
+from tests.conformance.sft import assert_loss_falls_and_resumes_exactly, losses, next_token_datum
 from tests.serverproc import API_KEY, start_server
 
 HYBRID = "tinkerd/tiny-qwen3.5"
@@ -78,13 +79,8 @@ def server(tmp_path_factory, vlm_dir):
     srv.stop()
 
 
-def _train(tc, data, steps: int) -> list[float]:
-    futures = []
-    for _ in range(steps):
-        futures.append(tc.forward_backward(data, "cross_entropy"))
-        # 2e-2 overshoots here (the loss climbs back after 3 steps); 5e-3 falls 449 -> 0.7 in 8.
-        tc.optim_step(types.AdamParams(learning_rate=5e-3))
-    return [f.result().metrics["loss:sum"] for f in futures]
+# 2e-2 overshoots here (the loss climbs back after 3 steps); 5e-3 falls 449 -> 0.7 in 8.
+LR = 5e-3
 
 
 def test_the_vision_language_checkpoint_is_served_text_only_and_says_so(server, service_client, vlm_dir):
@@ -107,19 +103,14 @@ def test_the_vision_language_checkpoint_is_served_text_only_and_says_so(server, 
 def test_sl_loss_falls_and_save_state_resumes_exactly(service_client):
     tc = service_client.create_lora_training_client(base_model=HYBRID, rank=4, seed=3).result()
     data = [next_token_datum(TOKENS)]
-    first = _train(tc, data, 8)
-    assert first[-1] < 0.5 * first[0], first
-    path = tc.save_state("k8").result().path
-    uninterrupted = _train(tc, data, 3)
-    resumed = _train(service_client.create_training_client_from_state_with_optimizer(path).result(), data, 3)
-    assert resumed == uninterrupted, (uninterrupted, resumed)
+    assert_loss_falls_and_resumes_exactly(service_client, tc, data, LR)
 
 
 @pytest.fixture(scope="module")
 def trained(server):
     sc = tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
     tc = sc.create_lora_training_client(base_model=HYBRID, rank=4, seed=9).result()
-    _train(tc, [next_token_datum(TOKENS)], 4)
+    losses(tc, [next_token_datum(TOKENS)], 4, LR)
     sampler = tc.save_weights_and_get_sampling_client().result()
     reference = sampler.compute_logprobs(types.ModelInput.from_ints(PROMPT)).result()[1:]
     base = sc.create_sampling_client(base_model=HYBRID).result().compute_logprobs(types.ModelInput.from_ints(PROMPT)).result()[1:]
@@ -137,34 +128,11 @@ def test_sampling_from_saved_weights_matches_compute_logprobs(trained):
     assert max(abs(a - b) for a, b in zip(trained["reference"], trained["base"])) > 1e-2  # trained, not the base
 
 
-def _logprobs(model) -> list[float]:
-    with torch.no_grad():
-        logits = model(torch.tensor([PROMPT])).logits[0, :-1]
-    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(PROMPT[1:])[:, None])[:, 0].tolist()
-
-
-def _assert_merges(weights, base_dir: str, adapter: str, reference: list[float], tmp_path) -> None:
-    """The cookbook's Qwen3.5 merge takes a released-layout base (model_type qwen3_5 or
-    qwen3_5_moe, language_model keys); both strategies must score PROMPT as tinkerd did."""
-    from transformers import AutoModelForCausalLM
-
-    for strategy in ("shard", "full"):
-        out = tmp_path / f"merged-{strategy}"
-        weights.build_hf_model(base_model=base_dir, adapter_path=adapter, output_path=str(out), dtype="float32",
-                               merge_strategy=strategy)
-        merged = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
-        diff = max(abs(a - b) for a, b in zip(_logprobs(merged), reference))
-        assert diff < 1e-4, (strategy, diff)
-
-
 def test_export_is_hosted_layout_and_the_cookbook_merge_equals_the_trained_model(server, trained, vlm_dir, tmp_path, monkeypatch):
     from safetensors.torch import load_file
     from tinker_cookbook import weights
 
-    monkeypatch.setenv("TINKER_API_KEY", API_KEY)
-    monkeypatch.setenv("TINKER_TELEMETRY", "0")
-    adapter = weights.download(tinker_path=trained["external"], output_dir=str(tmp_path / "ext"), base_url=server.url)
-    tensors = load_file(tmp_path / "ext" / "adapter_model.safetensors")
+    adapter, tensors = download(server, trained["external"], tmp_path / "ext", monkeypatch)
     prefix = "base_model.model.model.layers.0.linear_attn"
     assert {k: tuple(v.shape) for k, v in tensors.items() if k.startswith(prefix) and "in_proj" in k} == {
         f"{prefix}.in_proj_q.lora_A.weight": (4, 64), f"{prefix}.in_proj_q.lora_B.weight": (16, 4),
@@ -174,7 +142,8 @@ def test_export_is_hosted_layout_and_the_cookbook_merge_equals_the_trained_model
     }
     assert tensors[f"{prefix}.in_proj_v.lora_B.weight"].abs().max() > 0  # trained, not the zero init
 
-    _assert_merges(weights, str(vlm_dir), adapter, trained["reference"], tmp_path)
+    # The cookbook's Qwen3.5 merge takes a released-layout base (model_type qwen3_5, language_model keys).
+    assert_merges_equal(str(vlm_dir), adapter, PROMPT, trained["reference"], tmp_path)
     # build_lora_adapter (PEFT files for vLLM) keeps in_proj_q/k/v split, under the VLM's key names.
     weights.build_lora_adapter(base_model=str(vlm_dir), adapter_path=adapter, output_path=str(tmp_path / "peft"))
     peft_tensors = load_file(tmp_path / "peft" / "adapter_model.safetensors")
@@ -185,24 +154,18 @@ def test_qwen3_5_moe_trains_samples_and_its_export_merges(service_client, server
     """Qwen3.5-MoE through the SDK: loss falls with LoRA on every expert (router metrics reported),
     sampled logprobs equal compute_logprobs, and the export (split in_proj_q/k/v, experts w1/w3/w2)
     merges with the cookbook into a model that scores as tinkerd does."""
-    from safetensors.torch import load_file
-    from tinker_cookbook import weights
-
     tc = service_client.create_lora_training_client(base_model=HMOE, rank=4, seed=5).result()
-    losses = _train(tc, [next_token_datum(TOKENS)], 6)
-    assert losses[-1] < 0.5 * losses[0], losses
+    moe_losses = losses(tc, [next_token_datum(TOKENS)], 6, LR)
+    assert moe_losses[-1] < 0.5 * moe_losses[0], moe_losses
     assert "e_frac_with_tokens:mean" in tc.forward([next_token_datum(TOKENS)], "cross_entropy").result().metrics
     sampler = tc.save_weights_and_get_sampling_client().result()
     seq = sampler.sample(types.ModelInput.from_ints(PROMPT), 1, types.SamplingParams(max_tokens=5, temperature=0.0)).result().sequences[0]
     scored = sampler.compute_logprobs(types.ModelInput.from_ints(PROMPT + seq.tokens)).result()
     assert max(abs(a - b) for a, b in zip(seq.logprobs, scored[len(PROMPT):])) < 1e-4
 
-    monkeypatch.setenv("TINKER_API_KEY", API_KEY)
-    monkeypatch.setenv("TINKER_TELEMETRY", "0")
-    ext = tc.save_weights_external("hmoe-ext").result().path
-    adapter = weights.download(tinker_path=ext, output_dir=str(tmp_path / "ext"), base_url=server.url)
-    keys = set(load_file(tmp_path / "ext" / "adapter_model.safetensors"))
+    adapter, tensors = download(server, tc.save_weights_external("hmoe-ext").result().path, tmp_path / "ext", monkeypatch)
+    keys = set(tensors)
     layer = "base_model.model.model.layers.0"
     assert {f"{layer}.linear_attn.in_proj_k.lora_B.weight", f"{layer}.mlp.experts.w3.lora_B.weight",
             f"{layer}.mlp.shared_expert.up_proj.lora_B.weight"} <= keys
-    _assert_merges(weights, str(vlm_moe_dir), adapter, scored[1:len(PROMPT)], tmp_path)
+    assert_merges_equal(str(vlm_moe_dir), adapter, PROMPT, scored[1:len(PROMPT)], tmp_path)

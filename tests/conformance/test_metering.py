@@ -1,5 +1,7 @@
 """Metering: known token counts in, the same counts out of AdminClient.get_billing_usage, the `tinker billing`
-CLI and `tinkerd usage`; queue wait is recorded apart and never billed."""
+CLI and `tinkerd usage`; queue wait is recorded apart and never billed. On SQLite, on PostgreSQL, and
+through two API replicas behind a load balancer (`store_server`), where each replica reports the same
+totals."""
 
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ def _tinkerd(data_dir, *args, env: dict | None = None) -> str:
 
 @pytest.fixture(scope="module")
 def metered(store_server):
-    server = store_server  # on SQLite and on PostgreSQL
+    server = store_server  # on SQLite, on PostgreSQL, and through replicas
     out = _tinkerd(server.data_dir, "keys", "create", "--name", "meter", "--account", ACCOUNT, env=server.cli_env())
     key = out.split("TINKER_API_KEY=")[1].split()[0]
     sc = tinker.ServiceClient(base_url=server.url, api_key=key)
@@ -52,7 +54,7 @@ def metered(store_server):
     store = Store.open(ServerConfig(data_dir=server.data_dir, db_url=server.env.get("TINKERD_DB_URL")))
     account_id = Accounts(store).account_id(ACCOUNT, create=False)
     return dict(key=key, url=server.url, data_dir=server.data_dir, rows=Meter(store).rows(account_id),
-                account_id=account_id, env=server.cli_env())
+                account_id=account_id, env=server.cli_env(), doors=getattr(server, "doors", [server.url]))
 
 
 TRAINED, PREFILL, SAMPLED = 12 + 3 * QUEUED, 6, 8
@@ -84,11 +86,12 @@ def test_usage_rows_count_tokens_and_keep_queue_wait_apart(metered):
 
 
 def test_admin_client_billing_usage(metered):
-    admin = tinker.AdminClient(base_url=metered["url"], api_key=metered["key"])
     start, end = _window()
-    usage = admin.get_billing_usage(start, end).result()
-    sums = _sums(usage.data)
-    assert sums["training"] == TRAINED and sums["sampling_prefill"] == PREFILL and sums["sampling_sample"] == SAMPLED
+    for url in metered["doors"]:  # the server, or each replica: the same totals
+        usage = tinker.AdminClient(base_url=url, api_key=metered["key"]).get_billing_usage(start, end).result()
+        sums = _sums(usage.data)
+        assert sums["training"] == TRAINED and sums["sampling_prefill"] == PREFILL and sums["sampling_sample"] == SAMPLED
+    admin = tinker.AdminClient(base_url=metered["url"], api_key=metered["key"])
     config = ServerConfig()
     for e in usage.data:
         if e.event_info.type == "training":

@@ -86,3 +86,18 @@ def test_metrics_count_an_sdk_loop(server):
     # Nothing names an account, a run or a path.
     text = httpx.get(f"{server.url}/metrics", timeout=30).text
     assert tc.model_id not in text and "tinker://" not in text and API_KEY not in text
+
+
+def test_prompt_tokens_served_from_the_prefix_cache_are_counted(server):
+    """A prompt sampled again with the same weights is taken from the kept prefill (engine/sampler/
+    prefix.py); /metrics counts those tokens, as the responses report them."""
+    sc = tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
+    sampler = sc.create_sampling_client(base_model=TINY).result()
+    prompt = types.ModelInput.from_ints([917, 3, 41, 59, 26, 535, 89, 79])  # no other test's prompt
+    params = types.SamplingParams(max_tokens=2, temperature=0.0, stop=[])
+    before = _scrape(server.url)
+    first = sampler.sample(prompt, 1, params).result()
+    again = sampler.sample(prompt, 1, params).result()
+    after = _scrape(server.url)
+    assert (first.prompt_cache_hit_tokens, again.prompt_cache_hit_tokens) == (0, prompt.length)
+    assert _delta(before, after, "tinkerd_prompt_cache_hit_tokens_total") == prompt.length

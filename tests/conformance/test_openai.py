@@ -3,7 +3,8 @@
 Pinned against the tinker SDK's own `sample` on the same server: a trained adapter's sampler path
 answers /v1/chat/completions and /v1/completions with exactly the tokens (and logprobs) `sample`
 gives for the same prompt tokens, seed and settings, greedy and seeded; a stream carries the same
-tokens and text, sent as they are decoded (also across an engine restart); stop strings cut the
+tokens and text, sent as they are decoded (also across an engine restart, and through an API
+replica behind a load balancer, tests/replicas.py, where the driver's engine decodes them); stop strings cut the
 text where OpenAI does; usage is metered like asample's; another account's checkpoint is a 404 and
 bad parameters are 400s, both in OpenAI's error shape.
 """
@@ -24,14 +25,13 @@ from transformers import AutoTokenizer
 from tests.conformance.conftest import TINY
 from tests.conformance.sft import train_on
 from tests.conformance.test_ownership import _key
-from tests.serverproc import API_KEY, start_server
+from tests.serverproc import API_KEY, logged_ops, start_server
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
 TEXT = [9707, 11, 1879, 0, 220, 3555, 13, 1416, 2585, 525, 498, 30]
 
 
-@pytest.fixture(scope="module")
-def world(server):
+def _world(server) -> dict:
     sc = tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
     tc = sc.create_lora_training_client(base_model=TINY, rank=8, seed=3).result()
     train_on(tc, TEXT, 3, learning_rate=2e-2)
@@ -40,7 +40,22 @@ def world(server):
     tok = AutoTokenizer.from_pretrained(info.model_data.tokenizer_id)
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
     return dict(sc=sc, path=path, tok=tok, client=client, sampler=sc.create_sampling_client(model_path=path).result(),
-                url=server.url, data_dir=server.data_dir)
+                url=server.url, data_dir=server.data_dir, db_url=server.env.get("TINKERD_DB_URL"))
+
+
+@pytest.fixture(scope="module")
+def world(server):
+    return _world(server)
+
+
+@pytest.fixture(scope="module")
+def replica_world(replicas_server):
+    """The same through the load balancer: each request lands on an api replica, which has no engine."""
+    return _world(replicas_server)
+
+
+# The stream tests run on the embedded server and through the replicas.
+WORLDS = pytest.mark.parametrize("where", ["world", "replica_world"], ids=["embedded", "replicas"])
 
 
 def _sdk(world, prompt: list[int], n: int, **params):
@@ -76,7 +91,9 @@ def test_chat_equals_sdk_sample(world, settings):
     assert r.usage.completion_tokens == sum(len(s.tokens) for s in want)
 
 
-def test_chat_stream_yields_the_same_tokens(world):
+@WORLDS
+def test_chat_stream_yields_the_same_tokens(request, where):
+    world = request.getfixturevalue(where)
     kw = dict(model=world["path"], messages=MESSAGES, max_tokens=12, temperature=0.0, logprobs=True, top_logprobs=3,
               extra_body={"return_tokens_as_token_ids": True})
     full = world["client"].chat.completions.create(**kw)
@@ -93,15 +110,15 @@ def test_chat_stream_yields_the_same_tokens(world):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want.tokens)
 
 
-def test_chat_stream_sends_tokens_while_decoding(world):
+@WORLDS
+def test_chat_stream_sends_tokens_while_decoding(request, where):
     """A live stream: its first content chunk reaches the client before the server has finished the
     request (the future's completed_at, as stored), and the streamed text and tokens equal the
-    non-streamed greedy answer and the SDK's `sample`, token for token."""
-    from sqlalchemy import select
+    non-streamed greedy answer and the SDK's `sample`, token for token. Through a replica too: the
+    tokens cross from the driver as they are decoded (store/listen.py: tinkerd_tokens)."""
+    from tinkerd.control.store.db import utcnow
 
-    from tinkerd.control.store.db import Store, utcnow
-    from tinkerd.control.store.tables import FutureRow
-
+    world = request.getfixturevalue(where)
     kw = dict(model=world["path"], messages=[{"role": "user", "content": "Count on and on."}],
               temperature=0.0, logprobs=True, extra_body={"return_tokens_as_token_ids": True})
     kw["max_tokens"] = 48
@@ -115,9 +132,7 @@ def test_chat_stream_sends_tokens_while_decoding(world):
     for c in world["client"].chat.completions.create(stream=True, **kw):
         arrivals.append(utcnow())
         chunks.append(c)
-    store = Store.sqlite(world["data_dir"] / "tinkerd.sqlite")
-    [row] = store.query(select(FutureRow).where(FutureRow.request_type == "Sample")
-                        .order_by(FutureRow.created_at.desc()).limit(1))
+    row = max(logged_ops(world["data_dir"], request_type="Sample", db_url=world["db_url"]), key=lambda r: r.created_at)
     assert row.status == "complete"
     first = next(i for i, c in enumerate(chunks) if c.choices and c.choices[0].logprobs)
     assert arrivals[first] < row.completed_at  # without live streaming every chunk comes after this

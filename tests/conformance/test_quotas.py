@@ -4,7 +4,9 @@ says why: retrieve_future answers try_again with queue_state "paused_rate_limit"
 
 Two servers, both with a 1 s long-poll hold: one of its own with a 4 s quota window (budget = limit * 4 / 60),
 where a paused op resumes by itself in seconds; the shared timers server (conftest.py) with the real 60 s window, where a pause lasts
-far longer than any check of it, and ends when the operator lifts the quota or a session ends.
+far longer than any check of it, and ends when the operator lifts the quota or a session ends. The
+60 s tests run again through two API replicas behind a load balancer (tests/replicas.py): the
+driver's quota holds the ops whichever replica accepted them, and every replica reports the pause.
 Ordering is asserted from the server's own completion records, never from timings.
 """
 
@@ -18,16 +20,14 @@ import time
 import httpx
 import pytest
 import tinker
-from sqlalchemy import select
 from tinker import types
 from tinker.types.try_again_response import TryAgainResponse
 from tinker.lib.api_future_impl import QueueState
 from tinker.lib.queue_state_logger import QueueStateLogger
 
 from tests.conformance.conftest import TINY
-from tests.serverproc import start_server
+from tests.serverproc import logged_ops, start_server
 from tinkerd.control.quotas import LIMITS_TTL_S
-from tinkerd.control.store.db import Store
 from tinkerd.control.store.tables import FutureRow
 
 WINDOW_S = 4
@@ -41,10 +41,16 @@ def quota_server(tmp_path_factory):
     srv.stop()
 
 
-@pytest.fixture(scope="module")
-def minute_server(timers_server):
-    """The real 60 s window and a 1 s hold: the shared timers server (conftest.py)."""
-    return timers_server
+@pytest.fixture(scope="module", params=["embedded", "replicas"])
+def minute_server(request):
+    """The real 60 s window and a 1 s hold: the shared timers server (conftest.py), and the replicas
+    (conftest.py: replicas_server), whose quota windows live in the driver alone."""
+    return request.getfixturevalue("timers_server" if request.param == "embedded" else "replicas_server")
+
+
+def _doors(srv) -> list[str]:
+    """Every process that answers the server's clients: the one server, or each replica."""
+    return getattr(srv, "doors", [srv.url])
 
 
 def _tinkerd(data_dir, *args, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -83,8 +89,7 @@ def sdk_states(monkeypatch):
 
 
 def _completed(srv, model_id: str) -> list[FutureRow]:
-    store = Store.sqlite(srv.data_dir / "tinkerd.sqlite")
-    return store.query(select(FutureRow).where(FutureRow.target == model_id, FutureRow.request_type == "ForwardBackward"))
+    return logged_ops(srv.data_dir, model_id, "ForwardBackward")
 
 
 def test_over_its_tokens_per_minute_an_account_waits_while_another_proceeds(quota_server, sdk_states):
@@ -109,8 +114,8 @@ def test_over_its_tokens_per_minute_an_account_waits_while_another_proceeds(quot
     assert all(ident == tc_slow.model_id and "600 tokens per minute" in reason for ident, reason in paused)
 
 
-def _client(srv, key: str) -> httpx.Client:
-    return httpx.Client(base_url=f"{srv.url}/api/v1", headers={"X-API-Key": key}, timeout=60)
+def _client(srv, key: str, url: str | None = None) -> httpx.Client:
+    return httpx.Client(base_url=f"{url or srv.url}/api/v1", headers={"X-API-Key": key}, timeout=60)
 
 
 def _session(c: httpx.Client) -> str:
@@ -132,7 +137,8 @@ def _until_done(c: httpx.Client, request_id: str) -> httpx.Response:
 
 
 def test_a_paused_sample_answers_try_again_paused_rate_limit_on_the_wire(minute_server):
-    c = _client(minute_server, _key(minute_server, "tpm-wire", "--max-tokens-per-minute", "40"))
+    key = _key(minute_server, "tpm-wire", "--max-tokens-per-minute", "40")
+    c = _client(minute_server, key)
     session = _session(c)
     r = c.post("/create_sampling_session", json={"session_id": session, "sampling_session_seq_id": 0, "base_model": TINY})
     sampler = r.json()["sampling_session_id"]
@@ -149,15 +155,17 @@ def test_a_paused_sample_answers_try_again_paused_rate_limit_on_the_wire(minute_
     first = asample(1)
     assert _until_done(c, first).headers["content-type"] == "application/x-protobuf"
     second = asample(2)  # the first one's 28 tokens stay in the window for a minute
-    for _ in range(3):  # held, and held again: paused every time, never failed
-        r = c.post("/retrieve_future", json={"request_id": second})
+    # Held, and held again: paused every time, never failed; through each replica alike.
+    for door in [_client(minute_server, key, url) for url in _doors(minute_server)] * 2:
+        r = door.post("/retrieve_future", json={"request_id": second})
         assert r.status_code == 408
         body = r.json()
-        assert body["type"] == "try_again" and body["queue_state"] == "paused_rate_limit", body
+        assert body["type"] == "try_again" and body["queue_state"] == "paused_rate_limit", (door.base_url, body)
         assert "tpm-wire" in body["queue_state_reason"] and "40 tokens per minute" in body["queue_state_reason"]
         assert TryAgainResponse.model_validate(body).queue_state == "paused_rate_limit"
     # The operator lifts the limit on the running server: the op runs.
-    lifted = _tinkerd(minute_server.data_dir, "accounts", "set-quota", "tpm-wire", "--max-tokens-per-minute", "unlimited")
+    lifted = _tinkerd(minute_server.data_dir, "accounts", "set-quota", "tpm-wire", "--max-tokens-per-minute", "unlimited",
+                      env=minute_server.cli_env())
     assert lifted.returncode == 0
     assert _until_done(c, second).headers["content-type"] == "application/x-protobuf"
 
@@ -201,9 +209,10 @@ def test_a_create_over_the_run_limit_waits_until_a_session_ends(minute_server, s
 
 
 def test_quota_cli_errors(minute_server):
-    bad = _tinkerd(minute_server.data_dir, "accounts", "set-quota", "one-run", "--max-tokens-per-minute", "0")
+    env = minute_server.cli_env()
+    bad = _tinkerd(minute_server.data_dir, "accounts", "set-quota", "one-run", "--max-tokens-per-minute", "0", env=env)
     assert bad.returncode == 2 and "unlimited" in bad.stderr
-    unknown = _tinkerd(minute_server.data_dir, "accounts", "set-quota", "nobody", "--max-concurrent-runs", "2")
+    unknown = _tinkerd(minute_server.data_dir, "accounts", "set-quota", "nobody", "--max-concurrent-runs", "2", env=env)
     assert unknown.returncode == 1 and "no account named 'nobody'" in unknown.stderr
-    listed = _tinkerd(minute_server.data_dir, "accounts", "list").stdout
+    listed = _tinkerd(minute_server.data_dir, "accounts", "list", env=env).stdout
     assert any(line.split()[0] == "one-run" and line.split()[2:] == ["1", "default"] for line in listed.splitlines())

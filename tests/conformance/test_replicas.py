@@ -3,17 +3,15 @@ real HAProxy, one `--role worker` driving the engine, all on one real PostgreSQL
 unmodified SDK. Losses, samples and checkpoints equal the embedded SQLite server's (`server`) bit for
 bit; ownership and (model_id, seq_id) idempotency hold whichever replica a request lands on; and a
 pipelined training loop through the load balancer outlives a kill -9 of one replica with every loss
-equal to the uninterrupted run. One topology for the module (a start is ~4 processes)."""
+equal to the uninterrupted run. The session's one topology (conftest.py: replicas_server; a start
+is ~4 processes), which test_ownership, test_metering, test_checkpoints_rest and test_quotas run
+through too."""
 
 from __future__ import annotations
 
 import os
 import signal
-import socket
-import subprocess
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import httpx
 import pytest
@@ -23,111 +21,12 @@ from tinker import types
 from tests.conformance.conftest import TINY
 from tests.conformance.test_quotas import _key
 from tests.conformance.test_retention import ADAM, _batch, _train
-from tests import serverproc
-from tests.serverproc import API_KEY, ServerProcess, start_server
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _haproxy_config(port: int, stats_port: int, backends: list[int]) -> str:
-    servers = "\n".join(f"  server api{i} 127.0.0.1:{p} check" for i, p in enumerate(backends))
-    # Balanced per request (HTTP mode), so one SDK client's calls alternate between the replicas.
-    # Health checks every 0.2 s take a dead replica out within ~0.4 s; `retries` + `redispatch` send a
-    # request whose connection was refused to the other one. Timeouts above the 20 s long-poll hold.
-    return f"""global
-  maxconn 2000
-defaults
-  mode http
-  timeout connect 2s
-  timeout client 120s
-  timeout server 120s
-  retries 3
-  option redispatch
-frontend api
-  bind 127.0.0.1:{port}
-  default_backend replicas
-backend replicas
-  balance roundrobin
-  option httpchk GET /api/v1/healthz
-  default-server inter 200ms fall 2 rise 2
-{servers}
-listen stats
-  bind 127.0.0.1:{stats_port}
-  stats enable
-  stats uri /stats
-"""
-
-
-@dataclass
-class Topology:
-    url: str  # the load balancer
-    db_url: str
-    worker: ServerProcess
-    replicas: list[ServerProcess]
-    replica_args: list[list[str]]
-    haproxy: subprocess.Popen
-    stats_url: str
-    cluster: object  # tests/postgres.py: Cluster
-    env: dict = field(default_factory=dict)
-
-    def requests_per_replica(self) -> dict[str, int]:
-        csv = httpx.get(f"{self.stats_url};csv", timeout=10).text.splitlines()
-        cols = csv[0].lstrip("# ").split(",")
-        rows = [dict(zip(cols, line.split(","))) for line in csv[1:] if line]
-        return {r["svname"]: int(r["stot"] or 0) for r in rows if r["pxname"] == "replicas" and r["svname"].startswith("api")}
+from tests.serverproc import API_KEY, start_server
 
 
 @pytest.fixture(scope="module")
-def topology(tmp_path_factory):
-    from tests.postgres import Cluster, fresh_database
-
-    # A cluster of the module's own, not the session's: one test restarts it.
-    cluster = Cluster()
-    cluster.start()
-    db_url = fresh_database(cluster.url())
-    env = {"TINKERD_DB_URL": db_url}
-    data = tmp_path_factory.mktemp("replicas-data")  # one data directory: checkpoints are files
-    if serverproc._shared_models_dir is not None:  # linked once here, not by three starts at once
-        (data / "models").symlink_to(serverproc._shared_models_dir, target_is_directory=True)
-    started: list[ServerProcess] = []
-    haproxy = None
-    try:
-        ports = [_free_port(), _free_port()]
-        args = [["--db-url", db_url, "--role", "api", "--port", str(p)] for p in ports]
-        # The replicas start beside the driver (each waits for the driver's models, control/replicas.py)
-        # and print their ready line after it.
-        with ThreadPoolExecutor(3) as pool:
-            replicas = [pool.submit(start_server, data, [TINY], a, env=env) for a in args]
-            worker = start_server(data, [TINY], ["--threads", "2", "--sample-kv-cache-gb", "0.01", "--db-url", db_url,
-                                                 "--role", "worker"], env=env)
-            started.append(worker)
-            for f in replicas:
-                started.append(f.result())
-        lb_port, stats_port = _free_port(), _free_port()
-        cfg = data / "haproxy.cfg"
-        cfg.write_text(_haproxy_config(lb_port, stats_port, ports))
-        haproxy = subprocess.Popen(["haproxy", "-f", str(cfg), "-db"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        url = f"http://127.0.0.1:{lb_port}"
-        for _ in range(100):
-            try:
-                if httpx.get(f"{url}/api/v1/healthz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        yield Topology(url, db_url, worker, started[1:], args, haproxy, f"http://127.0.0.1:{stats_port}/stats",
-                       cluster, env)
-    finally:
-        if haproxy is not None:
-            haproxy.terminate()
-            haproxy.wait(timeout=10)
-        for srv in started:
-            srv.stop()
-        cluster.stop()
+def topology(replicas_server):
+    return replicas_server
 
 
 def _sc(url: str, key: str = API_KEY) -> tinker.ServiceClient:
@@ -177,6 +76,62 @@ def test_one_seq_id_sent_to_both_replicas_runs_once(topology):
     assert ids[0] == ids[1]
 
 
+def test_a_replica_refuses_ops_over_the_queue_budget_that_the_driver_holds(topology):
+    """--max-queued-ops-per-model 8 (tests/replicas.py): with 8 of a sampling session's requests
+    waiting in the driver (held by its account's quota), a 9th is answered 429 QueueFull by either
+    replica, whose own queue is empty: the budget counts the database's pending ops. Lifting the
+    quota runs all 8, and the 9th is then accepted."""
+    from tests.conformance.test_quotas import _client, _session, _tinkerd, _until_done
+
+    key = _key(topology, "replicas-budget", "--max-tokens-per-minute", "40")
+    lb = _client(topology, key)
+    r = lb.post("/create_sampling_session", json={"session_id": _session(lb), "sampling_session_seq_id": 0,
+                                                   "base_model": TINY})
+    sampler = r.json()["sampling_session_id"]
+
+    def asample(c, seq_id: int) -> httpx.Response:
+        # 20 prompt tokens + at most 8 sampled = 28: the first fills the account's 40 a minute, and
+        # every later one waits behind it for the minute.
+        return c.post("/asample", json={
+            "sampling_session_id": sampler, "seq_id": seq_id, "num_samples": 1,
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": list(range(1, 21))}]},
+            "sampling_params": {"max_tokens": 8, "stop": []}})
+
+    _until_done(lb, asample(lb, 1).json()["request_id"])
+    held = []
+    for seq_id in range(2, 10):
+        r = asample(lb, seq_id)
+        assert r.status_code == 200, r.text
+        held.append(r.json()["request_id"])
+    for url in topology.doors:  # each replica, its own queue empty, counts the 8 the driver holds
+        refused = asample(_client(topology, key, url), 10)
+        assert refused.status_code == 429 and refused.json()["category"] == "server", (url, refused.text)
+        assert "8 ops waiting" in refused.json()["error"] and refused.headers["retry-after"]
+    lifted = _tinkerd(topology.data_dir, "accounts", "set-quota", "replicas-budget", "--max-tokens-per-minute",
+                      "unlimited", env=topology.cli_env())
+    assert lifted.returncode == 0, lifted.stderr
+    for request_id in held:
+        _until_done(lb, request_id)
+    assert asample(lb, 10).status_code == 200
+
+
+def test_unload_model_on_a_replica_releases_the_run_in_the_driver(topology):
+    """hpcai's unload_model sent to a replica (which has no engine) reaches the driver's residency
+    (NOTIFY tinkerd_release): the run leaves the engine, and its next op rebuilds it exactly."""
+    tc = _sc(topology.url).create_lora_training_client(base_model=TINY, rank=4, seed=2).result()
+    before = tc.forward_backward(_batch(0), "cross_entropy").result().metrics["loss:sum"]
+    r = httpx.post(f"{topology.doors[0]}/api/v1/unload_model", json={"model_id": tc.model_id},
+                   headers={"X-API-Key": API_KEY}, timeout=60)
+    assert r.status_code == 200, r.text
+    deadline = time.monotonic() + 60  # the release runs in its turn on the driver's worker
+    while tc.model_id not in httpx.get(f"{topology.url}/api/v1/engine_status", headers={"X-API-Key": API_KEY},
+                                       timeout=30).json()["released_model_ids"]:
+        assert time.monotonic() < deadline, "unload_model on a replica did not release the run"
+        time.sleep(0.5)
+    # No optim_step between: the rebuilt run gives the same loss for the same batch.
+    assert tc.forward_backward(_batch(0), "cross_entropy").result().metrics["loss:sum"] == before
+
+
 @pytest.fixture(scope="module")
 def reference(server) -> list[float]:
     """The faults' loop, uninterrupted, on the embedded SQLite server."""
@@ -220,3 +175,4 @@ def test_a_replica_killed_mid_loop_loses_nothing(reference, topology):
     assert len(_train(tc, range(6, 7))) == 1
     restarted = start_server(victim.data_dir, [TINY], topology.replica_args[0], env=topology.env)
     victim.proc, victim.lines = restarted.proc, restarted.lines
+

@@ -224,3 +224,33 @@ def test_bad_requests_fail_alone_while_another_clients_good_ones_succeed(sc, bas
         assert word in str(info.value), (name, str(info.value))
     for i, future in enumerate(good):
         assert [s.tokens for s in future.result().sequences] == [s.tokens for s in alone[i % len(victims)].sequences]
+
+
+def test_a_grpo_group_sent_as_requests_and_resaved_sampler_weights_sample_their_own_weights(sc):
+    """The cookbook's GRPO group (one request per sample, one prompt) and the RL loop's next
+    save_weights_for_sampler under the same name: the server's prefix cache (engine/sampler/
+    prefix.py) serves the group from one prefill, and never serves the new weights from the old one."""
+    tc = sc.create_lora_training_client(base_model=TINY, rank=8, seed=4).result()
+    text = PROMPT + [700, 800, 900]
+    rounds = []
+    for _ in range(2):
+        tc.forward_backward([next_token_datum(text)], "cross_entropy")
+        tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+        sampler = sc.create_sampling_client(model_path=tc.save_weights_for_sampler("grpo").result().path).result()
+        params = types.SamplingParams(max_tokens=6, temperature=0.0, stop=[])
+        group = [sampler.sample(_mi(PROMPT), 1, params) for _ in range(4)]
+        together_response = sampler.sample(_mi(PROMPT), 4, params).result()
+        together = together_response.sequences
+        # One of the five requests prefilled; the others followed it or found its prefill kept.
+        hits = [f.result().prompt_cache_hit_tokens for f in group] + [together_response.prompt_cache_hit_tokens]
+        assert sorted(hits) == [0] + [len(PROMPT)] * 4
+        for f, want in zip(group, together):
+            got = f.result().sequences[0]
+            assert got.tokens == want.tokens
+            np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
+        # The trainer's forward of these weights scores the sampled tokens the same.
+        out = tc.forward([next_token_datum(PROMPT + together[0].tokens)], "cross_entropy").result()
+        trainer = out.loss_fn_outputs[0]["logprobs"].to_numpy()[-len(together[0].tokens):]
+        np.testing.assert_allclose(together[0].logprobs, trainer, atol=1e-4)
+        rounds.append(together[0].logprobs)
+    assert not np.allclose(rounds[0], rounds[1], atol=1e-3)  # the second save did change the weights

@@ -5,7 +5,9 @@ tinkerd's A/B copied in, its LoRA grads in tinkerd's layout, greedy generate on 
 The oracle targets every module tinkerd's adapter has (`target_modules`) and, on a MoE, the routed
 experts' stacked weights (`target_parameters`), whose A/B are converted to PEFT ParamWrapper's
 layout. It runs MoE experts through the eager loop: transformers' default on CPU is grouped_mm,
-which has no fp64 kernel.
+which has no fp64 kernel. gpt-oss's fused gate_up_proj interleaves gate and up columns, so
+PEFT's B for it has rows g0, u0, g1, u1, ... where tinkerd keeps gate rows first
+(engine/lora/experts.py): `_interleave` / `_deinterleave` convert.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from tinkerd.engine.engine import Engine
-from tinkerd.types import CreateModelOp, LoraSpec
+from tinkerd.types import CreateModelOp, Datum, ForwardBackwardOp, ForwardBackwardResult, LoraSpec
 
 EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
@@ -46,9 +48,24 @@ def random_adapter(engine, key: str, spec: LoraSpec, seed: int, scale: float = 0
     return rt.pool.get(key)
 
 
-def peft_reference(model_dir, ad, dtype=torch.float64):
-    """HF + PEFT with the adapter's tensors copied in; expert A/B converted to ParamWrapper's layout."""
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+def _interleaved(module, pname: str | None) -> bool:
+    return pname == "gate_up_proj" and not getattr(module.get_base_layer(), "is_concatenated", True)
+
+
+def _interleave(b: torch.Tensor) -> torch.Tensor:
+    """B [E, 2I, R] gate rows first -> rows g0, u0, g1, u1, ..."""
+    e, out, r = b.shape
+    return b.view(e, 2, out // 2, r).transpose(1, 2).reshape(e, out, r)
+
+
+def _deinterleave(b: torch.Tensor) -> torch.Tensor:
+    return torch.cat([b[:, 0::2], b[:, 1::2]], dim=1)
+
+
+def peft_reference(model_dir, ad, dtype=torch.float64, auto=AutoModelForCausalLM):
+    """HF + PEFT with the adapter's tensors copied in; expert A/B converted to ParamWrapper's layout.
+    `auto`: the transformers auto class the base loads with (AutoModelForImageTextToText for a VLM)."""
+    base = auto.from_pretrained(model_dir, dtype=dtype).eval()
     if any(name.endswith(".experts") for name, _ in base.named_modules()):
         base.set_experts_implementation("eager")
     short = {n.rsplit(".", 1)[-1] for n in ad.weights if ".experts." not in n}
@@ -62,6 +79,7 @@ def peft_reference(model_dir, ad, dtype=torch.float64):
         a, b = ad.weights[f"{name.removesuffix('.base_layer')}.{pname}" if pname else name]
         with torch.no_grad():
             if pname:  # A [E, R, in] -> [E*R, in]; B [E, out, R] -> [out, R*E], expert the fast axis
+                b = _interleave(b) if _interleaved(module, pname) else b
                 module.lora_A["default"].weight.copy_(a.reshape(-1, a.shape[-1]).to(dtype))
                 module.lora_B["default"].weight.copy_(b.permute(1, 2, 0).reshape(b.shape[1], -1).to(dtype))
             else:
@@ -80,8 +98,9 @@ def peft_lora_tensors(model, ad) -> dict[str, tuple[torch.Tensor, torch.Tensor]]
         a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
         if pname:
             e = module.num_experts
+            b_grad = b.grad.reshape(b.shape[0], -1, e).permute(2, 0, 1)
             out[f"{name.removesuffix('.base_layer')}.{pname}"] = (
-                a.grad.reshape(e, -1, a.shape[-1]), b.grad.reshape(b.shape[0], -1, e).permute(2, 0, 1))
+                a.grad.reshape(e, -1, a.shape[-1]), _deinterleave(b_grad) if _interleaved(module, pname) else b_grad)
         else:
             out[name] = (a.grad, b.grad)
     assert set(out) == set(ad.weights)
@@ -115,12 +134,48 @@ def assert_lora_grads_match(reference, ad) -> None:
     backward) within assert_close_scaled, none is all zero; then `ad`'s grads are cleared."""
     from tests.parity.test_lora_parity import assert_close_scaled
 
-    modules = dict(reference.base_model.model.named_modules())
+    grads = peft_lora_tensors(reference, ad)  # experts' grads in tinkerd's layout too
     for name, (a, b) in ad.weights.items():
-        module = modules[name]
-        assert_close_scaled(a.grad, module.lora_A["default"].weight.grad, f"lora_A grad of {name}")
-        assert_close_scaled(b.grad, module.lora_B["default"].weight.grad, f"lora_B grad of {name}")
+        assert_close_scaled(a.grad, grads[name][0], f"lora_A grad of {name}")
+        assert_close_scaled(b.grad, grads[name][1], f"lora_B grad of {name}")
         assert a.grad.abs().max() > 0 and b.grad.abs().max() > 0, name
     for t in ad.parameters():
         t.grad = None
     ad.pending_grads = 0
+
+
+def assert_forward_backward_matches(engine, reference, ad, lengths: tuple[int, ...], vocab: int = 151_000,
+                                    seed: int = 1) -> ForwardBackwardResult:
+    """A cross_entropy forward_backward of `ad` on random weighted datums of these lengths (a padded
+    batch) against the reference run one unpadded row at a time: per-token logprobs (1e-5), the
+    loss (1e-5 relative) and every LoRA grad in tinkerd's layouts (peft_lora_tensors,
+    assert_close_scaled; none all zero). Clears `ad`'s grads after; returns the op's result."""
+    import pytest
+
+    from tests.parity.test_lora_parity import assert_close_scaled
+
+    rng = np.random.default_rng(seed)
+    seqs = [rng.integers(0, vocab, n + 1) for n in lengths]
+    weights = [rng.normal(size=n).astype(np.float32) for n in lengths]
+    data = [Datum(tokens=s[:-1], loss_fn_inputs={"target_tokens": s[1:], "weights": w}) for s, w in zip(seqs, weights)]
+    for t in ad.parameters():
+        t.grad = None
+    result = run(engine, ForwardBackwardOp(ad.key, data, "cross_entropy"))
+    assert isinstance(result, ForwardBackwardResult)
+    total = torch.zeros((), dtype=torch.float64)
+    for i, (s, w) in enumerate(zip(seqs, weights)):
+        lp = torch.log_softmax(reference(input_ids=torch.from_numpy(s[:-1])[None]).logits[0], -1)
+        lp = lp.gather(-1, torch.from_numpy(s[1:])[:, None])[:, 0]
+        np.testing.assert_allclose(result.loss_fn_outputs[i]["logprobs"], lp.detach().numpy(), rtol=1e-5, atol=1e-5)
+        total = total - (lp * torch.from_numpy(w).double()).sum()
+    total.backward()
+    assert result.metrics["loss:sum"] == pytest.approx(total.item(), rel=1e-5)
+    want = peft_lora_tensors(reference, ad)
+    for name, (a, b) in ad.weights.items():
+        assert_close_scaled(a.grad, want[name][0], f"lora_A grad of {name}")
+        assert_close_scaled(b.grad, want[name][1], f"lora_B grad of {name}")
+        assert a.grad.abs().max() > 0 and b.grad.abs().max() > 0, name
+    for t in ad.parameters():
+        t.grad = None
+    ad.pending_grads = 0
+    return result

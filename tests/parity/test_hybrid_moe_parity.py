@@ -18,15 +18,15 @@ import numpy as np
 import pytest
 import torch
 
-from tests.parity.peft_oracle import (logits, loaded_engine, merged_generate, peft_lora_tensors, peft_reference,
-                                      random_adapter, run)
+from tests.parity.peft_oracle import (assert_forward_backward_matches, logits, loaded_engine, merged_generate,
+                                      peft_reference, random_adapter)
 from tests.parity.test_lora_parity import assert_close_scaled
 from tinkerd.engine.engine import Engine
 from tinkerd.engine.model.registry import cache_dir_for
 from tinkerd.engine.sampler import sample as sample_mod
 from tinkerd.engine.sampler.hybrid import HybridBatchCache
 from tinkerd.engine.sampler.sample import Sampler, SamplerConfig
-from tinkerd.types import Datum, ForwardBackwardOp, ForwardBackwardResult, LoraSpec, SampleOp, SamplingParams
+from tinkerd.types import LoraSpec, SampleOp, SamplingParams
 
 HMOE = "tinkerd/tiny-qwen3.5-moe"
 FULL = LoraSpec(rank=4, alpha=8.0, seed=41)
@@ -56,31 +56,8 @@ def test_logits_logprobs_and_grads_equal_peft(hmoe_engine, hmoe_dir):
         theirs = reference(input_ids=ids).logits
     assert_close_scaled(logits(rt, ids, [ad.slot]), theirs, "logits")
 
-    rng = np.random.default_rng(1)
-    seqs = [rng.integers(0, 151_000, n + 1) for n in (9, 5)]
-    weights = [rng.normal(size=n).astype(np.float32) for n in (9, 5)]
-    data = [Datum(tokens=s[:-1], loss_fn_inputs={"target_tokens": s[1:], "weights": w}) for s, w in zip(seqs, weights)]
-    for t in ad.parameters():
-        t.grad = None
-    result = run(hmoe_engine, ForwardBackwardOp(ad.key, data, "cross_entropy"))
-    assert isinstance(result, ForwardBackwardResult)
-    total = torch.zeros((), dtype=torch.float64)
-    for i, (s, w) in enumerate(zip(seqs, weights)):
-        lp = torch.log_softmax(reference(input_ids=torch.from_numpy(s[:-1])[None]).logits[0], -1)
-        lp = lp.gather(-1, torch.from_numpy(s[1:])[:, None])[:, 0]
-        np.testing.assert_allclose(result.loss_fn_outputs[i]["logprobs"], lp.detach().numpy(), rtol=1e-5, atol=1e-5)
-        total = total - (lp * torch.from_numpy(w).double()).sum()
-    total.backward()
-    assert result.metrics["loss:sum"] == pytest.approx(total.item(), rel=1e-5)
+    result = assert_forward_backward_matches(hmoe_engine, reference, ad, (9, 5))
     assert 0 < result.metrics["e_frac_with_tokens:mean"] <= 1  # the router metrics come with it
-    want = peft_lora_tensors(reference, ad)
-    for name, (a, b) in ad.weights.items():
-        assert_close_scaled(a.grad, want[name][0], f"lora_A grad of {name}")
-        assert_close_scaled(b.grad, want[name][1], f"lora_B grad of {name}")
-        assert a.grad.abs().max() > 0 and b.grad.abs().max() > 0, name
-    for t in ad.parameters():
-        t.grad = None
-    ad.pending_grads = 0
 
 
 def test_two_tenants_in_one_batch_equal_each_alone(hmoe_engine):

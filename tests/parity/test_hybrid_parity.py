@@ -18,15 +18,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.parity.peft_oracle import (assert_lora_grads_match, logits, loaded_engine, merged_generate, peft_reference,
-                                      random_adapter, run)
+from tests.parity.peft_oracle import (assert_forward_backward_matches, logits, loaded_engine, merged_generate,
+                                      peft_reference, random_adapter)
 from tests.parity.test_lora_parity import assert_close_scaled
 from tinkerd.engine.engine import Engine
 from tinkerd.engine.model.registry import cache_dir_for
 from tinkerd.engine.sampler import sample as sample_mod
 from tinkerd.engine.sampler.hybrid import HybridBatchCache, state_bytes_per_row
 from tinkerd.engine.sampler.sample import Sampler, SamplerConfig
-from tinkerd.types import Datum, ForwardBackwardOp, ForwardBackwardResult, LoraSpec, SampleOp, SamplingParams
+from tinkerd.types import LoraSpec, SampleOp, SamplingParams
 
 HYBRID = "tinkerd/tiny-qwen3.5"
 LINEAR = ("in_proj_qkv", "in_proj_z", "out_proj")
@@ -78,23 +78,7 @@ def test_logits_logprobs_and_grads_equal_peft(hybrid_engine, hybrid_dir):
         for n, lw in saved.items():
             others[n].adapters[ad.slot] = lw
 
-    rng = np.random.default_rng(1)
-    seqs = [rng.integers(0, 151_000, n + 1) for n in (9, 5)]  # different lengths: the batch is padded
-    weights = [rng.normal(size=n).astype(np.float32) for n in (9, 5)]
-    data = [Datum(tokens=s[:-1], loss_fn_inputs={"target_tokens": s[1:], "weights": w}) for s, w in zip(seqs, weights)]
-    for t in ad.parameters():
-        t.grad = None
-    result = run(hybrid_engine, ForwardBackwardOp(ad.key, data, "cross_entropy"))
-    assert isinstance(result, ForwardBackwardResult)
-    total = torch.zeros((), dtype=torch.float64)
-    for i, (s, w) in enumerate(zip(seqs, weights)):
-        lp = torch.log_softmax(reference(input_ids=torch.from_numpy(s[:-1])[None]).logits[0], -1)
-        lp = lp.gather(-1, torch.from_numpy(s[1:])[:, None])[:, 0]
-        np.testing.assert_allclose(result.loss_fn_outputs[i]["logprobs"], lp.detach().numpy(), rtol=1e-5, atol=1e-5)
-        total = total - (lp * torch.from_numpy(w).double()).sum()
-    total.backward()
-    assert result.metrics["loss:sum"] == pytest.approx(total.item(), rel=1e-5)
-    assert_lora_grads_match(reference, ad)
+    assert_forward_backward_matches(hybrid_engine, reference, ad, (9, 5))  # different lengths: the batch is padded
 
 
 def test_two_tenants_in_one_batch_equal_each_alone(hybrid_engine):

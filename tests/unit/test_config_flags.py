@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tinkerd.cli import flags, main, serve
+from tinkerd.cli import accounts, flags, fsck, keys, main, serve, usage
 from tinkerd.config import ServerConfig
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
@@ -141,3 +141,50 @@ def test_a_bad_value_is_a_usage_error_naming_the_flag(words, says, capsys):
         main.main(["serve", *words])
     assert exited.value.code == 2
     assert says in capsys.readouterr().err
+
+
+# The commands that open a data directory's store take serve's own store flags (cli/flags.py: STORE_FIELDS).
+STORE_COMMANDS = {"keys": keys, "accounts": accounts, "usage": usage, "fsck": fsck}
+
+
+def _command(name: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    STORE_COMMANDS[name].add_parser(parser.add_subparsers())
+    return parser
+
+
+def _options(parser: argparse.ArgumentParser) -> dict[str, tuple]:
+    return {a.dest: (tuple(a.option_strings), a.help, a.metavar, getattr(a.type, "__name__", None), a.default)
+            for a in parser._actions if a.dest in flags.STORE_FIELDS}
+
+
+@pytest.mark.parametrize("name", sorted(STORE_COMMANDS))
+def test_store_commands_take_serves_store_flags(name):
+    command = _command(name)._subparsers._group_actions[0].choices[name]
+    assert _options(command) == _options(_parser())  # one definition: name, help, default, value check
+    assert set(_options(command)) == set(flags.STORE_FIELDS)
+
+
+@pytest.mark.parametrize("name", sorted(STORE_COMMANDS))
+def test_store_commands_read_the_flags_and_else_serverconfigs_defaults(name, tmp_path, monkeypatch):
+    words = {"keys": ["list"], "accounts": ["list"], "usage": [], "fsck": []}[name]
+    monkeypatch.chdir(tmp_path)
+    args = _command(name).parse_args([name, "--data-dir", "d", "--db-url", "sqlite:///x", *words])
+    config = flags.store_config(args)
+    assert (config.data_dir, config.db_url) == (tmp_path / "d", "sqlite:///x")
+    monkeypatch.setenv("TINKERD_DATA_DIR", str(tmp_path / "env"))
+    monkeypatch.setenv("TINKERD_DB_URL", "postgresql+psycopg://u@/db")
+    assert flags.store_config(_command(name).parse_args([name, *words])) == ServerConfig()
+
+
+def test_keys_and_accounts_work_on_the_database_db_url_names(pg_server_url, tmp_path, capsys):
+    from tests.postgres import fresh_database
+
+    url = fresh_database(pg_server_url)
+    assert main.main(["keys", "--data-dir", str(tmp_path), "--db-url", url, "create", "--name", "ci",
+                      "--account", "team-a"]) == 0
+    assert main.main(["accounts", "--db-url", url, "set-quota", "team-a", "--max-concurrent-runs", "3"]) == 0
+    capsys.readouterr()
+    assert main.main(["accounts", "--db-url", url, "list"]) == 0
+    assert re.search(r"^team-a\s+acct-\w+\s+3\s+default$", capsys.readouterr().out, re.M)
+    assert not (tmp_path / "tinkerd.sqlite").exists()  # nothing went to the data directory's SQLite

@@ -199,6 +199,7 @@ def encode_sample_response(result: SampleResult, target_csr=None) -> bytes:
     if result.topk_prompt_logprobs is not None:
         _fill_topk(out.topk_prompt_logprobs, *result.topk_prompt_logprobs)
     prompt_scores.fill_response(out, result.target_prompt_logprobs, result.prompt_alt_tokens, target_csr)
+    out.prompt_cache_hit_tokens = result.prompt_cache_hit_tokens
     return out.SerializeToString()
 
 

@@ -241,7 +241,7 @@ def submit(st: AppState, prepared: Prepared, body: bytes, account_id: str,
            idempotency_key: str | None = None) -> JSONResponse:
     accepted = st.control.submit(prepared.request_type, prepared.target, prepared.seq_id, body, prepared.work,
                                  account_id=account_id, idempotency_key=idempotency_key)
-    st.runs.touch(prepared.target)  # a training run's last_request_time; no-op for other targets
+    st.runs.training_runs.touch(prepared.target)  # a training run's last_request_time; no-op for other targets
     return future_response(accepted.request_id, model_id=prepared.target, **(prepared.response or {}))
 
 

@@ -30,7 +30,7 @@ from fastapi import Request
 from tinker.proto import tinker_public_pb2 as pb
 
 from tinkerd.api.deps import AppState, load_json
-from tinkerd.control.runs import TinkerPath, parse_tinker_path
+from tinkerd.control.ids import TinkerPath, parse_tinker_path
 from tinkerd.errors import UserError
 
 # `AsyncHpcAI/Python 0.1.5` (the client every SDK call uses) and `HpcAI/...` (its sync resources).
@@ -108,10 +108,10 @@ def create_model_body(st: AppState, request: Request, body: bytes) -> bytes:
         return body
     key_id = getattr(request.state, "key_id", None) or request.state.account_id
     session_id = f"sess-hpcai-{key_id}"
-    if not st.runs.session_exists(session_id):
-        st.runs.create_session(["hpcai-implicit"], {}, request.headers.get("x-stainless-package-version"),
+    if not st.runs.sessions.session_exists(session_id):
+        st.runs.sessions.create_session(["hpcai-implicit"], {}, request.headers.get("x-stainless-package-version"),
                                request.state.account_id, session_id=session_id)
-    obj.update(session_id=session_id, model_seq_id=st.runs.run_count(session_id))
+    obj.update(session_id=session_id, model_seq_id=st.runs.training_runs.run_count(session_id))
     return json.dumps(obj).encode()
 
 

@@ -6,9 +6,8 @@ A running server picks a change up within seconds (control/quotas.py re-reads th
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-from tinkerd.config import ServerConfig
+from tinkerd.cli.flags import add_store_flags, store_config
 
 
 def _limit(text: str) -> int | None:
@@ -30,7 +29,7 @@ def _limit(text: str) -> int | None:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("accounts", help="list accounts and set their quotas")
-    p.add_argument("--data-dir", type=Path, default=None, help="default: $TINKERD_DATA_DIR or ~/.tinkerd")
+    add_store_flags(p)
     accounts = p.add_subparsers(dest="accounts_command", required=True)
     accounts.add_parser("list", help="list accounts with their quota overrides")
     q = accounts.add_parser("set-quota", help="set an account's quotas (others keep theirs); ops over a quota wait, never fail")
@@ -50,7 +49,7 @@ def run(args) -> int:
     from tinkerd.control.accounts import QUOTA_COLUMNS, Accounts
     from tinkerd.control.store.db import Store
 
-    config = ServerConfig(**({"data_dir": args.data_dir.expanduser().resolve()} if args.data_dir else {}))
+    config = store_config(args)
     accounts = Accounts(Store.open(config))
     if args.accounts_command == "list":
         print(f"{'account':24s} {'id':18s} {'max_concurrent_runs':>20s} {'max_tokens_per_minute':>22s}")

@@ -56,6 +56,20 @@ def pick(*names: str) -> dict[str, FieldInfo]:
     return {name: ServerConfig.model_fields[name] for name in names}
 
 
+# The flags of every command that opens a data directory's store (keys, accounts, usage, fsck):
+# `serve`'s own, so each has one definition and one default.
+STORE_FIELDS = ("data_dir", "db_url")
+
+
+def add_store_flags(parser: argparse.ArgumentParser) -> None:
+    add_flags(parser, pick(*STORE_FIELDS))
+
+
+def store_config(args: argparse.Namespace, fields: dict[str, FieldInfo] | None = None) -> ServerConfig:
+    """ServerConfig from a store command's flags (and `fields`' when given); the rest its defaults."""
+    return ServerConfig(**config_values(args, pick(*STORE_FIELDS) | (fields or {})))
+
+
 def _help(info: FieldInfo) -> str:
     text = info.description or ""
     if info.default_factory is None and info.default is not None:

@@ -6,12 +6,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from tinkerd.config import ServerConfig
+from tinkerd.cli.flags import add_store_flags, store_config
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("keys", help="manage API keys")
-    p.add_argument("--data-dir", type=Path, default=None, help="default: $TINKERD_DATA_DIR or ~/.tinkerd")
+    add_store_flags(p)
     keys = p.add_subparsers(dest="keys_command", required=True)
     c = keys.add_parser("create", help="create a key; it is printed once and only its hash is stored")
     c.add_argument("--name", required=True)
@@ -29,7 +29,7 @@ def run(args) -> int:
     from tinkerd.control.accounts import Accounts
     from tinkerd.control.store.db import Store
 
-    config = ServerConfig(**({"data_dir": args.data_dir.expanduser().resolve()} if args.data_dir else {}))
+    config = store_config(args)
     if args.keys_command == "rotate-token-secret":
         return _rotate_token_secret(config.data_dir)
     accounts = Accounts(Store.open(config))

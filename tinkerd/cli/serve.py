@@ -70,7 +70,7 @@ def build_app(config: ServerConfig, client=None):
     # authentications in memory, and the audit route reads through it.
     audit = AuditLog(store)
     runs = Runs(store, artifacts, audit=audit)
-    runs.reserve = reserve
+    runs.refuse_under(reserve)
     control = Control(store, client, recovery, quotas=Quotas(store, config),
                       residency=Residency(store, recovery, config.session_expiry_s),
                       retention=FutureRetention(store, recovery, config.future_retrieved_grace_s,
@@ -79,7 +79,8 @@ def build_app(config: ServerConfig, client=None):
                       worker_id=worker_id)
     if config.role != "all":
         replicas.use_database_notifier(control, store)
-    control.budget = QueueBudget(config.max_queued_ops_per_model, config.max_queued_ops)
+    control.budget = QueueBudget(config.max_queued_ops_per_model, config.max_queued_ops,
+                                 count=control.futures.pending_count if config.role != "all" else None)
     control.scheduler.batch_tokens = config.train_batch_tokens
     if not config.metrics:
         control.metrics.disable()
@@ -88,14 +89,19 @@ def build_app(config: ServerConfig, client=None):
 
         control.metrics.tracer = OpTracer.otlp(config.otlp_endpoint)
     # Crash debris of checkpoint saves, swept with the snapshots' at start and after engine restarts.
-    recovery.sweeps.append(lambda: runs.sweep_stale_temp(older_than_s=0))
-    served = {m.name: m for m in replicas.served_models(config.role, store, client, worker_id)}
+    recovery.sweeps.append(lambda: runs.checkpoints.sweep_stale_temp(older_than_s=0))
+    served = {m.name: m for m in replicas.served_models(config.role, store, client, worker_id, control.notifier)}
     accounts = Accounts(store, audit)
     records = StabilityRecords(store, config.recorded_sequence_ttl_s)
     control.results.recorders.append(records.record)
     control.results.recorders.append(StepMetrics(store).record)  # the console's curves (control/stepmetrics.py)
     app_state = AppState(config=config, control=control, runs=runs, served=served, accounts=accounts, records=records,
                          tokenizers=Tokenizers(served), tokens=Tokens.in_dir(config.data_dir))
+    if config.role == "api":  # the driver's models, again whenever it announces them (a restart with others)
+        def use(models: dict) -> None:
+            app_state.served = app_state.tokenizers.served = models
+
+        replicas.follow_served(control.notifier, store, use)
     legacy.convert(app_state)  # a data directory from before the op log: once, before control recovers
     return create_app(app_state), control
 
@@ -252,13 +258,13 @@ def run(args) -> int:
 
     def start_control_plane() -> None:
         # Off the event loop: imports, SQLite, the engine's start and replay block for seconds.
-        from tinkerd.control.runs import CheckpointSweeper
+        from tinkerd.control.checkpoints import CheckpointSweeper
 
         app, control = build_app(config, client)
         state["control"] = control
         runs = app.state.tinkerd.runs
         if config.role != "api":  # one process deletes expired checkpoints' files: the driver
-            state["sweeper"] = CheckpointSweeper(runs, config.checkpoint_sweep_interval_s)
+            state["sweeper"] = CheckpointSweeper(runs.checkpoints, config.checkpoint_sweep_interval_s)
         state["key"] = local_key(config, app.state.tinkerd.accounts)
         # A resolver can take seconds to fail: asked here, off the loop, while the engine starts.
         state["offline_env"] = " HF_HUB_OFFLINE=1" if hub_unreachable() else ""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from datetime import datetime, timedelta, timezone
-from tinkerd.cli.flags import add_flags, config_values, pick
+from tinkerd.cli.flags import add_flags, add_store_flags, store_config
 from tinkerd.config import ServerConfig
 from tinkerd.errors import UserError
 
@@ -20,7 +20,7 @@ PRICES = {name: info for name, info in ServerConfig.model_fields.items() if name
 
 def add_parser(sub) -> None:
     p = sub.add_parser("usage", help="show metered usage (tokens, checkpoints, storage, compute and queue time) per account")
-    add_flags(p, pick("data_dir"))
+    add_store_flags(p)
     p.add_argument("--account", default=None, help="only this account (by name)")
     p.add_argument("--since", default=None, help="window start: ISO 8601 (UTC unless zoned) or a span ago: 90m, 6h, 7d")
     p.add_argument("--until", default=None, help="window end (exclusive), same forms (default: now)")
@@ -46,7 +46,7 @@ def run(args) -> int:
     from tinkerd.control.storage import StorageLedger, gb_hour_buckets, storage_cost_usd
     from tinkerd.control.store.db import Store, utcnow
 
-    config = ServerConfig(**config_values(args, pick("data_dir") | PRICES))
+    config = store_config(args, PRICES)
     now = utcnow()
     since = parse_when("--since", args.since, now) if args.since else None
     until = parse_when("--until", args.until, now) if args.until else None

@@ -10,11 +10,9 @@ import hashlib
 import secrets
 from dataclasses import dataclass
 
-from sqlalchemy import select
-
 from tinkerd.control.audit import AuditLog
+from tinkerd.control.store.accounts import Account, AccountRepository, ApiKey, ApiKeyRepository
 from tinkerd.control.store.db import Store, utcnow
-from tinkerd.control.store.tables import AccountRow, ApiKeyRow
 from tinkerd.errors import NotFoundError, UserError
 
 LOCAL_ACCOUNT = "local"
@@ -36,16 +34,18 @@ class NewKey:
 class Accounts:
     def __init__(self, store: Store, audit: AuditLog | None = None):
         self.store = store
+        self.accounts = AccountRepository(store)
+        self.keys = ApiKeyRepository(store)
         self.audit = audit or AuditLog(store)
 
     def account_id(self, name: str, create: bool = True) -> str:
-        rows = self.store.query(select(AccountRow).where(AccountRow.name == name))
-        if rows:
-            return rows[0].account_id
+        row = self.accounts.by_name(name)
+        if row is not None:
+            return row.account_id
         if not create:
             raise NotFoundError(f"no account named {name!r}")
         account_id = f"acct-{secrets.token_hex(6)}"
-        if not self.store.add(AccountRow(account_id=account_id, name=name, created_at=utcnow())):
+        if not self.accounts.add(account_id, name, utcnow()):
             return self.account_id(name, create=False)  # created concurrently
         return account_id
 
@@ -56,9 +56,9 @@ class Accounts:
         if not key.startswith("tml-"):
             raise UserError("API keys must start with 'tml-' (the SDK refuses others)")
         key_id = f"key-{secrets.token_hex(6)}"
-        row = ApiKeyRow(key_id=key_id, key_hash=hash_key(key), account_id=self.account_id(account), name=name,
-                        created_at=utcnow())
-        if not self.store.add(row):
+        row = ApiKey(key_id=key_id, key_hash=hash_key(key), account_id=self.account_id(account), name=name,
+                     created_at=utcnow(), revoked_at=None)
+        if not self.keys.add(row):
             raise UserError("that key already exists")
         self.audit.record("api_key_created", row.account_id, key_id=key_id, name=name)
         return NewKey(key_id, key, account)
@@ -68,13 +68,12 @@ class Accounts:
         row = self.key_row(key)
         return row.account_id if row is not None and row.revoked_at is None else None
 
-    def key_row(self, key: str) -> ApiKeyRow | None:
+    def key_row(self, key: str) -> ApiKey | None:
         """The stored row of a key (revoked or not), found by its hash."""
-        rows = self.store.query(select(ApiKeyRow).where(ApiKeyRow.key_hash == hash_key(key)))
-        return rows[0] if rows else None
+        return self.keys.by_hash(hash_key(key))
 
-    def key_by_id(self, key_id: str) -> ApiKeyRow | None:
-        return self.store.get(ApiKeyRow, key_id)
+    def key_by_id(self, key_id: str) -> ApiKey | None:
+        return self.keys.get(key_id)
 
     def auth_failed(self, key: str | None, source: str) -> None:
         """Audit a refused key: under its account when it is a revoked key (the owner should see
@@ -86,28 +85,28 @@ class Accounts:
             self.audit.auth_failed(source, None, "unknown key" if key else "missing key")
 
     def account_name(self, account_id: str) -> str | None:
-        row = self.store.get(AccountRow, account_id)
+        row = self.accounts.get(account_id)
         return row.name if row is not None else None
 
-    def list_keys(self) -> list[tuple[ApiKeyRow, str]]:
-        names = {a.account_id: a.name for a in self.store.query(select(AccountRow))}
-        return [(k, names.get(k.account_id, "?")) for k in self.store.query(select(ApiKeyRow).order_by(ApiKeyRow.created_at))]
+    def list_keys(self) -> list[tuple[ApiKey, str]]:
+        names = {a.account_id: a.name for a in self.accounts.all()}
+        return [(k, names.get(k.account_id, "?")) for k in self.keys.all()]
 
     def revoke(self, key_id: str, via: str = "tinkerd keys revoke") -> None:
-        row = self.store.get(ApiKeyRow, key_id)
+        row = self.keys.get(key_id)
         if row is None:
             raise NotFoundError(f"no key {key_id!r}")
-        self.store.update(ApiKeyRow, key_id, revoked_at=utcnow())
+        self.keys.revoke(key_id, utcnow())
         self.audit.record("api_key_revoked", row.account_id, key_id=key_id, name=row.name, via=via)
 
     def has_keys(self) -> bool:
-        return bool(self.store.query(select(ApiKeyRow).limit(1)))
+        return self.keys.any()
 
-    def list_accounts(self) -> list[AccountRow]:
-        return self.store.query(select(AccountRow).order_by(AccountRow.name))
+    def list_accounts(self) -> list[Account]:
+        return self.accounts.all()
 
-    def set_quota(self, name: str, **limits: int | None) -> AccountRow:
-        """Set an account's quota overrides (AccountRow columns): None = the server's default,
+    def set_quota(self, name: str, **limits: int | None) -> Account:
+        """Set an account's quota overrides (Account fields): None = the server's default,
         0 = unlimited, n >= 1 = that limit. Limits not named keep their value."""
         for column, value in limits.items():
             if column not in QUOTA_COLUMNS:
@@ -115,6 +114,6 @@ class Accounts:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise UserError(f"{column} must be a whole number >= 1, 0 for unlimited, or None for the default")
         account_id = self.account_id(name, create=False)
-        self.store.update(AccountRow, account_id, **limits)
+        self.accounts.set(account_id, **limits)
         self.audit.record("account_quota_set", account_id, account=name, **limits)
-        return self.store.get(AccountRow, account_id)
+        return self.accounts.get(account_id)

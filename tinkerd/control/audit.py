@@ -16,10 +16,8 @@ import threading
 import time
 from datetime import datetime, timedelta
 
-from sqlalchemy import select
-
+from tinkerd.control.store.accounts import AuditEntry, AuditRepository
 from tinkerd.control.store.db import Store, utcnow
-from tinkerd.control.store.tables import AuditRow
 
 # SDK AdminClient.get_audit_log(event_type=...) -> the event prefixes it selects. tinkerd has no
 # projects or teams; its accounts stand in for organizations.
@@ -38,12 +36,13 @@ MAX_SOURCES = 10_000
 class AuditLog:
     def __init__(self, store: Store):
         self.store = store
+        self.log = AuditRepository(store)
         self._lock = threading.Lock()
         # (source, account_id, minute) -> [audit_id, unwritten count, last write monotonic]
         self._failures: dict[tuple, list] = {}
 
     def record(self, event: str, account_id: str | None, **details) -> None:
-        self.store.add(AuditRow(at=utcnow(), account_id=account_id, event=event, details=details, count=1))
+        self.log.add(utcnow(), account_id, event, details)
 
     def auth_failed(self, source: str, account_id: str | None, reason: str, key_id: str | None = None) -> None:
         now = utcnow()
@@ -53,9 +52,8 @@ class AuditLog:
             if entry is None:
                 self._drop_old(slot[2])
                 details = {"source": source, "reason": reason, **({"key_id": key_id} if key_id else {})}
-                row = AuditRow(at=now, account_id=account_id, event="auth_failed", details=details, count=1)
-                self.store.add(row)
-                self._failures[slot] = [row.audit_id, 0, time.monotonic()]
+                audit_id = self.log.add(now, account_id, "auth_failed", details)
+                self._failures[slot] = [audit_id, 0, time.monotonic()]
                 return
             entry[1] += 1
             if time.monotonic() - entry[2] >= FLUSH_S:
@@ -63,9 +61,7 @@ class AuditLog:
 
     def _flush(self, entry: list) -> None:
         if entry[1]:
-            row = self.store.get(AuditRow, entry[0])
-            if row is not None:
-                self.store.update(AuditRow, entry[0], count=row.count + entry[1])
+            self.log.add_count(entry[0], entry[1])
         entry[1], entry[2] = 0, time.monotonic()
 
     def _drop_old(self, minute: datetime) -> None:
@@ -75,15 +71,13 @@ class AuditLog:
             if entry is not None:
                 self._flush(entry)
 
-    def entries(self, account_id: str, start: datetime, end: datetime, event_type: str = "all") -> list[AuditRow]:
+    def entries(self, account_id: str, start: datetime, end: datetime, event_type: str = "all") -> list[AuditEntry]:
         """The account's events in [start, end), oldest first."""
         with self._lock:
             for entry in self._failures.values():
                 self._flush(entry)
-        stmt = (select(AuditRow).where(AuditRow.account_id == account_id, AuditRow.at >= start, AuditRow.at < end)
-                .order_by(AuditRow.at, AuditRow.audit_id))
         prefixes = EVENT_TYPES[event_type]
-        rows = self.store.query(stmt)
+        rows = self.log.of_account(account_id, start, end)
         return rows if prefixes is None else [r for r in rows if r.event.startswith(prefixes)]
 
 

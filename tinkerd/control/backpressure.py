@@ -14,6 +14,13 @@ of an accepted op returns its future first, Control.submit), never for ops re-qu
 or control's own internal ops. Only ops waiting count, not those in the engine: a target whose op
 is running can queue `per_target` more. The check and the put are not one atomic step, so
 concurrent submissions can overshoot a budget by the number of requests in flight at that moment.
+
+With replicas (docs/deployment.md) no process's queue holds every waiting op: an api replica queues
+nothing and the driver's queue lacks what it has not claimed yet. There the budget counts the
+database's pending ops instead (`count`: store/futures.py, FutureRepository.pending_count): unclaimed,
+waiting in the driver's queue, and in its engine. So a replica refuses exactly when the one server
+would, except that a target's op in the engine counts too (the replica cannot tell it from one
+waiting): over the same budget a run whose op is running can queue one op fewer.
 """
 
 from __future__ import annotations
@@ -25,16 +32,21 @@ from tinkerd.errors import QueueFull
 
 
 class QueueBudget:
-    def __init__(self, per_target: int | None, total: int | None):
+    def __init__(self, per_target: int | None, total: int | None,
+                 count: Callable[[str | None], int] | None = None):
         # None: no bound.
         self.per_target = per_target
         self.total = total
+        # count(target or None) -> ops waiting, where the queue does not hold them all (replicas:
+        # the database's pending ops); None counts the queue's.
+        self.count = count
 
     def check(self, queue: OpQueue, target: str, on_refused: Callable[[str], None] | None = None) -> None:
         """Raise QueueFull when a new op of `target` would go over a budget; `on_refused(scope)` first."""
-        if self.per_target is not None and queue.depth(target) >= self.per_target:
+        depth = self.count or queue.depth
+        if self.per_target is not None and depth(target) >= self.per_target:
             scope, why = "target", f"{target} already has {self.per_target} ops waiting (--max-queued-ops-per-model)"
-        elif self.total is not None and queue.depth() >= self.total:
+        elif self.total is not None and depth(None) >= self.total:
             scope, why = "server", f"the server already has {self.total} ops waiting (--max-queued-ops)"
         else:
             return

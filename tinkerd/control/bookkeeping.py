@@ -13,7 +13,8 @@ from typing import Any, Callable
 from tinkerd.control import inflight
 from tinkerd.control.metering import Billing, Usage
 from tinkerd.control.oplog import CreateSampler, OpRecord, OpType, RegisterCheckpoint
-from tinkerd.control.runs import Runs, parse_tinker_path
+from tinkerd.control.ids import parse_tinker_path
+from tinkerd.control.runs import Runs
 from tinkerd.errors import ServerError
 from tinkerd.types import ForwardBackwardOp, SampleOp
 
@@ -38,16 +39,16 @@ class Bookkeeper:
         if effect is not None and self.runs is None:
             raise ServerError(f"{record.op_type.value} has bookkeeping to do and this control plane has no runs")
         if isinstance(effect, RegisterCheckpoint):
-            row = self.runs.register_checkpoint(parse_tinker_path(effect.path), effect.ttl_seconds, effect.user_metadata)
+            row = self.runs.checkpoints.register_checkpoint(parse_tinker_path(effect.path), effect.ttl_seconds, effect.user_metadata)
             if record.op_type == OpType.SAVE_WEIGHTS_EXTERNAL:
                 out["size_bytes"] = row.size_bytes
         elif isinstance(effect, CreateSampler) and effect.inflight_of is not None:
             inflight.publish(self.runs, effect, self.ephemeral_samplers_kept, self.busy)
         elif isinstance(effect, CreateSampler):
-            self.runs.create_sampling_session(effect.session_id, effect.sampling_session_seq_id, effect.base_model,
+            self.runs.sampling_sessions.create_sampling_session(effect.session_id, effect.sampling_session_seq_id, effect.base_model,
                                               None, effect.adapter_dir, accepted=True)
             # An RL loop writes one of these per step: the session's older ones go.
-            self.runs.prune_ephemeral_samplers(effect.session_id, self.ephemeral_samplers_kept, self.busy)
+            self.runs.sampling_sessions.prune_ephemeral_samplers(effect.session_id, self.ephemeral_samplers_kept, self.busy)
         return out
 
 

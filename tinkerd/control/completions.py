@@ -21,10 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import select
-
 from tinkerd.control.store.db import Store
-from tinkerd.control.store.tables import FutureRow
+from tinkerd.control.store.futures import FutureRepository
 
 CLONE_BLOCK = 1_000_000_000
 # Completions per answer; the rest come with the next poll (the cursor stops at the last one sent).
@@ -50,15 +48,8 @@ MAX_CURSOR = cursor_of(datetime(9999, 12, 31))
 def completions(store: Store, target: str, clone: int, cursor: int) -> tuple[list[Completion], int]:
     """What `clone` of sampling session `target` has not heard yet after `cursor`, and the next cursor."""
     since = _EPOCH + timedelta(microseconds=cursor)
-    rows = store.query(
-        select(FutureRow)
-        .where(FutureRow.target == target, FutureRow.request_type == "Sample",
-               FutureRow.seq_id >= clone * CLONE_BLOCK, FutureRow.seq_id < (clone + 1) * CLONE_BLOCK,
-               FutureRow.status != "pending", FutureRow.retrieved_at.is_(None),
-               FutureRow.completed_at > since)
-        .order_by(FutureRow.completed_at)
-        .limit(MAX_COMPLETIONS)
-    )
+    rows = FutureRepository(store).unheard_samples(target, clone * CLONE_BLOCK, (clone + 1) * CLONE_BLOCK, since,
+                                                   MAX_COMPLETIONS)
     out = [Completion(r.request_id, r.status == "complete", len(r.result) if r.result is not None else None)
            for r in rows]
     return out, (cursor_of(rows[-1].completed_at) if rows else cursor)

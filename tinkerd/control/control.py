@@ -30,6 +30,7 @@ from tinkerd.control.futures import FutureHub
 from tinkerd.control.metering import Meter
 from tinkerd.control.metrics import Metrics
 from tinkerd.control.notify import LocalNotifier, Notifier
+from tinkerd.control.pauses import PauseBoard
 from tinkerd.control.queue import Finalize, OpQueue, QueuedOp, Work
 from tinkerd.control.quotas import Quotas
 from tinkerd.control.recovery import Recovery
@@ -110,6 +111,8 @@ class Control:
         # The op log's reads and writes for the api layer (retrieve_future's owner check, the legacy conversion).
         self.futures = FutureRepository(store)
         self.claimer = Claimer(self.futures, worker_id, self._take) if worker_id else None
+        # The driver posts its quota pauses for api replicas' retrieve_future (pauses.py).
+        self.pauses = PauseBoard(self.futures, self.queue, self.scheduler) if worker_id else None
         self.meter = Meter(store)
         if quotas is not None:
             self.meter.listeners.append(quotas.on_usage)
@@ -158,6 +161,7 @@ class Control:
         self._worker.start()
         if self.claimer is not None:
             self.claimer.start()
+            self.pauses.start()
         if self.residency is not None:
             self.residency.start(self._enqueue_internal, self.busy)
         if self.retention is not None:  # after recovery, which reads the rows it may delete
@@ -195,6 +199,7 @@ class Control:
         self._stopping.set()  # a result stuck on storage is abandoned: it stays pending in the log
         if self.claimer is not None:
             self.claimer.stop()
+            self.pauses.stop()
         self.notifier.close()
         if self.engine is None:
             self.metrics.close()
@@ -278,10 +283,13 @@ class Control:
         self.metrics.accepted(request_type, Scheduler.lane_of(work.op), request_id)
         return Accepted(request_id, new=True)
 
-    def release_run(self, model_id: str) -> None:
-        """Release a run's adapter as soon as it is idle (hpcai's unload_model); no-op without residency."""
-        if self.residency is not None:
-            self.residency.request_release(model_id)
+    def release_run(self, model_id: str | None = None) -> None:
+        """Release a run's adapter as soon as it is idle (hpcai's unload_model), or with None look for
+        runs to release now (a session ended); an api replica asks the driver. No-op without residency."""
+        if self.engine is None:
+            self.notifier.release(model_id)
+        elif self.residency is not None:
+            self.residency.request_release(model_id) if model_id is not None else self.residency.poke()
 
     def complete_now(self, request_type: str, target: str, payload: bytes, media_type: str,
                      account_id: str | None = None) -> str:
@@ -333,6 +341,13 @@ class Control:
             # (returning that stale pending row cost every op a second round trip and a warning).
             return await to_thread.run_sync(lambda: self._retrieved(self.store.get(FutureRow, request_id)))
         return row
+
+    def pause_reason(self, request_id: str) -> str | None:
+        """Why a pending op waits on its account's quota (retrieve_future's queue_state), or None: the
+        scheduler's answer, or on an api replica (no queue) what the driver last posted (pauses.py)."""
+        if self.engine is None:
+            return self.futures.paused_reason(request_id)
+        return self.scheduler.pause_reason(request_id)
 
     def cancel(self, row: FutureRow) -> None:
         """Stop a pending sampling request whose client gave up on it (cancel_future). Still queued:
@@ -427,7 +442,7 @@ class Control:
         if self.residency is not None and out.resident is not None:
             self.residency.resident = out.resident
         for request_id, deltas in out.partial:  # before `done`: a stream's last tokens precede its end
-            self.hub.publish(request_id, deltas)
+            self.notifier.publish(request_id, deltas)
         for request_id, result in out.done:
             entry = self._inflight.pop(request_id, None)
             if entry is None:  # failed above when the engine broke, finished by it later

@@ -18,16 +18,18 @@ import hashlib
 import secrets
 
 from tinkerd.control.projects import check_project_id
-from tinkerd.control.runs import Runs, TinkerPath, check_ttl, parse_tinker_path
+from tinkerd.control.ids import TinkerPath, check_ttl, parse_tinker_path
+from tinkerd.control.runs import Runs
 from tinkerd.control.store.db import utcnow
-from tinkerd.control.store.tables import SessionRow, TrainingRunRow, UnloadedRunRow
+from tinkerd.control.store.runs import RunRepository, TrainingRun
+from tinkerd.control.store.sessions import Session, SessionRepository
 from tinkerd.errors import UserError
 
 # lora_config key marking a run made by copy_weights (training ops refuse it).
 COPY_OF = "copy_of"
 
 
-def is_copy_run(run: TrainingRunRow) -> bool:
+def is_copy_run(run: TrainingRun) -> bool:
     return bool((run.lora_config or {}).get(COPY_OF))
 
 
@@ -45,30 +47,31 @@ def copy_weights(runs: Runs, source_path: str, account_id: str | None, *, sessio
     by_slot = session_id is not None and model_seq_id is not None
     if not by_slot and not (session_id is None and model_seq_id is None and project_id):
         raise UserError("copy_weights needs destination_project_id, or both session_id and model_seq_id")
-    ckpt = runs.owned_checkpoint(source, account_id, public_ok=True)  # foreign unpublished == missing
-    source_run = runs.run(ckpt.model_id)
+    ckpt = runs.checkpoints.owned_checkpoint(source, account_id, public_ok=True)  # foreign unpublished == missing
+    source_run = runs.training_runs.run(ckpt.model_id)
+    training_runs = RunRepository(runs.store)
     if by_slot:
-        runs.owned_session(session_id, account_id)
+        runs.sessions.owned_session(session_id, account_id)
         model_id = f"{session_id}:train:{model_seq_id}"
-        if runs.store.get(TrainingRunRow, model_id) is not None:
+        if training_runs.get(model_id) is not None:
             raise UserError(f"training run {model_id} already exists: copy into an unused model_seq_id")
     else:
         session_id = _copy_session(runs, account_id, idempotency_key, check_project_id(project_id))
         model_id = f"{session_id}:train:0"
     dest = TinkerPath(model_id, source.segment, source.name)
-    existing = runs.store.get(TrainingRunRow, model_id)
-    if existing is not None and runs.checkpoint_exists(dest):
+    existing = training_runs.get(model_id)
+    if existing is not None and runs.checkpoints.checkpoint_exists(dest):
         return dest  # the same request, retried after it completed
     now = utcnow()
-    runs.store.add(TrainingRunRow(
+    training_runs.add(TrainingRun(
         model_id=model_id, session_id=session_id, base_model=source_run.base_model, lora_rank=source_run.lora_rank,
         lora_config={**(source_run.lora_config or {}), COPY_OF: str(source)},
         user_metadata=dict(source_run.user_metadata or {}), created_at=now, last_request_at=now))
     # Never in the engine: marked so, residency does not try to release it or count it as loaded.
-    runs.store.add(UnloadedRunRow(model_id=model_id, unloaded_at=now))
-    _copy_files(runs, runs.key_of(ckpt), runs.checkpoint_key(dest))
-    row = runs.register_checkpoint(dest, ttl, ckpt.user_metadata)
-    runs._audit_checkpoint("checkpoint_copied", row, source_path=str(source))
+    training_runs.mark_unloaded(model_id, now)
+    _copy_files(runs, runs.checkpoints.key_of(ckpt), runs.checkpoints.checkpoint_key(dest))
+    row = runs.checkpoints.register_checkpoint(dest, ttl, ckpt.user_metadata)
+    runs.checkpoints.audit_checkpoint("checkpoint_copied", row, source_path=str(source))
     return dest
 
 
@@ -78,17 +81,17 @@ def _copy_session(runs: Runs, account_id: str | None, idempotency_key: str | Non
     if idempotency_key:
         digest = hashlib.sha256(f"{account_id}\0{idempotency_key}".encode()).hexdigest()[:16]
         session_id = f"sess-{digest}"
-        row = runs.store.get(SessionRow, session_id)
+        row = SessionRepository(runs.store).get(session_id)
         if row is not None and row.account_id == account_id:
             return session_id
     else:
         session_id = f"sess-{secrets.token_hex(8)}"
     now = utcnow()
     # Finished at once: nobody heart-beats it, and its run must not count as a live one for quotas.
-    runs.store.add(SessionRow(session_id=session_id, account_id=account_id, created_at=now, last_heartbeat_at=now,
+    SessionRepository(runs.store).add(Session(session_id=session_id, account_id=account_id, created_at=now, last_heartbeat_at=now,
                               tags=["copy_weights"], user_metadata={}, sdk_version=None, finished_reason="copy_weights",
-                              project_id=project_id))
-    return runs.owned_session(session_id, account_id).session_id
+                              display_name=None, project_id=project_id))
+    return runs.sessions.owned_session(session_id, account_id).session_id
 
 
 def _copy_files(runs: Runs, src: str, dst: str) -> None:

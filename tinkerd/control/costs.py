@@ -14,13 +14,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from sqlalchemy import func, select
-
 from tinkerd.config import ServerConfig
 from tinkerd.control.metering import TOKEN_KINDS, Meter, hourly_buckets
 from tinkerd.control.storage import STORAGE_KIND, Interval, StorageLedger, gb_hour_buckets, storage_cost_usd
 from tinkerd.control.store.db import Store
-from tinkerd.control.store.tables import CheckpointStorageRow, SamplingSessionRow, SessionRow, TrainingRunRow, UsageRow
+from tinkerd.control.store.checkpoints import CheckpointStorageRepository
+from tinkerd.control.store.runs import RunRepository
+from tinkerd.control.store.sampling import SamplingSessionRepository
+from tinkerd.control.store.usage import UsageRepository
 
 # The SDK's billing event type of each metered kind, and storage.
 KINDS = (*TOKEN_KINDS, STORAGE_KIND)
@@ -28,7 +29,7 @@ KINDS = (*TOKEN_KINDS, STORAGE_KIND)
 
 @dataclass
 class Costed:
-    """Quantities by kind (a UsageRow token column, or storage_gb_hours) and their estimated cost."""
+    """Quantities by kind (a UsageRecord token field, or storage_gb_hours) and their estimated cost."""
 
     quantities: dict[str, float] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
     checkpoints: int = 0
@@ -67,23 +68,13 @@ def run_usage(store: Store, ledger: StorageLedger, account_id: str, start: datet
               now: datetime) -> dict[str | None, Costed]:
     """model_id -> the run's usage in [start, end) (None: usage of no run); sums in SQL, grouped by target."""
     ledger.sync(now)
-    sums = [func.coalesce(func.sum(getattr(UsageRow, k)), 0) for k in TOKEN_KINDS]
-    stmt = (select(UsageRow.target, func.coalesce(func.sum(UsageRow.checkpoints), 0), *sums)
-            .where(UsageRow.account_id == account_id, UsageRow.completed_at >= start, UsageRow.completed_at < end)
-            .group_by(UsageRow.target))
-    sampler_runs = (select(SamplingSessionRow.sampling_session_id, SamplingSessionRow.model_path,
-                           SamplingSessionRow.inflight_of)
-                    .join(SessionRow, SessionRow.session_id == SamplingSessionRow.session_id)
-                    .where(SessionRow.account_id == account_id))
-    runs = (select(TrainingRunRow.model_id).join(SessionRow, SessionRow.session_id == TrainingRunRow.session_id)
-            .where(SessionRow.account_id == account_id))
-    by_target = store.rows(stmt)
-    run_ids = set(store.query(runs))
-    samplers = {sid: inflight or _run_of_path(path) for sid, path, inflight in store.rows(sampler_runs)}
-    storage = store.query(select(CheckpointStorageRow).where(
-        CheckpointStorageRow.account_id == account_id, CheckpointStorageRow.start_at < end))
+    by_target = UsageRepository(store).sums_by_target(account_id, start, end, tuple(TOKEN_KINDS))
+    run_ids = set(RunRepository(store).ids_of_account(account_id))
+    samplers = {sid: inflight or _run_of_path(path)
+                for sid, path, inflight in SamplingSessionRepository(store).runs_of_account(account_id)}
+    storage = CheckpointStorageRepository(store).started_before(account_id, end)
     out: dict[str | None, Costed] = {}
-    for target, checkpoints, *tokens in by_target:
+    for target, checkpoints, tokens in by_target:
         run = target if target in run_ids else samplers.get(target, _run_of_path(target))
         costed = out.setdefault(run if run in run_ids else None, Costed())
         costed.checkpoints += int(checkpoints)

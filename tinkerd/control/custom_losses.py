@@ -11,10 +11,9 @@ deleted; they are small (a DPO loss is about 4 KB) and at most MAX_LOSSES_PER_SE
 
 from __future__ import annotations
 
-from sqlalchemy import func, select
-
 from tinkerd import lossgraph
 from tinkerd.control.store.db import Store, utcnow
+from tinkerd.control.store.sessions import CustomLossRepository
 from tinkerd.control.store.tables import CustomLossRow
 from tinkerd.errors import UserError
 from tinkerd.types import CustomLoss
@@ -23,24 +22,24 @@ from tinkerd.types import CustomLoss
 class CustomLosses:
     def __init__(self, store: Store):
         self.store = store
+        self.losses = CustomLossRepository(store)
 
     def create(self, session_id: str, seq_id: int, name: str, inputs: list[tuple[str, int]], graph: dict) -> str:
         """Check and store one upload; returns its loss_id. Idempotent on (session, custom_loss_seq_id):
         a re-send of the same loss gets the same id, a different loss under a used seq_id is refused."""
         graph_json = lossgraph.check(name, inputs, graph)
         loss_id = f"{session_id}:loss:{seq_id}"
-        existing = self.store.get(CustomLossRow, loss_id)
+        existing = self.losses.get(loss_id)
         if existing is None:
-            count = self.store.query(select(func.count()).select_from(CustomLossRow)
-                                     .where(CustomLossRow.session_id == session_id))[0]
+            count = self.losses.count_of_session(session_id)
             if count >= lossgraph.MAX_LOSSES_PER_SESSION:
                 raise UserError(f"session {session_id} already created {count} custom losses; at most "
                                 f"{lossgraph.MAX_LOSSES_PER_SESSION} are allowed per session")
             row = CustomLossRow(loss_id=loss_id, session_id=session_id, name=name,
                                 inputs=[[n, r] for n, r in inputs], graph_json=graph_json, created_at=utcnow())
-            if self.store.add(row):
+            if self.losses.add(row):
                 return loss_id
-            existing = self.store.get(CustomLossRow, loss_id)  # a concurrent identical upload won
+            existing = self.losses.get(loss_id)  # a concurrent identical upload won
         if (existing.name, existing.inputs, existing.graph_json) != (name, [[n, r] for n, r in inputs], graph_json):
             raise UserError(f"custom_loss_seq_id {seq_id} of session {session_id} already names a different loss "
                             f"({existing.name!r}); a new loss needs a new custom_loss_seq_id")
@@ -54,7 +53,7 @@ class CustomLosses:
         unknown = sorted(set(loss_fn_config) - {"loss_id"})
         if unknown:
             raise UserError(f"loss_fn_config keys {unknown} are not used by custom (accepted: loss_id)")
-        row = self.store.get(CustomLossRow, loss_id)
+        row = self.losses.get(loss_id)
         if row is None or row.session_id != session_id:
             # Another session's loss answers like a missing one: ids are not secrets, but handles are per session.
             raise UserError(f"custom loss {loss_id!r} was not created by this training run's session "

@@ -8,7 +8,7 @@ real name, but disk space nobody frees. The store sweeps them (`sweep_incomplete
 - at server start and after every engine restart (Recovery.rebuild_engine, before the replay):
   then no engine write can be running, since no engine is in a step; a copy_weights in progress in
   this process is the store's own write, which it skips;
-- by the checkpoint sweeper, for temp dirs older than an hour (Runs.sweep_stale_temp);
+- by the checkpoint sweeper, for temp dirs older than an hour (Checkpoints.sweep_stale_temp);
 
 and `tinkerd fsck --repair` finds them on a stopped server's data directory by these patterns.
 """
@@ -17,5 +17,5 @@ from __future__ import annotations
 
 # Relative to checkpoints/: <model>/<segment>/.<name>.* for named checkpoints, _ephemeral/.<id>.* for samplers.
 CHECKPOINT_TEMP = ("*/*/.*.tmp-*", "*/*/.*.old-*", "*/.*.tmp-*", "*/.*.old-*")
-# Relative to snapshots/: <model_id>/.seq-<n>.tmp-* (engine/training.py: _snapshot).
+# Relative to snapshots/: <model_id>/.seq-<n>.tmp-* (engine/snapshots.py: write).
 SNAPSHOT_TEMP = ("*/.*.tmp-*", "*/.*.old-*")

@@ -3,7 +3,7 @@
 `tinkerd fsck` (cli/fsck.py) runs this on a data directory no server holds. What it checks, and why
 each can go wrong:
 
-- every registered checkpoint (CheckpointRow, not expired) has its directory, with the files its
+- every registered checkpoint (not expired) has its directory, with the files its
   type must have and, where the row recorded one, the size it had when it was registered. Saves are
   written to a temp name and renamed (engine/checkpoints.py), so only outside hands (a deleted or
   truncated file, a restore from backup) break this;
@@ -20,7 +20,7 @@ each can go wrong:
   it still have their bodies, and ops the retention sweep forgot lie before that snapshot.
 
 Repair removes debris only (temp directories, orphans) and puts a set-aside checkpoint back when its
-real name is empty, as `Runs.sweep_stale_temp` does at start. It never deletes a registered
+real name is empty, as `Checkpoints.sweep_stale_temp` does at start. It never deletes a registered
 checkpoint, a snapshot recovery may use, or a row.
 """
 
@@ -32,23 +32,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from sqlalchemy import select
-
 from tinkerd.control import inflight
 from tinkerd.artifacts import LocalArtifactStore, key_of_path
 from tinkerd.control.debris import CHECKPOINT_TEMP, SNAPSHOT_TEMP
 from tinkerd.control.recovery import STATE_CHANGING, Recovery, rebuild_work
 from tinkerd.control.retention import dedupe_prefix
-from tinkerd.control.runs import SEGMENT_TYPES
+from tinkerd.control.ids import SEGMENT_TYPES
+from tinkerd.control.store.checkpoints import CheckpointRepository
 from tinkerd.control.store.db import Store, utcnow
-from tinkerd.control.store.tables import (
-    CheckpointRow,
-    FutureRow,
-    FutureWatermarkRow,
-    SamplingSessionRow,
-    SessionRow,
-    TrainingRunRow,
-)
+from tinkerd.control.store.futures import FutureRepository
+from tinkerd.control.store.runs import RunRepository
+from tinkerd.control.store.sampling import SamplingSessionRepository
+from tinkerd.control.store.sessions import SessionRepository
+from tinkerd.control.store.tables import FutureRow
 
 # The files engine/checkpoints.py writes (control may not import the engine; a unit test checks that
 # these names equal engine.checkpoints' own). Exports (external) may be age-encrypted: `<file>.age`.
@@ -60,7 +56,7 @@ REQUIRED_FILES = {
     "sampler": (WEIGHTS_FILE, CONFIG_FILE, META_FILE),
     "external": (WEIGHTS_FILE, CONFIG_FILE),  # a plain PEFT directory (engine/export.py)
 }
-SNAPSHOT_FILES = REQUIRED_FILES["training"]  # engine/training.py: _snapshot saves with the optimizer
+SNAPSHOT_FILES = REQUIRED_FILES["training"]  # engine/snapshots.py: write saves with the optimizer
 # Temp names of every writer under the data directory, relative to the directory they sit in.
 TEMP_PATTERNS = {
     "checkpoints": CHECKPOINT_TEMP,  # named, then _ephemeral (control/debris.py)
@@ -98,6 +94,8 @@ class Report:
 class Fsck:
     def __init__(self, store: Store, data_dir: Path, parse_body: Callable[[FutureRow], None] | None = None):
         self.store = store
+        self.checkpoints = CheckpointRepository(store)
+        self.futures = FutureRepository(store)
         self.data_dir = Path(data_dir)
         self.checkpoints_dir = self.data_dir / "checkpoints"
         self.snapshots_dir = self.data_dir / "snapshots"
@@ -121,7 +119,7 @@ class Fsck:
 
     def _checkpoints(self, report: Report) -> None:
         now = utcnow()
-        for row in self.store.query(select(CheckpointRow)):
+        for row in self.checkpoints.all():
             if row.expires_at is not None and row.expires_at <= now:
                 continue  # gone for the API already; the sweeper removes row and files
             report.checkpoints += 1
@@ -146,7 +144,7 @@ class Fsck:
     def _orphans(self, report: Report) -> None:
         if not self.checkpoints_dir.is_dir():
             return
-        paths = set(self.store.query(select(CheckpointRow.tinker_path)))
+        paths = {r.tinker_path for r in self.checkpoints.all()}
         for model_dir in _dirs(self.checkpoints_dir):
             if model_dir.name == "_ephemeral":
                 continue
@@ -160,7 +158,7 @@ class Fsck:
         ephemeral = self.checkpoints_dir / "_ephemeral"
         if ephemeral.is_dir():
             # By name: the rows hold absolute paths, and the data directory may be reached another way now.
-            rows = self.store.query(select(SamplingSessionRow).where(SamplingSessionRow.adapter_dir.is_not(None)))
+            rows = SamplingSessionRepository(self.store).with_adapter()
             used = {self._path(r.adapter_dir).name for r in rows if self._path(r.adapter_dir).parent.name == "_ephemeral"}
             used |= inflight.kept_dirs(rows)  # an older inflight save's, kept for requests accepted on it
             for d in _dirs(ephemeral):
@@ -181,7 +179,7 @@ class Fsck:
                     report.problems.append(Problem("temp-debris", str(p), detail, True))
 
     def _snapshots(self, report: Report) -> None:
-        runs = {r.model_id: r for r in self.store.query(select(TrainingRunRow))}
+        runs = {r.model_id: r for r in RunRepository(self.store).all()}
         report.runs = len(runs)
         if self.snapshots_dir.is_dir():
             for d in _dirs(self.snapshots_dir):
@@ -194,7 +192,7 @@ class Fsck:
                     missing = [f for f in SNAPSHOT_FILES if not (snap / f).is_file()]
                     if missing:
                         report.problems.append(Problem("incomplete-snapshot", str(snap), f"lacks {', '.join(missing)}"))
-        accounts = {s.session_id: s.account_id for s in self.store.query(select(SessionRow))}
+        accounts = {s.session_id: s.account_id for s in SessionRepository(self.store).all()}
         for model_id, run in sorted(runs.items()):
             self._rebuildable(report, model_id, accounts.get(run.session_id))
 
@@ -211,14 +209,11 @@ class Fsck:
                                                f"{path}, lacks {', '.join(missing)}"))
         # Retention forgets a state-changing op only once a usable snapshot lies after it.
         for request_type in STATE_CHANGING:
-            mark = self.store.get(FutureWatermarkRow, dedupe_prefix(request_type, account_id, model_id))
-            if mark is not None and mark.seq_id >= seq:
+            mark = self.futures.watermark(dedupe_prefix(request_type, account_id, model_id))
+            if mark is not None and mark >= seq:
                 report.problems.append(Problem("unrecoverable-run", model_id, f"{request_type} ops up to seq_id "
-                                               f"{mark.seq_id} were forgotten and no usable snapshot follows them"))
-        bare = self.store.query(select(FutureRow.request_id).where(
-            FutureRow.target == model_id, FutureRow.status == "complete", FutureRow.request_type.in_(STATE_CHANGING),
-            FutureRow.seq_id > seq, FutureRow.body == b""))
-        for request_id in bare:
+                                               f"{mark} were forgotten and no usable snapshot follows them"))
+        for request_id in self.futures.bodiless_after(model_id, seq, STATE_CHANGING):
             report.problems.append(Problem("unrecoverable-run", model_id, f"op {request_id}, replayed by recovery, "
                                            "has lost its stored request"))
 
@@ -226,11 +221,11 @@ class Fsck:
         for row in self.recovery.pending():
             report.pending += 1
             target = row.target.split("#", 1)[0]  # shared targets carry "#<account>" (api/routes/sampling.py)
-            if ":train:" in target and self.store.get(TrainingRunRow, target) is None:
+            if ":train:" in target and RunRepository(self.store).get(target) is None:
                 missing = f"training run {target}"
-            elif ":sample:" in target and self.store.get(SamplingSessionRow, target) is None:
+            elif ":sample:" in target and SamplingSessionRepository(self.store).get(target) is None:
                 missing = f"sampling session {target}"
-            elif target.startswith("tinker://") and self.store.get(CheckpointRow, target) is None:
+            elif target.startswith("tinker://") and self.checkpoints.get(target) is None:
                 missing = f"checkpoint {target}"
             else:
                 missing = None
@@ -260,7 +255,7 @@ class Fsck:
     def repair(self, report: Report) -> list[str]:
         """Remove the report's debris; returns one line per action. Registered checkpoints, snapshots
         recovery may use and store rows are never touched."""
-        registered = {os.path.realpath(self._path(p)) for p in self.store.query(select(CheckpointRow.dir_path))}
+        registered = {os.path.realpath(self._path(r.dir_path)) for r in self.checkpoints.all()}
         done = []
         for p in report.problems:
             if not p.debris:

@@ -44,12 +44,20 @@ class FutureHub:
 
     def wake_all(self) -> None:
         """Wake every waiter to read the store again: wake-ups may have been missed (a notifier that
-        reconnected, control/store/listen.py). A waiter whose op is still pending answers try_again."""
+        reconnected, control/store/listen.py). A waiter whose op is still pending answers try_again;
+        a stream's reader, which may have missed tokens too, finishes from the stored result (its
+        `None` is the end of the live tokens; api/openai_stream.py then waits for the result)."""
         with self._lock:
             events, self._events = list(self._events.values()), {}
+        if self._loop is None:
+            return
         for event in events:
-            if self._loop is not None:
-                self._loop.call_soon_threadsafe(event.set)
+            self._loop.call_soon_threadsafe(event.set)
+        self._loop.call_soon_threadsafe(self._end_streams)
+
+    def _end_streams(self) -> None:
+        for request_id in list(self._streams):
+            self._deliver(request_id, None)
 
     def subscribe(self, request_id: str, queue: asyncio.Queue) -> None:
         """Put (request_id, item) on `queue` for every publish, then (request_id, None) when the result

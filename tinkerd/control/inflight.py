@@ -16,12 +16,10 @@ from __future__ import annotations
 
 from typing import Callable
 
-from sqlalchemy import select, update
-
 from tinkerd.artifacts import adapter_key
 from tinkerd.control.oplog import CreateSampler
 from tinkerd.control.runs import Runs
-from tinkerd.control.store.tables import SamplingSessionRow
+from tinkerd.control.store.sampling import SamplingSession, SamplingSessionRepository
 
 
 def _seq(sampling_session_id: str) -> int:
@@ -36,27 +34,25 @@ def publish(runs: Runs, effect: CreateSampler, keep: int, busy: Callable[[str], 
     row read on the API thread, not queued yet) still finds its files; older ones go only while
     none of the run's inflight sessions has a request queued or decoding (else at a later save).
     """
-    runs.create_sampling_session(effect.session_id, effect.sampling_session_seq_id, effect.base_model, None,
+    runs.sampling_sessions.create_sampling_session(effect.session_id, effect.sampling_session_seq_id, effect.base_model, None,
                                  effect.adapter_dir, accepted=True, inflight_of=effect.inflight_of)
-    with runs.store.write() as s:
-        s.execute(update(SamplingSessionRow)
-                  .where(SamplingSessionRow.inflight_of == effect.inflight_of)
-                  .values(adapter_dir=effect.adapter_dir))
-    rows = runs.store.query(select(SamplingSessionRow).where(SamplingSessionRow.inflight_of == effect.inflight_of))
+    samplers = SamplingSessionRepository(runs.store)
+    samplers.repoint_inflight(effect.inflight_of, effect.adapter_dir)
+    rows = samplers.inflight_of(effect.inflight_of)
     if any(busy(r.sampling_session_id) for r in rows):
         return []
     rows.sort(key=lambda r: _seq(r.sampling_session_id))
     target = adapter_key(effect.adapter_dir)
     deleted = []
     for row in rows[: max(0, len(rows) - keep)]:
-        key = runs.ephemeral_key(row.sampling_session_id)  # where that session's own save wrote
+        key = runs.sampling_sessions.ephemeral_key(row.sampling_session_id)  # where that session's own save wrote
         if key != target and runs.artifacts.exists(key):
             runs.artifacts.delete(key)
             deleted.append(key)
     return deleted
 
 
-def kept_dirs(rows: list[SamplingSessionRow]) -> set[str]:
+def kept_dirs(rows: list[SamplingSession]) -> set[str]:
     """Names under checkpoints/_ephemeral that inflight sessions own (for fsck): each inflight
     session's own save directory, which publish deletes once it is no longer among the kept."""
     return {r.sampling_session_id for r in rows if r.inflight_of is not None}

@@ -1,4 +1,4 @@
-"""Metering: one UsageRow per completed operation, and hourly billing buckets read from them.
+"""Metering: one usage record per completed operation, and hourly billing buckets read from them.
 
 The api layer knows what an op costs (it decoded the tokens), so it attaches a `Billing` to the op's
 Work; the worker records it with the op's timings when the op completes. Quantities are stored raw
@@ -12,10 +12,8 @@ from dataclasses import dataclass, fields
 from datetime import datetime, timedelta
 from typing import Any, Callable
 
-from sqlalchemy import select
-
 from tinkerd.control.store.db import Store, utcnow
-from tinkerd.control.store.tables import UsageRow
+from tinkerd.control.store.usage import UsageRecord, UsageRepository
 
 # Billed token kinds -> the SDK's billing event type (forward-only passes are billed as training,
 # at their own rate).
@@ -49,30 +47,24 @@ class Billing:
 class Meter:
     def __init__(self, store: Store):
         self.store = store
+        self.usage = UsageRepository(store)
         # Called with (request_id, account_id, usage) for every recorded op: the quotas' token window.
         self.listeners: list[Callable[[str, str | None, Usage], None]] = []
 
     def record(self, request_id: str, request_type: str, target: str, billing: Billing, result: Any,
                queue_wait_s: float, compute_s: float) -> None:
         usage = billing.count(result)
-        row = UsageRow(request_id=request_id, account_id=billing.account_id, session_id=billing.session_id,
-                       target=target, base_model=billing.base_model, request_type=request_type,
-                       queue_wait_s=max(queue_wait_s, 0.0), compute_s=compute_s, completed_at=utcnow(),
-                       **{f.name: getattr(usage, f.name) for f in fields(Usage)})
-        self.store.add(row)  # a re-run after recovery keeps the first record (same request_id)
+        record = UsageRecord(request_id=request_id, account_id=billing.account_id, session_id=billing.session_id,
+                             target=target, base_model=billing.base_model, request_type=request_type,
+                             queue_wait_s=max(queue_wait_s, 0.0), compute_s=compute_s, completed_at=utcnow(),
+                             **{f.name: getattr(usage, f.name) for f in fields(Usage)})
+        self.usage.add(record)
         for listener in self.listeners:
             listener(request_id, billing.account_id, usage)
 
     def rows(self, account_id: str | None = None, start: datetime | None = None,
-             end: datetime | None = None) -> list[UsageRow]:
-        stmt = select(UsageRow).order_by(UsageRow.completed_at)
-        if account_id is not None:
-            stmt = stmt.where(UsageRow.account_id == account_id)
-        if start is not None:
-            stmt = stmt.where(UsageRow.completed_at >= start)
-        if end is not None:
-            stmt = stmt.where(UsageRow.completed_at < end)
-        return self.store.query(stmt)
+             end: datetime | None = None) -> list[UsageRecord]:
+        return self.usage.rows(account_id, start, end)
 
 
 @dataclass
@@ -80,14 +72,14 @@ class Bucket:
     """One hour of one billed quantity of one (account, session, base model)."""
 
     start: datetime
-    kind: str  # a UsageRow quantity column (trained_tokens, ..., checkpoints) or "storage_gb_hours"
+    kind: str  # a UsageRecord quantity (trained_tokens, ..., checkpoints) or "storage_gb_hours"
     account_id: str | None
     session_id: str | None
     base_model: str | None
     quantity: float = 0  # an int for tokens and checkpoints
 
 
-def hourly_buckets(rows: list[UsageRow]) -> list[Bucket]:
+def hourly_buckets(rows: list[UsageRecord]) -> list[Bucket]:
     buckets: dict[tuple, Bucket] = {}
     for row in rows:
         hour = row.completed_at.replace(minute=0, second=0, microsecond=0)
@@ -104,7 +96,7 @@ def bucket_end(b: Bucket) -> datetime:
     return b.start + timedelta(hours=1)
 
 
-def totals(rows: list[UsageRow]) -> dict[str | None, dict[str, float]]:
+def totals(rows: list[UsageRecord]) -> dict[str | None, dict[str, float]]:
     """account_id -> quantity (token kinds, checkpoints, queue_wait_s, compute_s, ops) summed."""
     out: dict[str | None, dict[str, float]] = {}
     for row in rows:

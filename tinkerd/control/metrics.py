@@ -3,7 +3,8 @@
 Two kinds, so that an unscraped server pays almost nothing:
 - events, counted where control already knows them, one call each: an op accepted (`accepted`,
   from Control.submit), an op finished and stored (`completed`, ResultStore.on_stored: its latency
-  from acceptance, its queue wait and its engine time), metered tokens (`on_usage`, a Meter
+  from acceptance, its queue wait, its engine time, and a sample's prompt tokens served from the
+  prefix cache), metered tokens (`on_usage`, a Meter
   listener), an engine recovery (`engine_recovery`), and every SQL statement's duration (SQLAlchemy
   cursor events on the store's engine). Each is a lock and an add, about a microsecond.
 - state, read only when scraped (`_StateCollector`): queue depth and oldest wait by lane, ops in
@@ -22,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from sqlalchemy import event
 
 from tinkerd.control.metering import Usage
 from tinkerd.control.scheduler import Scheduler
@@ -56,6 +56,9 @@ class Metrics:
         self.engine_time = Histogram("tinkerd_op_engine_seconds", "Wall time in the engine (admission to last token "
                                      "for a sample)", ["type"], buckets=_OP_BUCKETS, registry=r)
         self.tokens = Counter("tinkerd_tokens", "Metered tokens by kind", ["kind"], registry=r)
+        self.prompt_cache_hits = Counter("tinkerd_prompt_cache_hit_tokens", "Prompt tokens of sample requests taken "
+                                         "from a kept prefill (engine/sampler/prefix.py) instead of prefilled",
+                                         registry=r)
         self.checkpoints = Counter("tinkerd_checkpoints_written", "Metered checkpoints written", registry=r)
         self.engine_restarts = Counter("tinkerd_engine_restarts", "Engine process starts after a crash (attempts)",
                                        registry=r)
@@ -83,24 +86,16 @@ class Metrics:
         self.watch_store(control.store)
 
     def watch_store(self, store: "Store") -> None:
-        def _start(conn, cursor, statement, parameters, context, executemany):
-            conn.info.setdefault("tinkerd_t0", []).append(time.perf_counter())
+        def observe(kind: str, seconds: float) -> None:
+            self.db_latency.labels(kind if kind in _STATEMENTS else "other").observe(seconds)
 
-        def _end(conn, cursor, statement, parameters, context, executemany):
-            starts = conn.info.get("tinkerd_t0")
-            if starts:
-                kind = statement.lstrip()[:6].lower()
-                self.db_latency.labels(kind if kind in _STATEMENTS else "other").observe(time.perf_counter() - starts.pop())
-
-        for name, fn in (("before_cursor_execute", _start), ("after_cursor_execute", _end)):
-            event.listen(store.engine, name, fn)
-            self._listeners.append((store.engine, name, fn))
+        self._listeners.append(store.time_statements(observe))
 
     def disable(self) -> None:
         """Count nothing from now on (--no-metrics; benchmarks/metrics_overhead.py compares)."""
         self.enabled = False
-        for target, name, fn in self._listeners:
-            event.remove(target, name, fn)
+        for stop in self._listeners:
+            stop()
         self._listeners.clear()
 
     # -- events (called from control) -------------------------------------------------------------
@@ -134,6 +129,8 @@ class Metrics:
             self.op_latency.labels(q.request_type).observe(now - accepted_at)
             self.queue_wait.labels(lane).observe(max(queue_wait_s, 0.0))
             self.engine_time.labels(q.request_type).observe(compute_s)
+            if cached := getattr(result, "prompt_cache_hit_tokens", 0):
+                self.prompt_cache_hits.inc(cached)
         if self.tracer is not None:
             queued_at = self._queued_at.pop(q.request_id, accepted_at)  # re-queued after a restart: none
             admitted = max(accepted_at + queue_wait_s, queued_at)

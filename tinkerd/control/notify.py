@@ -6,10 +6,12 @@ the waiters of this process's FutureHub directly; submits and cancels act on thi
 
 `store/listen.py: PgNotifier` (`--role api` / `--role worker` on PostgreSQL, docs/deployment.md):
 every process LISTENs on PostgreSQL channels. A result stored by the driver is announced with
-NOTIFY, and each replica's listener wakes its own hub's waiters; an api replica's accepted op or
-cancel_future is announced to the driver the same way. A notification is a hint, never the data: a
-woken waiter reads the store again, and a driver that missed one (the listener reconnecting after a
-PostgreSQL restart) still claims the op on its next poll (control/claims.py).
+NOTIFY, and each replica's listener wakes its own hub's waiters; a streaming request's tokens go
+to the replicas the same way, as the driver's engine decodes them; an api replica's accepted op,
+cancel_future, unload_model or session end is announced to the driver. A notification is a hint,
+never the only copy of the data: a woken waiter reads the store again, a driver that missed one (the
+listener reconnecting after a PostgreSQL restart) still claims the op on its next poll
+(control/claims.py), and a stream that may have missed tokens finishes from the stored result.
 """
 
 from __future__ import annotations
@@ -25,8 +27,18 @@ class Notifier(Protocol):
         the `target:<target>` waiters of retrieve_futures)."""
         ...
 
+    def publish(self, request_id: str, deltas: list) -> None:
+        """From the driver's worker: a streaming request's new tokens (TokenDelta), for its reader
+        in whichever process holds it (control/futures.py: FutureHub.subscribe)."""
+        ...
+
     def work(self) -> None:
         """Ops were stored for an engine driver to claim (an api replica's submit)."""
+        ...
+
+    def release(self, model_id: str | None) -> None:
+        """Ask the driver to release a run's adapter once idle (an api replica's unload_model), or
+        with None to look for runs to release now (a session ended there)."""
         ...
 
     def cancel(self, request_id: str) -> None:
@@ -47,8 +59,14 @@ class LocalNotifier:
     def notify(self, request_id: str, target: str | None = None) -> None:
         self.hub.notify(request_id, target)
 
+    def publish(self, request_id: str, deltas: list) -> None:
+        self.hub.publish(request_id, deltas)
+
     def work(self) -> None:
         pass  # the submitting process queued the op itself
+
+    def release(self, model_id: str | None) -> None:
+        raise AssertionError("a process with its own engine releases there (Control.release_run)")
 
     def cancel(self, request_id: str) -> None:
         raise AssertionError("a process with its own queue cancels there (Control.cancel)")

@@ -11,11 +11,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, or_, select
-
 from tinkerd.control.store.db import Store
-from tinkerd.control.store.tables import (SamplingSessionRow, SessionRow, TrainingRunRow, UnloadedRunRow,
-                                          UnrecoverableRunRow, UsageRow)
+from tinkerd.control.store.runs import RunRepository, RunState, TrainingRun
+from tinkerd.control.store.sampling import SamplingSessionRepository
 
 # A run's status, from its session and the engine's bookkeeping (most telling first):
 # unrecoverable (recovery could not rebuild it), finished (its session was closed), released (its
@@ -67,58 +65,28 @@ def _status(finished: str | None, released: bool, broken: str | None) -> tuple[s
 def run_page(store: Store, account_id: str, limit: int, offset: int) -> tuple[list[RunSummary], int]:
     """A page of the account's runs, newest first, and how many it has: one query for the page
     (runs joined to their session and status rows), one COUNT."""
-    unloaded = UnloadedRunRow.model_id.is_not(None)
-    stmt = (select(TrainingRunRow, SessionRow.finished_reason, unloaded, UnrecoverableRunRow.reason)
-            .join(SessionRow, SessionRow.session_id == TrainingRunRow.session_id)
-            .outerjoin(UnloadedRunRow, UnloadedRunRow.model_id == TrainingRunRow.model_id)
-            .outerjoin(UnrecoverableRunRow, UnrecoverableRunRow.model_id == TrainingRunRow.model_id)
-            .where(SessionRow.account_id == account_id)
-            .order_by(TrainingRunRow.created_at.desc(), TrainingRunRow.model_id)
-            .limit(limit).offset(offset))
-    count = (select(func.count()).select_from(TrainingRunRow)
-             .join(SessionRow, SessionRow.session_id == TrainingRunRow.session_id)
-             .where(SessionRow.account_id == account_id))
-    rows = store.rows(stmt)
-    total = store.query(count)[0]
-    return [summary(run, finished, released, broken) for run, finished, released, broken in rows], total
+    states, total = RunRepository(store).states_of_account(account_id, limit, offset)
+    return [summary(s) for s in states], total
 
 
-def summary(run: TrainingRunRow, finished: str | None, released: bool, broken: str | None) -> RunSummary:
-    status, why = _status(finished, bool(released), broken)
+def summary(state: RunState) -> RunSummary:
+    run = state.run
+    status, why = _status(state.finished_reason, state.released, state.unrecoverable)
     return RunSummary(run.model_id, run.session_id, run.base_model, run.lora_rank, run.created_at,
                       run.last_request_at, status, why)
 
 
-def run_summary(store: Store, run: TrainingRunRow) -> RunSummary:
+def run_summary(store: Store, run: TrainingRun) -> RunSummary:
     """One (already ownership-checked) run's summary."""
-    session = store.get(SessionRow, run.session_id)
-    broken = store.get(UnrecoverableRunRow, run.model_id)
-    return summary(run, session.finished_reason if session else None,
-                   store.get(UnloadedRunRow, run.model_id) is not None, broken.reason if broken else None)
-
-
-def samplers_of_run(model_id: str):
-    """A WHERE clause: the sampling sessions that sample this run's weights (a checkpoint of it, or
-    its inflight target)."""
-    return or_(SamplingSessionRow.model_path.like(f"tinker://{_like_escape(model_id)}/%", escape="\\"),
-               SamplingSessionRow.inflight_of == model_id)
-
-
-def _like_escape(text: str) -> str:
-    return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    return summary(RunRepository(store).state(run))
 
 
 def sampling_activity(store: Store, model_id: str, limit: int = 50) -> list[SamplerActivity]:
-    """The run's samplers, newest first, with their sample requests and tokens (metered usage)."""
-    stmt = (select(SamplingSessionRow, func.count(UsageRow.request_id), func.coalesce(func.sum(UsageRow.prefill_tokens), 0),
-                   func.coalesce(func.sum(UsageRow.sampled_tokens), 0), func.max(UsageRow.completed_at))
-            .outerjoin(UsageRow, UsageRow.target == SamplingSessionRow.sampling_session_id)
-            .where(samplers_of_run(model_id))
-            .group_by(SamplingSessionRow.sampling_session_id)
-            .order_by(SamplingSessionRow.created_at.desc()).limit(limit))
-    rows = store.rows(stmt)
-    return [SamplerActivity(r.sampling_session_id, r.model_path, r.created_at, int(n), int(pre), int(samp), last)
-            for r, n, pre, samp, last in rows]
+    """The run's samplers (of a checkpoint of it, or its inflight target), newest first, with their
+    sample requests and tokens (metered usage)."""
+    return [SamplerActivity(u.session.sampling_session_id, u.session.model_path, u.session.created_at, u.requests,
+                            u.prefill_tokens, u.sampled_tokens, u.last_at)
+            for u in SamplingSessionRepository(store).use_of_run(model_id, limit)]
 
 
 # -- the queue and the quotas ------------------------------------------------------------------------

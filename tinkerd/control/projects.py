@@ -12,11 +12,9 @@ can be changed but not cleared (the SDK documents that).
 
 from __future__ import annotations
 
-from sqlalchemy import select
-
-from tinkerd.control.runs import check_name
+from tinkerd.control.ids import check_name
 from tinkerd.control.store.db import Store
-from tinkerd.control.store.tables import SessionRow
+from tinkerd.control.store.sessions import SessionRepository
 from tinkerd.errors import NotFoundError
 
 
@@ -28,8 +26,7 @@ def require(store: Store, account_id: str, project_ids: list[str], field: str = 
     """NotFoundError naming the first project the account has no session in."""
     for pid in project_ids:
         check_project_id(pid, field)
-    known = set(store.query(select(SessionRow.project_id).where(SessionRow.account_id == account_id,
-                                                                SessionRow.project_id.in_(project_ids)).distinct()))
+    known = SessionRepository(store).projects_in(account_id, project_ids)
     for pid in project_ids:
         if pid not in known:
             raise NotFoundError(f"unknown {field} {pid!r}")

@@ -25,7 +25,7 @@ concurrent-training-clients limit.
   budget runs alone instead of waiting forever): over a window the account uses about its budget,
   or one op when a single op is bigger. A failed op keeps its charge: it used the engine.
 
-Limits: ServerConfig defaults, replaced per account by AccountRow values (NULL = default,
+Limits: ServerConfig defaults, replaced per account by Account values (NULL = default,
 0 = unlimited), re-read every few seconds so `tinkerd accounts set-quota` applies to a running
 server. The window lives in memory; at start it is seeded from the last window's usage rows.
 """
@@ -38,12 +38,12 @@ from dataclasses import dataclass
 from datetime import timedelta, timezone
 from typing import Any
 
-from sqlalchemy import select
-
 from tinkerd.config import ServerConfig
 from tinkerd.control.metering import TOKEN_KINDS, Usage
 from tinkerd.control.store.db import Store, utcnow
-from tinkerd.control.store.tables import AccountRow, FutureRow, SessionRow, TrainingRunRow, UnloadedRunRow, UsageRow
+from tinkerd.control.store.accounts import AccountRepository
+from tinkerd.control.store.runs import RunRepository
+from tinkerd.control.store.usage import UsageRepository
 from tinkerd.types import ForwardBackwardOp, SampleOp
 
 # The queue_state of a paused future (the SDK's TryAgainResponse literal).
@@ -106,7 +106,7 @@ class Quotas:
     def limits(self, account_id: str) -> Limits:
         now = time.monotonic()
         if now - self._limits_read_at > LIMITS_TTL_S:
-            rows = self.store.query(select(AccountRow))
+            rows = AccountRepository(self.store).all()
             self._limits = {r.account_id: Limits(effective(r.max_concurrent_runs, self.defaults.max_concurrent_runs),
                                                  effective(r.max_tokens_per_minute, self.defaults.max_tokens_per_minute))
                             for r in rows}
@@ -207,22 +207,14 @@ class Quotas:
     def _released(self, model_id: str) -> bool:
         """Whether the engine released this run (its next op rebuilds it); memoised for one pass."""
         if model_id not in self._unloaded:
-            self._unloaded[model_id] = self.store.get(UnloadedRunRow, model_id) is not None
+            self._unloaded[model_id] = RunRepository(self.store).is_unloaded(model_id)
         return self._unloaded[model_id]
 
     def live_runs(self, account_id: str, fresh: bool = False) -> set[str]:
         """model_ids of the account's runs that count against its concurrent-run limit."""
         live = None if fresh else self._live.get(account_id)
         if live is None:
-            created = (select(FutureRow.request_id)
-                       .where(FutureRow.target == TrainingRunRow.model_id, FutureRow.seq_id == 0,
-                              FutureRow.status == "complete", FutureRow.request_type.in_(_CREATES))
-                       .exists())
-            released = select(UnloadedRunRow.model_id).where(UnloadedRunRow.model_id == TrainingRunRow.model_id).exists()
-            stmt = (select(TrainingRunRow.model_id)
-                    .join(SessionRow, SessionRow.session_id == TrainingRunRow.session_id)
-                    .where(SessionRow.account_id == account_id, created, ~released))
-            live = set(self.store.query(stmt))
+            live = RunRepository(self.store).live_of_account(account_id, _CREATES)
             if not fresh:
                 self._live[account_id] = live
         return live
@@ -230,7 +222,7 @@ class Quotas:
     def _seed(self) -> None:
         """Start with the last window's metered usage, so a restart does not reset the budgets."""
         since = utcnow() - timedelta(seconds=self.window_s)
-        for row in self.store.query(select(UsageRow).where(UsageRow.completed_at > since, UsageRow.account_id.is_not(None))):
+        for row in UsageRepository(self.store).of_accounts_after(since):
             n = sum(getattr(row, kind) or 0 for kind in TOKEN_KINDS)
             if n:
                 t = row.completed_at.replace(tzinfo=timezone.utc).timestamp()

@@ -30,14 +30,14 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, Iterable
 
-from sqlalchemy import select
-
 from tinkerd.artifacts import ArtifactStore, join
 from tinkerd.control import oplog
 from tinkerd.control.engines import run_ops
 from tinkerd.control.queue import Work
 from tinkerd.control.store.db import Store, utcnow
-from tinkerd.control.store.tables import FutureRow, TrainingRunRow, UnrecoverableRunRow
+from tinkerd.control.store.futures import FutureRepository
+from tinkerd.control.store.runs import RunRepository, TrainingRun
+from tinkerd.control.store.tables import FutureRow, UnrecoverableRunRow
 from tinkerd.errors import TinkerdError, UnrecoverableRun
 from tinkerd.types import LoadWeightsOp, OptimStepOp, base_model_of
 
@@ -68,6 +68,7 @@ class Recovery:
     def __init__(self, store: Store, artifacts: ArtifactStore, rebuild: Callable[[FutureRow], Any] = rebuild_work,
                  snapshot_interval_s: float = 0.0):
         self.store = store
+        self.futures = FutureRepository(store)
         # Where the engine writes snapshots and this lists and reads them (tinkerd/artifacts.py).
         self.artifacts = artifacts
         # rebuild(row) -> Work: the op log's record decoded (a seam for unit tests of the plan).
@@ -75,7 +76,7 @@ class Recovery:
         self.snapshot_interval_s = snapshot_interval_s
         self._last_snapshot: dict[str, float] = {}
         # More debris sweeps to run before every rebuild, beside the snapshots' own: cli/serve.py
-        # adds the checkpoints' (Runs.sweep_stale_temp with older_than_s=0).
+        # adds the checkpoints' (Checkpoints.sweep_stale_temp with older_than_s=0).
         self.sweeps: list[Callable[[], object]] = []
 
     # -- snapshots -------------------------------------------------------------------------------
@@ -103,9 +104,7 @@ class Recovery:
     def last_snapshot_point(self, model_id: str) -> int | None:
         """The seq_id of the run's last completed create, load or optim_step: the adapter's weights
         and AdamW state now are those it left (forward_backward calls since touch only grads)."""
-        seqs = self.store.query(select(FutureRow.seq_id).where(
-            FutureRow.target == model_id, FutureRow.request_type.in_(SNAPSHOT_POINTS),
-            FutureRow.status == "complete", FutureRow.seq_id.is_not(None)))
+        seqs = self.futures.completed_seqs(model_id, SNAPSHOT_POINTS)
         return max(seqs) if seqs else None
 
     def latest_snapshot(self, model_id: str) -> tuple[int, str] | None:
@@ -115,10 +114,7 @@ class Recovery:
         names = [k.rsplit("/", 1)[1] for k in self.artifacts.list(join(SNAPSHOTS, model_id))]
         seqs = sorted(int(n[4:]) for n in names if n.startswith("seq-") and n[4:].isdigit())
         for seq in reversed(seqs):
-            done = self.store.query(select(FutureRow.request_id).where(
-                FutureRow.target == model_id, FutureRow.seq_id == seq,
-                FutureRow.request_type.in_(SNAPSHOT_POINTS), FutureRow.status == "complete"))
-            if done:
+            if self.futures.completed_at(model_id, seq, SNAPSHOT_POINTS):
                 return seq, self.snapshot_key(model_id, seq)
         return None
 
@@ -130,17 +126,14 @@ class Recovery:
         `base_models`; none of `skip`): per run, its snapshot then the logged ops after it. A run that
         cannot be rebuilt (its base model not in `served`, when given; a stored op that cannot be
         read) is recorded instead."""
-        stmt = select(FutureRow).where(FutureRow.status == "complete", FutureRow.request_type.in_(STATE_CHANGING))
-        if model_ids is not None:
-            stmt = stmt.where(FutureRow.target.in_(list(model_ids)))
-        rows = self.store.query(stmt.order_by(FutureRow.target, FutureRow.seq_id))
+        rows = self.futures.completed_of(STATE_CHANGING, model_ids)
         by_model: dict[str, list[FutureRow]] = {}
         for row in rows:
             if row.target not in skip:
                 by_model.setdefault(row.target, []).append(row)
         plan: list[Any] = []
         for model_id, ops in by_model.items():
-            run = self.store.get(TrainingRunRow, model_id)
+            run = RunRepository(self.store).get(model_id)
             if base_models is not None and not self._trained_on(run, ops, base_models):
                 continue  # another engine's run: it is alive and holds it
             if served is not None and run is not None and base_model_of(run.base_model) not in served:
@@ -164,7 +157,7 @@ class Recovery:
             plan.extend(steps)
         return plan
 
-    def _trained_on(self, run: TrainingRunRow | None, ops: list[FutureRow], base_models: Collection[str]) -> bool:
+    def _trained_on(self, run: TrainingRun | None, ops: list[FutureRow], base_models: Collection[str]) -> bool:
         if run is not None:
             return base_model_of(run.base_model) in base_models
         try:  # no run row (unit tests of the plan): the create or load op that made the adapter says
@@ -223,6 +216,4 @@ class Recovery:
 
     def pending(self) -> list[FutureRow]:
         """Accepted ops that never finished, in the order they must run again."""
-        return self.store.query(
-            select(FutureRow).where(FutureRow.status == "pending").order_by(FutureRow.created_at, FutureRow.seq_id)
-        )
+        return self.futures.pending()

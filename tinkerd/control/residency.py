@@ -36,12 +36,12 @@ import uuid
 from datetime import timedelta
 from typing import Any, Callable
 
-from sqlalchemy import and_, or_, select
-
 from tinkerd.control.engines import run_ops
 from tinkerd.control.recovery import Recovery
 from tinkerd.control.store.db import Store, utcnow
-from tinkerd.control.store.tables import SamplingSessionRow, SessionRow, TrainingRunRow, UnloadedRunRow
+from tinkerd.control.store.runs import RunRepository
+from tinkerd.control.store.sampling import SamplingSessionRepository
+from tinkerd.control.store.sessions import SessionRepository
 from tinkerd.errors import TinkerdError
 from tinkerd.types import ReleaseAdaptersOp, Resident
 
@@ -54,6 +54,7 @@ RELEASE_TARGET = "tinkerd:release"
 class Residency:
     def __init__(self, store: Store, recovery: Recovery, expiry_s: float):
         self.store = store
+        self.runs = RunRepository(store)
         self.recovery = recovery
         self.expiry_s = expiry_s
         # A quarter of the expiry, within [0.5 s, 30 s]: a run is released at most ~25% late, and the
@@ -61,7 +62,7 @@ class Residency:
         # session's end wakes it at once (poke).
         self.interval_s = min(30.0, max(0.5, expiry_s / 4)) if expiry_s > 0 else 30.0
         # Released runs; read and changed on the worker thread only (and at start, before it runs).
-        self.unloaded: set[str] = set(store.query(select(UnloadedRunRow.model_id)))
+        self.unloaded: set[str] = set(self.runs.unloaded())
         # What the engine reported holding after its last step; None before the first.
         self.resident: Resident | None = None
         self._release_queued = False
@@ -118,17 +119,8 @@ class Residency:
     def idle_runs(self, busy: Callable[[str], bool]) -> list[str]:
         """Loaded runs of ended sessions, runs asked to be released, and (expiry on) runs of gone
         sessions that are themselves idle for expiry_s; with nothing queued or running."""
-        idle = or_(SessionRow.finished_reason.is_not(None), TrainingRunRow.model_id.in_(list(self.requested)))
-        if self.expiry_s > 0:
-            cutoff = utcnow() - timedelta(seconds=self.expiry_s)
-            idle = or_(idle, and_(SessionRow.last_heartbeat_at < cutoff, TrainingRunRow.last_request_at < cutoff))
-        stmt = (
-            select(TrainingRunRow.model_id)
-            .join(SessionRow, SessionRow.session_id == TrainingRunRow.session_id)
-            .where(idle, TrainingRunRow.model_id.not_in(select(UnloadedRunRow.model_id)))
-            .order_by(TrainingRunRow.model_id)
-        )
-        return [m for m in self.store.query(stmt) if not busy(m)]
+        cutoff = utcnow() - timedelta(seconds=self.expiry_s) if self.expiry_s > 0 else None
+        return [m for m in self.runs.idle(self.requested, cutoff) if not busy(m)]
 
     def idle_sampler_paths(self) -> list[str]:
         """Sampler adapters in the engine that sampling sessions of gone sessions use, and no live
@@ -137,10 +129,9 @@ class Residency:
         paths = list(self.resident.sampler_paths) if self.resident is not None and self.expiry_s > 0 else []
         if not paths:
             return []
-        rows = self.store.query(select(SamplingSessionRow).where(SamplingSessionRow.adapter_dir.in_(paths)))
+        rows = SamplingSessionRepository(self.store).with_adapter(paths)
         cutoff = utcnow() - timedelta(seconds=self.expiry_s)
-        live = set(self.store.query(select(SessionRow.session_id).where(
-            SessionRow.session_id.in_({r.session_id for r in rows}), SessionRow.last_heartbeat_at >= cutoff)))
+        live = SessionRepository(self.store).heard_from_since({r.session_id for r in rows}, cutoff)
         used_by_live = {r.adapter_dir for r in rows if r.session_id in live}
         return sorted({r.adapter_dir for r in rows} - used_by_live)
 
@@ -168,7 +159,7 @@ class Residency:
         for op, result in zip(plan, run_ops(engine, plan)):
             if isinstance(result, TinkerdError):
                 log.error("rebuilding released run %s: %s failed: %s", model_id, type(op).__name__, result.message)
-        self.store.delete(UnloadedRunRow, model_id)
+        self.runs.mark_loaded(model_id)
         self.unloaded.discard(model_id)
         log.info("rebuilt released run %s from %d ops in %.2f s", model_id, len(plan), time.perf_counter() - t0)
 
@@ -177,7 +168,7 @@ class Residency:
         now = utcnow()
         for model_id in result["unloaded"]:
             self.requested.discard(model_id)
-            self.store.add(UnloadedRunRow(model_id=model_id, unloaded_at=now))
+            self.runs.mark_unloaded(model_id, now)
             self.unloaded.add(model_id)
         if result["unloaded"] or result["sampler_paths"]:
             log.info("released %d training and %d sampler adapters of sessions ended or idle for %.0f s",
@@ -189,7 +180,7 @@ class Residency:
         now (their next op does it) and are recorded as released. Returns every released run."""
         now = utcnow()
         for model_id in self.idle_runs(lambda _: False):
-            self.store.add(UnloadedRunRow(model_id=model_id, unloaded_at=now))
+            self.runs.mark_unloaded(model_id, now)
             self.unloaded.add(model_id)
         return set(self.unloaded)
 
@@ -197,9 +188,4 @@ class Residency:
 
     def unloaded_runs_of(self, account_id: str | None) -> list[str]:
         """The account's released runs (all of them for None)."""
-        stmt = select(UnloadedRunRow.model_id).order_by(UnloadedRunRow.model_id)
-        if account_id is not None:
-            stmt = (stmt.join(TrainingRunRow, TrainingRunRow.model_id == UnloadedRunRow.model_id)
-                    .join(SessionRow, SessionRow.session_id == TrainingRunRow.session_id)
-                    .where(SessionRow.account_id == account_id))
-        return self.store.query(stmt)
+        return self.runs.unloaded(account_id)

@@ -31,11 +31,10 @@ import threading
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import delete, or_, select, update
-
 from tinkerd.control.recovery import STATE_CHANGING, Recovery
 from tinkerd.control.store.db import Store, utcnow
-from tinkerd.control.store.tables import FutureRow, FutureWatermarkRow, SamplingSessionRow
+from tinkerd.control.store.futures import FutureRef, FutureRepository
+from tinkerd.control.store.sampling import SamplingSessionRepository
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +51,8 @@ def dedupe_prefix(request_type: str, account_id: str | None, target: str) -> str
 
 def forgotten(store: Store, request_type: str, account_id: str | None, target: str, seq_id: int) -> bool:
     """Whether a request with this (target, seq_id) was accepted once and its future since deleted."""
-    mark = store.get(FutureWatermarkRow, dedupe_prefix(request_type, account_id, target))
-    return mark is not None and seq_id <= mark.seq_id
+    mark = FutureRepository(store).watermark(dedupe_prefix(request_type, account_id, target))
+    return mark is not None and seq_id <= mark
 
 
 @dataclass
@@ -67,6 +66,7 @@ class FutureRetention:
     def __init__(self, store: Store, recovery: Recovery | None, retrieved_grace_s: float = 600.0,
                  max_age_s: float = 86400.0, tombstone_s: float = 86400.0):
         self.store = store
+        self.futures = FutureRepository(store)
         # None: no snapshots, so every state-changing op stays (unit tests without recovery).
         self.recovery = recovery
         self.retrieved_grace_s = retrieved_grace_s
@@ -116,44 +116,31 @@ class FutureRetention:
         sampler is a 404 before any dedupe (api/routes/sampling.py), so its watermark guards nothing;
         kept, they were one row per sampler for good, and an RL loop makes a sampler per step
         (save_weights_and_get_sampling_client; found by benchmarks/soak.py)."""
-        marks = self.store.query(select(FutureWatermarkRow.dedupe_prefix).where(
-            FutureWatermarkRow.dedupe_prefix.like("%:sample:%")))
+        marks = self.futures.sampler_watermarks()
         by_target: dict[str, list[str]] = {}
         for key in marks:
             by_target.setdefault(key.split("|", 2)[-1], []).append(key)
-        live = set(self.store.query(select(SamplingSessionRow.sampling_session_id).where(
-            SamplingSessionRow.sampling_session_id.in_(list(by_target))))) if by_target else set()
+        live = SamplingSessionRepository(self.store).existing(by_target)
         gone = [key for target, keys in by_target.items() if target not in live for key in keys]
         if gone:
-            with self.store.write() as s:
-                s.execute(delete(FutureWatermarkRow).where(FutureWatermarkRow.dedupe_prefix.in_(gone)))
+            self.futures.drop_watermarks(gone)
         return len(gone)
 
     def _expire(self, now: datetime, snapshots: dict) -> int:
-        due = or_(FutureRow.retrieved_at < now - timedelta(seconds=self.retrieved_grace_s),
-                  FutureRow.completed_at < now - timedelta(seconds=self.max_age_s))
-        stmt = (select(FutureRow.request_id, FutureRow.request_type, FutureRow.target, FutureRow.seq_id, FutureRow.status)
-                .where(FutureRow.status != "pending", FutureRow.expired_at.is_(None), due).limit(_BATCH))
+        retrieved_before = now - timedelta(seconds=self.retrieved_grace_s)
+        completed_before = now - timedelta(seconds=self.max_age_s)
         n = 0
-        while rows := self._rows(stmt):
+        while rows := self.futures.due_to_expire(retrieved_before, completed_before, _BATCH):
             keep_body = [r.request_id for r in rows if self._needed(r, snapshots)]
             drop_body = [r.request_id for r in rows if r.request_id not in set(keep_body)]
-            cleared = dict(result=None, result_media_type=None, error=None, expired_at=now)
-            with self.store.write() as s:
-                if keep_body:
-                    s.execute(update(FutureRow).where(FutureRow.request_id.in_(keep_body)).values(**cleared))
-                if drop_body:
-                    s.execute(update(FutureRow).where(FutureRow.request_id.in_(drop_body)).values(body=b"", **cleared))
+            self.futures.expire(keep_body, drop_body, now)
             n += len(rows)
         return n
 
     def _forget(self, now: datetime, snapshots: dict) -> int:
         cutoff = now - timedelta(seconds=self.tombstone_s)
-        stmt = (select(FutureRow.request_id, FutureRow.request_type, FutureRow.target, FutureRow.seq_id,
-                       FutureRow.status, FutureRow.account_id)
-                .where(FutureRow.expired_at < cutoff).order_by(FutureRow.request_id))
         n, after = 0, ""
-        while rows := self._rows(stmt.where(FutureRow.request_id > after).limit(_BATCH)):
+        while rows := self.futures.tombstones(cutoff, after, _BATCH):
             after = rows[-1].request_id
             gone = [r for r in rows if not self._needed(r, snapshots)]
             if not gone:
@@ -164,21 +151,11 @@ class FutureRetention:
                     key = dedupe_prefix(r.request_type, r.account_id, r.target)
                     marks[key] = max(marks.get(key, r.seq_id), r.seq_id)
             # One transaction: a re-send finds either the row (dedupe) or the raised watermark.
-            with self.store.write() as s:
-                for key, seq in marks.items():
-                    mark = s.get(FutureWatermarkRow, key)
-                    if mark is None:
-                        s.add(FutureWatermarkRow(dedupe_prefix=key, seq_id=seq))
-                    elif seq > mark.seq_id:
-                        mark.seq_id = seq
-                s.execute(delete(FutureRow).where(FutureRow.request_id.in_([r.request_id for r in gone])))
+            self.futures.forget([r.request_id for r in gone], marks)
             n += len(gone)
         return n
 
-    def _rows(self, stmt) -> list:
-        return self.store.rows(stmt)
-
-    def _needed(self, row, snapshots: dict) -> bool:
+    def _needed(self, row: FutureRef, snapshots: dict) -> bool:
         """Whether recovery or the quotas still read this row (and its body)."""
         if row.request_type in _CREATES and row.seq_id == 0:
             return True

@@ -1,4 +1,11 @@
-"""Reading sessions for the SDK's RestClient: list, get, search. One account's sessions only.
+"""Sessions: creating, heart-beating and finishing them, who owns them, and reading them for the
+SDK's RestClient (list, get, search; one account's sessions only).
+
+Ownership: a session belongs to the account of the key that created it; its runs, their checkpoints
+and its sampling sessions belong to the same account. The `owned*` lookups (here, and in
+training_runs.py, checkpoints.py, sampling_sessions.py through `Sessions.lookup`) answer another
+account's ids exactly like missing ones (NotFoundError, same message), so nothing leaks that an id
+exists. `account_id=None` means an internal caller (recovery, tests) and skips the check.
 
 A session's status comes from what tinkerd records: `finished_reason` (the client's finish reason)
 or none yet (active). tinkerd never cancels or fails a whole session, so those statuses match nothing.
@@ -6,14 +13,17 @@ or none yet (active). tinkerd never cancels or fails a whole session, so those s
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any, Callable
 
-from sqlalchemy import func, or_, select
-
-from tinkerd.control.runs import Runs
-from tinkerd.control.store.db import utcnow
-from tinkerd.control.store.tables import CheckpointRow, SamplingSessionRow, SessionRow, TrainingRunRow
+from tinkerd.control.audit import AuditLog
+from tinkerd.control.store.db import Store, utcnow
+from tinkerd.control.store.runs import RunRepository
+from tinkerd.control.store.sampling import SamplingSessionRepository
+from tinkerd.control.store.sessions import Session, SessionRepository
+from tinkerd.errors import NotFoundError
 
 CLIENT_REASONS = ("success", "errored", "interrupted")
 
@@ -29,7 +39,7 @@ class SessionSearch:
     project_ids: list[str] | None = None  # None: every project, and sessions in none
 
 
-def status_of(row: SessionRow) -> dict:
+def status_of(row: Session) -> dict:
     if row.finished_reason is None:
         return {"type": "active"}
     if row.finished_reason in CLIENT_REASONS:
@@ -37,7 +47,7 @@ def status_of(row: SessionRow) -> dict:
     return None  # finished for a reason the SDK has no status for (tinkerd's own, or unknown)
 
 
-def _matches_status(row: SessionRow, queries: list[dict] | None) -> bool:
+def _matches_status(row: Session, queries: list[dict] | None) -> bool:
     if queries is None:
         return True
     for q in queries:
@@ -48,41 +58,85 @@ def _matches_status(row: SessionRow, queries: list[dict] | None) -> bool:
     return False
 
 
-def _matches_name(row: SessionRow, display_name: str) -> bool:
+def _matches_name(row: Session, display_name: str) -> bool:
     name = (row.display_name or "").lower()
     return all(word in name for word in display_name.lower().split())
 
 
 class Sessions:
-    def __init__(self, runs: Runs):
-        self.runs = runs
-        self.store = runs.store
+    def __init__(self, store: Store, audit: AuditLog | None = None):
+        self.store = store
+        self.sessions = SessionRepository(store)
+        self.audit = audit or AuditLog(store)
+        # The data directory's free-space reserve (control/diskspace.py): a new session is new work,
+        # refused under it. None (tests) never refuses.
+        self.reserve = None
+
+    def create_session(self, tags: list[str], user_metadata: dict, sdk_version: str | None,
+                       account_id: str | None = None, display_name: str | None = None,
+                       project_id: str | None = None, session_id: str | None = None) -> str:
+        """A new session; `session_id`: a fixed id (an API key's implicit session, api/hpcai.py)."""
+        if self.reserve is not None:
+            self.reserve.check()
+        session_id = session_id or f"sess-{secrets.token_hex(8)}"
+        now = utcnow()
+        self.sessions.add(Session(session_id=session_id, account_id=account_id, created_at=now, last_heartbeat_at=now,
+                                  tags=list(tags or []), user_metadata=dict(user_metadata or {}), sdk_version=sdk_version,
+                                  finished_reason=None, display_name=display_name, project_id=project_id))
+        return session_id
+
+    def lookup(self, get: Callable[[str], Any], key: str, what: str, account_id: str | None = None):
+        """What `get` finds under `key`, or NotFoundError; with an account, another account's is
+        missing too (same message, so existence never leaks). Non-sessions are owned through their session."""
+        row = get(key)
+        if row is not None and account_id is not None:
+            owner = row.account_id if isinstance(row, Session) else self.account_of(row.session_id)
+            if owner != account_id:
+                row = None
+        if row is None:
+            raise NotFoundError(f"unknown {what} {key!r}")
+        return row
+
+    def session(self, session_id: str) -> Session:
+        return self.lookup(self.sessions.get, session_id, "session_id")
+
+    def owned_session(self, session_id: str, account_id: str | None) -> Session:
+        return self.lookup(self.sessions.get, session_id, "session_id", account_id)
+
+    def session_exists(self, session_id: str) -> bool:
+        return self.sessions.get(session_id) is not None
+
+    def account_of(self, session_id: str) -> str | None:
+        row = self.sessions.get(session_id)
+        return row.account_id if row is not None else None
+
+    def set_project(self, session_id: str, project_id: str, account_id: str | None) -> None:
+        row = self.owned_session(session_id, account_id)
+        self.sessions.set(session_id, project_id=project_id)
+        self.audit.record("project_session_assigned", row.account_id, session_id=session_id, project_id=project_id,
+                          previous_project_id=row.project_id)
+
+    def heartbeat(self, session_id: str, account_id: str | None = None) -> None:
+        self.owned_session(session_id, account_id)
+        self.sessions.set(session_id, last_heartbeat_at=utcnow())
+
+    def finish_session(self, session_id: str, reason: str | None, account_id: str | None = None) -> None:
+        self.owned_session(session_id, account_id)
+        self.sessions.set(session_id, finished_reason=reason or "unknown")
 
     def list(self, account_id: str, limit: int, offset: int) -> list[str]:
-        stmt = (select(SessionRow.session_id).where(SessionRow.account_id == account_id)
-                .order_by(SessionRow.created_at.desc(), SessionRow.session_id).limit(limit).offset(offset))
-        return self.store.query(stmt)
+        return self.sessions.ids_of_account(account_id, limit, offset)
 
-    def get(self, session_id: str, account_id: str) -> tuple[SessionRow, list[str], list[str]]:
-        row = self.runs.owned_session(session_id, account_id)
-        runs = self.store.query(select(TrainingRunRow.model_id).where(TrainingRunRow.session_id == session_id)
-                                .order_by(TrainingRunRow.created_at, TrainingRunRow.model_id))
-        samplers = self.store.query(select(SamplingSessionRow.sampling_session_id)
-                                    .where(SamplingSessionRow.session_id == session_id)
-                                    .order_by(SamplingSessionRow.created_at, SamplingSessionRow.sampling_session_id))
+    def get(self, session_id: str, account_id: str) -> tuple[Session, list[str], list[str]]:
+        row = self.owned_session(session_id, account_id)
+        runs = RunRepository(self.store).ids_of_session(session_id)
+        samplers = SamplingSessionRepository(self.store).ids_of_session(session_id)
         return row, runs, samplers
 
-    def search(self, account_id: str, q: SessionSearch) -> tuple[list[SessionRow], bool]:
+    def search(self, account_id: str, q: SessionSearch) -> tuple[list[Session], bool]:
         """A page of the account's matching sessions, newest first, and whether more follow."""
-        stmt = select(SessionRow).where(SessionRow.account_id == account_id)
-        if q.project_ids is not None:
-            stmt = stmt.where(SessionRow.project_id.in_(q.project_ids))
-        if q.after is not None:
-            at, sid = q.after
-            stmt = stmt.where((SessionRow.created_at < at) | ((SessionRow.created_at == at) & (SessionRow.session_id > sid)))
-        stmt = stmt.order_by(SessionRow.created_at.desc(), SessionRow.session_id)
-        page: list[SessionRow] = []
-        for row in self.store.query(stmt):
+        page: list[Session] = []
+        for row in self.sessions.of_account(account_id, q.project_ids, q.after):
             named = q.session_id is not None or q.display_name is not None
             if named and not (row.session_id == q.session_id
                               or (q.display_name is not None and _matches_name(row, q.display_name))):
@@ -99,26 +153,11 @@ class Sessions:
 
     def checkpoint_totals(self, session_ids: list[str]) -> dict[str, tuple[int, int]]:
         """session_id -> (live checkpoint count, their bytes)."""
-        if not session_ids:
-            return {}
-        # Live rows only, filtered rather than swept: removal is CheckpointSweeper's (control/runs.py).
-        live = or_(CheckpointRow.expires_at.is_(None), CheckpointRow.expires_at > utcnow())
-        stmt = (select(TrainingRunRow.session_id, func.count(CheckpointRow.tinker_path),
-                       func.coalesce(func.sum(CheckpointRow.size_bytes), 0))
-                .join(CheckpointRow, CheckpointRow.model_id == TrainingRunRow.model_id)
-                .where(TrainingRunRow.session_id.in_(session_ids), live).group_by(TrainingRunRow.session_id))
-        return {sid: (int(n), int(b)) for sid, n, b in self.store.rows(stmt)}
+        return self.sessions.checkpoint_totals(session_ids, utcnow())
 
-    def by_ids(self, session_ids: set[str]) -> list[SessionRow]:
-        if not session_ids:
-            return []
-        return self.store.query(select(SessionRow).where(SessionRow.session_id.in_(session_ids)))
+    def by_ids(self, session_ids: set[str]) -> list[Session]:
+        return self.sessions.by_ids(session_ids)
 
     def projects_of_runs(self, model_ids: set[str]) -> dict[str, str | None]:
         """model_id -> the project of its session now (a moved session takes its runs along)."""
-        if not model_ids:
-            return {}
-        stmt = (select(TrainingRunRow.model_id, SessionRow.project_id)
-                .join(SessionRow, SessionRow.session_id == TrainingRunRow.session_id)
-                .where(TrainingRunRow.model_id.in_(model_ids)))
-        return dict(self.store.rows(stmt))
+        return self.sessions.projects_of_runs(model_ids)

@@ -28,9 +28,9 @@ import threading
 from datetime import datetime, timedelta
 
 import numpy as np
-from sqlalchemy import delete, update
 
 from tinkerd.control.store.db import Store, utcnow
+from tinkerd.control.store.sampling import RecordedSampleRepository
 from tinkerd.control.store.tables import RecordedSampleRow
 from tinkerd.errors import UserError
 from tinkerd.types import (
@@ -64,6 +64,7 @@ class _Recorded:
 class StabilityRecords:
     def __init__(self, store: Store, ttl_s: float = 86400.0, clock=utcnow):
         self.store = store
+        self.records = RecordedSampleRepository(store)
         self.ttl = timedelta(seconds=ttl_s)
         self._clock = clock
         self._last_sweep: datetime | None = None
@@ -89,8 +90,7 @@ class StabilityRecords:
             created_at=now,
             expires_at=now + self.ttl,
         )
-        with self.store.write() as s:
-            s.merge(row)
+        self.records.put(row)
         if self._last_sweep is None or now - self._last_sweep > timedelta(seconds=SWEEP_INTERVAL_S):
             self.sweep(now)
 
@@ -99,15 +99,7 @@ class StabilityRecords:
         now = now or self._clock()
         with self._sweep_lock:
             self._last_sweep = now
-            with self.store.write() as s:
-                cleared = s.execute(
-                    update(RecordedSampleRow)
-                    .where(RecordedSampleRow.expires_at < now, RecordedSampleRow.tokens.is_not(None))
-                    .values(prompt=None, lengths=None, tokens=None, logprobs=None)
-                ).rowcount
-                deleted = s.execute(
-                    delete(RecordedSampleRow).where(RecordedSampleRow.expires_at < now - self.ttl)
-                ).rowcount
+            cleared, deleted = self.records.clear_expired(now, now - self.ttl)
         if cleared or deleted:
             log.info("recorded sequences: %d expired, %d forgotten", cleared, deleted)
         return cleared, deleted
@@ -123,9 +115,7 @@ class StabilityRecords:
         for i, datum in enumerate(op.data):
             datum.sampler_logprobs = self._resolve_datum(i, datum, session_id, now, completed, cache)
         if cache and not completed:
-            with self.store.write() as s:
-                s.execute(update(RecordedSampleRow).where(RecordedSampleRow.request_id.in_(list(cache)))
-                          .values(expires_at=now + self.ttl))
+            self.records.extend(list(cache), now + self.ttl)
 
     def _resolve_datum(self, i: int, datum: Datum, session_id: str, now: datetime, completed: bool,
                        cache: dict[str, _Recorded]) -> np.ndarray:
@@ -183,7 +173,7 @@ class StabilityRecords:
             raise unknown
         rec = cache.get(request_id)
         if rec is None:
-            row = self.store.get(RecordedSampleRow, request_id)
+            row = self.records.get(request_id)
             if row is None or row.session_id != session_id:
                 raise unknown
             if row.tokens is None or (row.expires_at < now and not completed):

@@ -13,9 +13,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import select
-
 from tinkerd.control.store.db import Store, utcnow
+from tinkerd.control.store.runs import StepMetricRepository
 from tinkerd.control.store.tables import FutureRow, StepMetricRow
 from tinkerd.types import ForwardBackwardOp, ForwardBackwardResult, OptimStepOp
 
@@ -35,6 +34,7 @@ class Point:
 class StepMetrics:
     def __init__(self, store: Store):
         self.store = store
+        self.steps = StepMetricRepository(store)
 
     def record(self, request_id: str, op: Any, result: Any) -> None:
         if isinstance(op, ForwardBackwardOp) and isinstance(result, ForwardBackwardResult):
@@ -48,14 +48,12 @@ class StepMetrics:
         future = self.store.get(FutureRow, request_id) if kept else None
         if future is None:  # nothing to draw (optim_step returns no metrics today), or an internal op
             return
-        self.store.add(StepMetricRow(request_id=request_id, model_id=model_id, seq_id=future.seq_id,
+        self.steps.add(StepMetricRow(request_id=request_id, model_id=model_id, seq_id=future.seq_id,
                                      request_type=future.request_type, metrics=kept, recorded_at=utcnow()))
 
     def points(self, model_id: str, after_seq: int = -1, limit: int = MAX_POINTS) -> list[Point]:
         """The run's steps after `after_seq`, oldest first: the newest `limit` of them."""
-        stmt = (select(StepMetricRow).where(StepMetricRow.model_id == model_id, StepMetricRow.seq_id > after_seq)
-                .order_by(StepMetricRow.seq_id.desc()).limit(limit))
-        rows = self.store.query(stmt)
+        rows = self.steps.newest(model_id, after_seq, limit)
         return [Point(r.seq_id, r.request_type, dict(r.metrics or {})) for r in reversed(rows)]
 
 

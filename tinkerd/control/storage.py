@@ -18,11 +18,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import or_, select
-
 from tinkerd.control.metering import Bucket
 from tinkerd.control.store.db import Store, utcnow
-from tinkerd.control.store.tables import CheckpointRow, CheckpointStorageRow, SessionRow, TrainingRunRow
+from tinkerd.control.store.checkpoints import Checkpoint, CheckpointRepository, CheckpointStorageRepository
+from tinkerd.control.store.runs import RunRepository
+from tinkerd.control.store.sessions import SessionRepository
+from tinkerd.control.store.tables import CheckpointStorageRow
 
 BYTES_PER_GB = 1e9
 GB_HOURS_PER_GB_MONTH = 720
@@ -30,7 +31,7 @@ STORAGE_KIND = "storage_gb_hours"
 _HOUR = timedelta(hours=1)
 
 
-def storage_id(row: CheckpointRow) -> str:
+def storage_id(row: Checkpoint) -> str:
     return f"{row.tinker_path}@{row.created_at.isoformat()}"
 
 
@@ -46,8 +47,9 @@ class Interval:
 class StorageLedger:
     def __init__(self, store: Store):
         self.store = store
+        self.ledger = CheckpointStorageRepository(store)
 
-    def removed(self, row: CheckpointRow, now: datetime | None = None) -> None:
+    def removed(self, row: Checkpoint, now: datetime | None = None) -> None:
         """The checkpoint is being deleted (by a user, or as expired): close its interval."""
         now = now or utcnow()
         end = min(now, row.expires_at) if row.expires_at is not None else now
@@ -58,13 +60,12 @@ class StorageLedger:
         """Open an interval for every live checkpoint that has none; close those whose checkpoint is
         gone, expired or overwritten."""
         now = now or utcnow()
-        live = {storage_id(r): r for r in self.store.query(select(CheckpointRow))}
-        have = set(self.store.query(select(CheckpointStorageRow.storage_id).where(
-            CheckpointStorageRow.tinker_path.in_({r.tinker_path for r in live.values()}))))
+        live = {storage_id(r): r for r in CheckpointRepository(self.store).all()}
+        have = self.ledger.ids_of_paths({r.tinker_path for r in live.values()})
         for sid, row in live.items():
             if sid not in have:  # saved since the last read, or before this ledger existed
                 self._open(row)
-        open_rows = self.store.query(select(CheckpointStorageRow).where(CheckpointStorageRow.end_at.is_(None)))
+        open_rows = self.ledger.open()
         by_path = {r.tinker_path: r for r in live.values()}
         for r in open_rows:
             ckpt = live.get(r.storage_id)
@@ -79,19 +80,15 @@ class StorageLedger:
     def intervals(self, account_id: str | None, start: datetime, end: datetime) -> list[Interval]:
         """Intervals overlapping [start, end), of one account (or all with account_id=None); read
         after `sync`, an open one is a checkpoint still stored."""
-        stmt = select(CheckpointStorageRow).where(
-            CheckpointStorageRow.start_at < end,
-            or_(CheckpointStorageRow.end_at.is_(None), CheckpointStorageRow.end_at > start))
-        if account_id is not None:
-            stmt = stmt.where(CheckpointStorageRow.account_id == account_id)
-        return [Interval(r.account_id, r.base_model, r.size_bytes, r.start_at, r.end_at) for r in self.store.query(stmt)]
+        return [Interval(r.account_id, r.base_model, r.size_bytes, r.start_at, r.end_at)
+                for r in self.ledger.overlapping(account_id, start, end)]
 
-    def _open(self, row: CheckpointRow) -> None:
+    def _open(self, row: Checkpoint) -> None:
         """Insert the checkpoint's interval (no-op if it exists), attributed to the run's account."""
         if self.store.get(CheckpointStorageRow, storage_id(row)) is not None:
             return
-        run = self.store.get(TrainingRunRow, row.model_id)
-        session = self.store.get(SessionRow, run.session_id) if run is not None else None
+        run = RunRepository(self.store).get(row.model_id)
+        session = SessionRepository(self.store).get(run.session_id) if run is not None else None
         self.store.add(CheckpointStorageRow(
             storage_id=storage_id(row), tinker_path=row.tinker_path,
             account_id=session.account_id if session is not None else None,

@@ -13,12 +13,13 @@ microseconds since the Unix epoch (UTC).
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import datetime, timedelta
 
-from sqlalchemy import func, select
-
 from tinkerd.control.store.db import Store, utcnow
-from tinkerd.control.store.tables import FutureRow, SamplingSessionRow, TrainingRunRow, UsageRow
+from tinkerd.control.store.futures import FutureRepository
+from tinkerd.control.store.runs import RunRepository
+from tinkerd.control.store.sampling import SamplingSessionRepository
 
 _EPOCH = datetime(1970, 1, 1)
 # Ops per trace: a long session's ops beyond this are left out (the newest are kept), and the trace
@@ -32,9 +33,8 @@ def _us(at: datetime) -> int:
 
 
 def session_trace(store: Store, session_id: str) -> dict:
-    runs = store.query(select(TrainingRunRow.model_id).where(TrainingRunRow.session_id == session_id))
-    samplers = store.query(select(SamplingSessionRow.sampling_session_id)
-                           .where(SamplingSessionRow.session_id == session_id))
+    runs = RunRepository(store).ids_of_session(session_id)
+    samplers = SamplingSessionRepository(store).ids_of_session(session_id)
     targets = list(runs) + list(samplers)
     tracks = {t: i + 1 for i, t in enumerate(targets)}
     events: list[dict] = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": f"session {session_id}"}}]
@@ -43,17 +43,11 @@ def session_trace(store: Store, session_id: str) -> dict:
         events.append({"ph": "M", "name": "thread_name", "pid": 1, "tid": tid, "args": {"name": f"{kind} {target}"}})
     if not targets:
         return {"traceEvents": events, "displayTimeUnit": "ms"}
-    columns = (FutureRow.request_id, FutureRow.request_type, FutureRow.target, FutureRow.seq_id, FutureRow.status,
-               FutureRow.error, FutureRow.created_at, FutureRow.completed_at, FutureRow.compute_s,
-               func.length(FutureRow.body), func.length(FutureRow.result))
-    stmt = (select(*columns, UsageRow.queue_wait_s, UsageRow.prefill_tokens, UsageRow.sampled_tokens,
-                   UsageRow.trained_tokens, UsageRow.forward_tokens)
-            .outerjoin(UsageRow, UsageRow.request_id == FutureRow.request_id)
-            .where(FutureRow.target.in_(targets)).order_by(FutureRow.created_at.desc()).limit(MAX_OPS + 1))
-    rows = store.rows(stmt)
+    rows = FutureRepository(store).traced(targets, MAX_OPS + 1)
     now = utcnow()
-    for (rid, kind, target, seq_id, status, error, created, completed, compute_s, body_n, result_n,
-         queue_wait_s, prefill, sampled, trained, forward) in reversed(rows[:MAX_OPS]):
+    for op in reversed(rows[:MAX_OPS]):
+        (rid, kind, target, seq_id, status, error, created, completed, compute_s, body_n, result_n,
+         queue_wait_s, prefill, sampled, trained, forward) = dataclasses.astuple(op)
         start, end = _us(created), _us(completed or now)
         tid = tracks[target]
         tokens = {k: v for k, v in (("prefill_tokens", prefill), ("sampled_tokens", sampled),

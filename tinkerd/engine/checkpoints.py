@@ -8,6 +8,8 @@ Layout of one checkpoint directory:
                                to_file_layout): <experts>.w1|w3|w2, A [E, R, in], B [E, out, R]
                                Qwen3.5's fused DeltaNet in_proj_qkv as in_proj_q/k/v sharing A
                                (lora/deltanet.py), as hosted Tinker stores it
+                               a vision-language model's language model without the
+                               `language_model` segment (hosted_name), as hosted Tinker keys it
     adapter_config.json        what `peft.PeftModel.from_pretrained` reads (exports need nothing else)
     tinkerd.json               LoRA spec, step, base model (exact spec, incl. seed and train_* flags)
     optimizer.pt               only when with_optimizer: torch.save of an AdamW state_dict whose
@@ -60,6 +62,8 @@ _B_SUFFIX = ".lora_B.weight"
 # PEFT also saves a full copy of a targeted lm_head/embedding (`save_embedding_layers`, on by default
 # when lm_head is a target) in case the vocabulary was resized; tinkerd serves the base's own layer.
 _BASE_LAYER_SUFFIX = ".base_layer.weight"
+# Where a vision-language model (Qwen3-VL, Qwen3.5) keeps its language model's modules.
+_VLM_SEGMENT = "model.language_model."
 
 
 @dataclass
@@ -114,11 +118,33 @@ def _file_layout(name: str, adapter: Adapter) -> list[tuple[str, torch.Tensor, t
     return experts.to_file_layout(name, a, b)
 
 
+def hosted_name(name: str) -> str:
+    """A module name as hosted Tinker keys it: a VLM's `model.language_model.X` is `model.X`.
+
+    The cookbook's `weights` merge and adapter conversion add the segment back when the base's own
+    keys have it (`build_name_remaps`: "model." -> "model.language_model."), so a key that kept it
+    would become `model.language_model.language_model.X` there and match nothing."""
+    return "model." + name[len(_VLM_SEGMENT):] if name.startswith(_VLM_SEGMENT) else name
+
+
+def onto_layers(weights: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                layers) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """A checkpoint's layers under the module names of the model that loads it (`layers`).
+
+    Hosted names (`model.X`) go to the VLM's `model.language_model.X`. Other names stay as they
+    are: a text model's (hosted and module names are one), those of checkpoints written before
+    VLM exports took the hosted layout (they kept the segment: the modules' own names), and names
+    the model lacks, for the caller's "layers this model lacks" error."""
+    by_hosted = {hosted_name(n): n for n in layers}
+    return {by_hosted.get(n, n): ab for n, ab in weights.items()}
+
+
 def lora_tensors(adapter: Adapter) -> dict[str, torch.Tensor]:
     """The adapter's A and B under PEFT key names, fp32 copies (the live tensors keep training)."""
     tensors = {}
     for name in sorted(adapter.weights):
-        for file_name, a, b in _file_layout(name, adapter):
+        for layout_name, a, b in _file_layout(name, adapter):
+            file_name = hosted_name(layout_name)
             tensors[f"{_KEY_PREFIX}{file_name}{_A_SUFFIX}"] = a.detach().float().contiguous().clone()
             tensors[f"{_KEY_PREFIX}{file_name}{_B_SUFFIX}"] = b.detach().float().contiguous().clone()
     return tensors
@@ -168,9 +194,37 @@ def save_adapter_to(store: ArtifactStore, key: str, adapter: Adapter, base_model
 
 def adapter_files(adapter: Adapter, base_model: str, with_optimizer: bool) -> dict[str, bytes]:
     """A checkpoint's files (see the module docstring), serialised."""
+    return capture(adapter, base_model, with_optimizer).files()
+
+
+@dataclass
+class Captured:
+    """An adapter's checkpoint as of one moment, in tensors the adapter no longer touches: the
+    copy is all a write needs from the step, and the files can be serialised and written while the
+    adapter trains on (engine/snapshots.py)."""
+
+    tensors: dict[str, torch.Tensor]  # PEFT key names -> fp32 copies (lora_tensors)
+    config: dict
+    meta: dict
+    optimizer_state: dict | None  # canonical order, its tensors copied
+
+    def files(self) -> dict[str, bytes]:
+        files = {
+            WEIGHTS_FILE: safetensors_bytes(self.tensors, metadata={"format": "pt"}),
+            CONFIG_FILE: json.dumps(self.config, indent=2).encode(),
+            META_FILE: json.dumps(self.meta, indent=2).encode(),
+        }
+        if self.optimizer_state is not None:
+            buf = io.BytesIO()
+            torch.save(self.optimizer_state, buf)
+            files[OPTIMIZER_FILE] = buf.getvalue()
+        return files
+
+
+def capture(adapter: Adapter, base_model: str, with_optimizer: bool) -> Captured:
+    """Copy what a checkpoint of `adapter` holds now (Captured)."""
     if with_optimizer and adapter.optimizer is None:
         raise UserError(f"model {adapter.key!r} has no optimizer state to save")
-    names = sorted(adapter.weights)
     meta = {
         "format_version": FORMAT_VERSION,
         "base_model": base_model,
@@ -178,16 +232,13 @@ def adapter_files(adapter: Adapter, base_model: str, with_optimizer: bool) -> di
         "step": adapter.step,
         "with_optimizer": with_optimizer,
     }
-    files = {
-        WEIGHTS_FILE: safetensors_bytes(lora_tensors(adapter), metadata={"format": "pt"}),
-        CONFIG_FILE: json.dumps(peft_config(adapter.spec, names, base_model), indent=2).encode(),
-        META_FILE: json.dumps(meta, indent=2).encode(),
-    }
+    state = None
     if with_optimizer:
-        buf = io.BytesIO()
-        torch.save(_canonical_optimizer_state(adapter), buf)
-        files[OPTIMIZER_FILE] = buf.getvalue()
-    return files
+        # state_dict() hands out the live moments, which the next optim_step updates in place.
+        state = _canonical_optimizer_state(adapter)
+        state["state"] = {i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+                          for i, s in state["state"].items()}
+    return Captured(lora_tensors(adapter), peft_config(adapter.spec, sorted(adapter.weights), base_model), meta, state)
 
 
 def _local(dir_path: str | os.PathLike) -> tuple[LocalArtifactStore, str]:

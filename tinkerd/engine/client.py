@@ -32,4 +32,4 @@ class InProcessEngineClient:
              for name, reason in self.engine.refused.items()]
 
     def close(self) -> None:
-        pass
+        self.engine.close()

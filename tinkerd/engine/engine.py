@@ -25,6 +25,7 @@ from tinkerd.engine.lora.pool import AdapterPool
 from tinkerd.engine.model.registry import LoadedModel, load_model
 from tinkerd.engine.precision import Precision
 from tinkerd.engine.sampler.sample import Sampler, SamplerConfig
+from tinkerd.engine.snapshots import SnapshotWriter
 from tinkerd.errors import NotFoundError, ServerError, TinkerdError, UserError
 from tinkerd.types import EngineOp, Resident, StepBatch, StepOutput
 
@@ -71,6 +72,8 @@ class Engine:
         # Checkpoints, snapshots and exports, by the keys ops carry (tinkerd/artifacts.py). None: keys
         # are absolute paths (tests and tools that hold an Engine); a server passes its store.
         self.artifacts = artifacts if artifacts is not None else LocalArtifactStore("/")
+        # Recovery snapshots after optim_steps are written by a background thread (engine/snapshots.py).
+        self.snapshots = SnapshotWriter(self.artifacts)
         self.precision = precision
         self.max_lora_rank = max_lora_rank
         self.sampler_config = sampler_config
@@ -117,6 +120,11 @@ class Engine:
         routing = ExpertsRouting()
         # The fused experts first: their own layer (lora/experts.py), not Linears wrap_model finds.
         experts = wrap_experts(loaded.model, ctx, loaded.family.experts_class, routing)
+        if loaded.family.experts_class and not experts:
+            # E.g. a quantized gpt-oss whose experts transformers swapped for another class: serving
+            # it would train no expert LoRA without a word.
+            raise UserError(f"base model {name!r} has no {loaded.family.experts_class} module to put expert LoRA on "
+                            f"(a quantized checkpoint's experts are not served; load it dequantized)")
         layers = wrap_model(loaded.model, ctx, targets_for(True, True, True))
         pool = AdapterPool({**layers, **experts}, self.max_lora_rank, device=self.precision.torch_device)
         runtime = ModelRuntime(loaded, ctx, layers, pool, routing, self.precision, self.artifacts)
@@ -165,6 +173,10 @@ class Engine:
         return StepOutput(done, active_rows=sum(s.active_rows for s in self.samplers.values()), resident=self.resident(),
                           partial=[p for s in self.samplers.values() for p in s.take_streamed()],
                           shared_passes=shared_passes)
+
+    def close(self) -> None:
+        """Finish the snapshot write in flight (a clean stop leaves no temp dir to sweep)."""
+        self.snapshots.close()
 
     def resident(self) -> Resident:
         """The adapters held now: training ones counted, sampler ones by key."""

@@ -10,6 +10,10 @@ MoE experts are keyed as hosted Tinker keys them (`...mlp.experts.w1|w3|w2`, 3-D
 lora_B [E, out, R]), which the cookbook's build_hf_model merges; PEFT cannot load those keys itself.
 Qwen3.5's fused `linear_attn.in_proj_qkv` is exported split, as `in_proj_q/k/v` (lora/deltanet.py),
 which the cookbook re-fuses when it merges into a released (model_type qwen3_5) checkpoint.
+A vision-language model's keys drop its `language_model` segment (`model.language_model.layers.N`
+is `model.layers.N`, checkpoints.hosted_name), as hosted Tinker's do; the cookbook's merge and
+adapter conversion add it back for a base whose own keys have it (PEFT itself, which matches
+module names, loads `build_lora_adapter`'s output onto a VLM, not the export).
 
 The unembedding is keyed `base_model.model.lm_head.*` (PEFT's own name), not hosted Tinker's
 `base_model.model.model.unembed_tokens.*`: the cookbook's merge and adapter conversion strip the

@@ -84,6 +84,7 @@ def _worker_main(conn, spec: EngineSpec) -> None:
     # when the engine is busy), so the child must not die of KeyboardInterrupt with a traceback of
     # wherever it happened to be.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by spawn(); now ignored
     try:  # out of memory, the kernel is to kill the engine (restarted, nothing lost), not the server
         with open("/proc/self/oom_score_adj", "w") as f:
             f.write("1000")
@@ -154,21 +155,28 @@ class ProcessEngineClient:
     def spawn(self) -> None:
         parent, child = self._ctx.Pipe()
         proc = self._ctx.Process(target=_worker_main, args=(child, self.spec), name="tinkerd-engine", daemon=True)
-        # SIGINT ignored while spawning: the child inherits an ignored signal through fork + exec,
-        # so a Ctrl-C (sent to the whole process group) in the ~0.5 s before _worker_main ignores
-        # SIGINT itself no longer kills it with a traceback of its imports. Now that the child
-        # starts first, that window is when a Ctrl-C during start-up lands. Only the main thread
-        # may set handlers; a restart (on the worker thread) keeps the narrow window it had.
+        # While spawning, SIGINT is blocked in this thread, and the child inherits the block through
+        # fork + exec: a Ctrl-C (sent to the whole process group) before _worker_main ignores SIGINT
+        # stays pending there and is then discarded, instead of killing the child with a traceback
+        # of its imports. Here, a Ctrl-C in that window (delivered to any thread) is only recorded,
+        # and raised again once the child is recorded, so start-up stops and the child is found to
+        # stop. Ignoring SIGINT around the start instead lost that Ctrl-C. Only the main thread may
+        # set handlers; a restart (on the worker thread) keeps the narrow window it had.
         main = threading.current_thread() is threading.main_thread()
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+        interrupted: list[int] = []
+        previous = signal.signal(signal.SIGINT, lambda signum, frame: interrupted.append(signum)) if main else None
+        masked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
             with children_use_huge_pages():  # the engine's weights on 2 MB pages (engine/malloc.py)
                 proc.start()
+            child.close()
+            self._starting = (proc, parent)
         finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, masked)
             if main:
                 signal.signal(signal.SIGINT, previous)
-        child.close()
-        self._starting = (proc, parent)
+        if interrupted:
+            signal.raise_signal(signal.SIGINT)  # to the handler in place: KeyboardInterrupt, or uvicorn's
 
     def wait_ready(self) -> None:
         """Wait for the spawned child's ready message (nothing to do once it came)."""

@@ -212,6 +212,7 @@ class RankedEngineClient:
         return self.client.models()
 
     def close(self) -> None:
+        self.client.close()
         self.followers.close()
 
 

@@ -74,6 +74,7 @@ def release_adapters(engine: "Engine", op: ReleaseAdaptersOp) -> dict[str, list[
     longer loaded (released now, or not here at all) and the sampler keys dropped. An adapter whose
     snapshot cannot be written stays loaded: its state must not be lost."""
     unloaded, samplers = [], []
+    engine.snapshots.wait()  # a background write of the very snapshot named here may be in flight
     for model_id, snapshot_dir in op.models:
         if model_id in engine.model_of:
             rt = engine.runtime_of(model_id)
@@ -380,27 +381,26 @@ def optim_step(engine: "Engine", op: OptimStepOp) -> dict[str, float]:
     adapter.step += 1
     adapter.pending_grads = 0
     if op.snapshot_dir is not None:
-        _after_op_snapshot(engine, adapter, op.snapshot_dir)
+        _after_op_snapshot(engine, adapter, op.snapshot_dir, background=True)
     return {}
 
 
 def _snapshot(engine: "Engine", adapter: "Adapter", key: str) -> None:
     """A recovery point (artifact `key`, `.../<model_id>/seq-<n>`): weights, AdamW state and step as
-    of a step, load or release. The two newest are kept: this op's result may not be stored yet when
-    the process dies, and then recovery needs the one before."""
-    store = engine.artifacts
-    checkpoints.save_adapter_to(store, key, adapter, engine.runtime_of(adapter.key).name, with_optimizer=True)
-    run = key.rsplit("/", 1)[0]
-    for old in [k for k in store.list(run) if k.rsplit("/", 1)[1].startswith("seq-")][:-2]:
-        store.delete(old)
+    of a load or release, on disk before this returns (engine/snapshots.py says why these two)."""
+    engine.snapshots.write_now(key, adapter, engine.runtime_of(adapter.key).name)
 
 
-def _after_op_snapshot(engine: "Engine", adapter: "Adapter", dir_path: str) -> None:
+def _after_op_snapshot(engine: "Engine", adapter: "Adapter", dir_path: str, background: bool = False) -> None:
     """A snapshot after an op that already changed the adapter: a failure to write it must not fail
     the op (failed ops are never replayed, so recovery would lose the change); recovery then uses
-    the snapshot before it, plus the log."""
+    the snapshot before it, plus the log. `background`: only the copy is taken now, the write runs
+    beside the next ops (after an optim_step: engine/snapshots.py)."""
     try:
-        _snapshot(engine, adapter, dir_path)
+        if background:
+            engine.snapshots.write_later(dir_path, adapter, engine.runtime_of(adapter.key).name)
+        else:
+            _snapshot(engine, adapter, dir_path)
     except Exception:
         log.exception("recovery snapshot %s of %s failed", dir_path, adapter.key)
 
@@ -421,6 +421,7 @@ def _load_in_place(engine: "Engine", op: LoadWeightsOp, files: checkpoints.Adapt
     if files.base_model != rt.name:
         raise UserError(f"checkpoint was trained on {files.base_model!r}, but model {op.model_id!r} uses {rt.name!r}")
     spec = adapter.spec
+    files.weights = checkpoints.onto_layers(files.weights, rt.pool.layers)
     if (files.spec.rank, files.spec.alpha) != (spec.rank, spec.alpha) or set(files.weights) != set(adapter.weights):
         raise UserError(
             f"checkpoint LoRA config (rank {files.spec.rank}, alpha {files.spec.alpha}, {len(files.weights)} layers) "
@@ -449,6 +450,7 @@ def _load_as_new(engine: "Engine", op: LoadWeightsOp, files: checkpoints.Adapter
     if files.base_model != base_model:
         raise UserError(f"checkpoint was trained on {files.base_model!r}, not on {base_model!r}")
     rt = engine.runtime(base_model)
+    files.weights = checkpoints.onto_layers(files.weights, rt.pool.layers)
     # Same tensor order as a freshly created adapter, so both behave identically bit for bit.
     weights = {n: files.weights[n] for n in rt.pool.layers if n in files.weights}
     unknown = sorted(set(files.weights) - set(weights))

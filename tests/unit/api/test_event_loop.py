@@ -68,22 +68,22 @@ def live(tmp_path):
 
 def test_a_request_held_in_a_slow_store_call_does_not_hold_another_clients_requests(live, monkeypatch):
     url, store, runs, account_id = live
-    session_id = runs.create_session([], {}, None, account_id=account_id)
-    run, _ = runs.create_run(session_id, 0, "m", {"rank": 1}, None, account_id=account_id)
+    session_id = runs.sessions.create_session([], {}, None, account_id=account_id)
+    run, _ = runs.training_runs.create_run(session_id, 0, "m", {"rank": 1}, None, account_id=account_id)
     now = utcnow()
     store.add(FutureRow(request_id="req-done", request_type="OptimStep", target=run.model_id, account_id=account_id,
                         body=b"", status="complete", result=b'{"metrics": {}}', result_media_type="application/json",
                         created_at=now, completed_at=now))
 
     entered, release = threading.Event(), threading.Event()
-    listing = runs.list_checkpoints
+    listing = runs.checkpoints.list_checkpoints
 
     def slow_listing(*args, **kwargs):
         entered.set()
         release.wait(BOUND_S)
         return listing(*args, **kwargs)
 
-    monkeypatch.setattr(runs, "list_checkpoints", slow_listing)
+    monkeypatch.setattr(runs.checkpoints, "list_checkpoints", slow_listing)
     slow: dict = {}
 
     def list_checkpoints():

@@ -38,8 +38,8 @@ def st(tmp_path) -> AppState:
 
 @pytest.fixture
 def run_id(st) -> str:
-    session = st.runs.create_session([], {}, "0.38.0")
-    return st.runs.create_run(session, 0, TINY, {"rank": 4, "seed": 1}, {})[0].model_id
+    session = st.runs.sessions.create_session([], {}, "0.38.0")
+    return st.runs.training_runs.create_run(session, 0, TINY, {"rank": 4, "seed": 1}, {})[0].model_id
 
 
 def _body(**fields) -> bytes:
@@ -70,7 +70,7 @@ def test_bad_adam_params_are_user_errors_naming_the_field(st, run_id, field, val
 def test_int64_edges_of_seq_id_and_model_seq_id(st, run_id, seq_id):
     with pytest.raises(UserError, match="seq_id"):
         training.prepare_optim_step(st, _optim(run_id, seq_id=seq_id))
-    session = st.runs.run(run_id).session_id
+    session = st.runs.training_runs.run(run_id).session_id
     create = _body(session_id=session, model_seq_id=seq_id, base_model=TINY, lora_config={"rank": 4})
     with pytest.raises(UserError, match="model_seq_id"):
         training.prepare_create_model(st, create)
@@ -110,7 +110,7 @@ def test_the_upgrade_converts_completed_ops_as_they_ran_and_checks_pending_ones(
     assert op.adam_params.eps == 0.0 and op.allow_non_finite  # replayed as it ran, guard off
     row = _converted(st, "OptimStep", old, "pending")  # never ran: refused like a new request
     assert row.status == "failed" and "adam_params.eps" in row.error and row.op_version is None
-    session = st.runs.run(run_id).session_id
+    session = st.runs.training_runs.run(run_id).session_id
     old_create = _body(session_id=session, model_seq_id=-1, base_model=TINY, lora_config={"rank": 4})
     assert rebuild_work(_converted(st, "CreateModel", old_create, "complete")).op.model_id == f"{session}:train:-1"
     # A good op, completed or not, is the same op either way.

@@ -10,7 +10,8 @@ import pytest
 
 from tinkerd.artifacts import LocalArtifactStore
 from tinkerd.control.recovery import Recovery
-from tinkerd.control.runs import Runs, TinkerPath
+from tinkerd.control.ids import TinkerPath
+from tinkerd.control.runs import Runs
 from tinkerd.control.store.db import Store
 
 
@@ -55,16 +56,16 @@ def test_the_rebuild_sweeps_snapshot_temp_dirs_and_keeps_whole_snapshots(store, 
 
 def test_the_rebuild_runs_the_checkpoint_sweep_but_spares_a_copy_in_progress(store, tmp_path):
     runs = Runs(store, LocalArtifactStore(tmp_path))
-    session = runs.create_session([], {}, "test")
-    model_id = runs.create_run(session, 0, "tiny", {"rank": 4}, {})[0].model_id
+    session = runs.sessions.create_session([], {}, "test")
+    model_id = runs.training_runs.create_run(session, 0, "tiny", {"rank": 4}, {})[0].model_id
     saved = TinkerPath(model_id, "weights", "kept")
-    ckpt = _dir(tmp_path / runs.checkpoint_key(saved), b"ckpt")
-    runs.register_checkpoint(saved, None, None)
+    ckpt = _dir(tmp_path / runs.checkpoints.checkpoint_key(saved), b"ckpt")
+    runs.checkpoints.register_checkpoint(saved, None, None)
     parent = ckpt.parent
     killed = _dir(parent / ".mid.tmp-k1ll3d00", b"half")  # the dead engine's save_state, just now
     sampler = _dir(parent.parent.parent / "_ephemeral" / ".s:sample:1.tmp-0a1b2c3d", b"half")
     recovery = Recovery(store, LocalArtifactStore(tmp_path), rebuild=None)
-    recovery.sweeps.append(lambda: runs.sweep_stale_temp(older_than_s=0))  # as cli/serve.py wires it
+    recovery.sweeps.append(lambda: runs.checkpoints.sweep_stale_temp(older_than_s=0))  # as cli/serve.py wires it
     seen: list[list[str]] = []
 
     def copying():  # a copy_weights through the same store, swept in the middle of its write
@@ -73,12 +74,12 @@ def test_the_rebuild_runs_the_checkpoint_sweep_but_spares_a_copy_in_progress(sto
         seen.append(sorted(p.name for p in parent.iterdir()))
         yield b"ying"
 
-    runs.artifacts.put(runs.checkpoint_key(TinkerPath(model_id, "weights", "copy")), {"adapter_model.safetensors": copying()})
+    runs.artifacts.put(runs.checkpoints.checkpoint_key(TinkerPath(model_id, "weights", "copy")), {"adapter_model.safetensors": copying()})
     assert not killed.exists() and not sampler.exists()
     assert [name for name in seen[0] if name.startswith(".copy.tmp-")]  # its temp dir outlived the sweep
     assert (parent / "copy" / "adapter_model.safetensors").read_bytes() == b"copying"
     assert (ckpt / "adapter_model.safetensors").read_bytes() == b"ckpt"
-    assert runs.checkpoint(saved).size_bytes == 4
+    assert runs.checkpoints.checkpoint(saved).size_bytes == 4
 
 
 def test_a_failing_extra_sweep_does_not_stop_the_rebuild(store, tmp_path):

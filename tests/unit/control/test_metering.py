@@ -8,7 +8,8 @@ import pytest
 
 from tinkerd.artifacts import LocalArtifactStore
 from tinkerd.control.metering import Billing, Meter, Usage, hourly_buckets, totals
-from tinkerd.control.runs import Runs, TinkerPath
+from tinkerd.control.ids import TinkerPath
+from tinkerd.control.runs import Runs
 from tinkerd.control.store.db import Store
 from tinkerd.control.store.tables import UsageRow
 from tinkerd.errors import NotFoundError
@@ -43,23 +44,23 @@ def test_buckets_split_by_hour_and_kind():
 
 def test_owned_lookups_answer_like_missing_ids(tmp_path):
     runs = Runs(Store.sqlite(tmp_path / "db.sqlite"), LocalArtifactStore(tmp_path))
-    sess = runs.create_session([], {}, "test", account_id="acct-a")
-    run, _ = runs.create_run(sess, 0, "tiny", {"rank": 4}, {}, account_id="acct-a")
-    assert runs.owned_run(run.model_id, "acct-a").model_id == run.model_id
-    assert runs.owned_run(run.model_id, None).model_id == run.model_id  # internal callers
+    sess = runs.sessions.create_session([], {}, "test", account_id="acct-a")
+    run, _ = runs.training_runs.create_run(sess, 0, "tiny", {"rank": 4}, {}, account_id="acct-a")
+    assert runs.training_runs.owned_run(run.model_id, "acct-a").model_id == run.model_id
+    assert runs.training_runs.owned_run(run.model_id, None).model_id == run.model_id  # internal callers
     with pytest.raises(NotFoundError, match="unknown model_id"):
-        runs.owned_run(run.model_id, "acct-b")
+        runs.training_runs.owned_run(run.model_id, "acct-b")
     with pytest.raises(NotFoundError, match="unknown session_id"):
-        runs.create_run(sess, 1, "tiny", {"rank": 4}, {}, account_id="acct-b")
+        runs.training_runs.create_run(sess, 1, "tiny", {"rank": 4}, {}, account_id="acct-b")
     path = TinkerPath(run.model_id, "weights", "w")
-    runs.artifacts.path(runs.checkpoint_key(path)).mkdir(parents=True)
-    runs.register_checkpoint(path, None, None)
-    assert runs.owned_checkpoint(path, "acct-a")
+    runs.artifacts.path(runs.checkpoints.checkpoint_key(path)).mkdir(parents=True)
+    runs.checkpoints.register_checkpoint(path, None, None)
+    assert runs.checkpoints.owned_checkpoint(path, "acct-a")
     with pytest.raises(NotFoundError, match="does not exist"):
-        runs.owned_checkpoint(path, "acct-b")
-    runs.set_public(path, True, "acct-a")
-    assert runs.owned_checkpoint(path, "acct-b", public_ok=True)  # published: loadable by path
+        runs.checkpoints.owned_checkpoint(path, "acct-b")
+    runs.checkpoints.set_public(path, True, "acct-a")
+    assert runs.checkpoints.owned_checkpoint(path, "acct-b", public_ok=True)  # published: loadable by path
     with pytest.raises(NotFoundError):
-        runs.delete_checkpoint(path, "acct-b")
-    assert runs.list_checkpoints(account_id="acct-b") == ([], 0)
-    assert runs.list_runs(account_id="acct-b") == ([], 0) and runs.list_runs(account_id="acct-a")[1] == 1
+        runs.checkpoints.delete_checkpoint(path, "acct-b")
+    assert runs.checkpoints.list_checkpoints(account_id="acct-b") == ([], 0)
+    assert runs.training_runs.list_runs(account_id="acct-b") == ([], 0) and runs.training_runs.list_runs(account_id="acct-a")[1] == 1

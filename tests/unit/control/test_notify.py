@@ -143,3 +143,118 @@ def test_concurrent_claims_take_each_pending_op_exactly_once(processes):
     # A driver's start takes every pending op, whoever claimed it (a previous driver, now gone).
     assert FutureRepository(store).claim_all_pending("w-new") == 60
     assert FutureRepository(store).claim("w-other") == []
+
+
+def test_a_streams_tokens_cross_to_another_process_exactly_and_in_order(processes):
+    """The driver's decoded tokens reach a replica's stream reader (store/listen.py: tinkerd_tokens):
+    every token, logprob and top-k entry equal to what was published, in order, before the
+    request's end; a step's deltas too big for one NOTIFY payload arrive split, none lost."""
+    import numpy as np
+
+    from tinkerd.types import TokenDelta
+
+    sender_store, listener_store = processes
+    topk = (np.arange(6, dtype=np.int64).reshape(2, 3), -np.linspace(0.1, 0.6, 6, dtype=np.float32).reshape(2, 3))
+    steps = [[TokenDelta(0, 0, [11, 12], [-0.25, -1.0 / 3], topk), TokenDelta(1, 0, [21, 22], [-0.5, -2.0], topk)],
+             # 2000 tokens in one step: far over the 8000-byte payload limit.
+             [TokenDelta(0, 2, list(range(2000)), [-i / 7 for i in range(2000)])]]
+    driver = PgNotifier(sender_store, FutureHub(), on_work=lambda: None)  # a driver does not listen for tokens
+
+    async def main() -> list:
+        hub = FutureHub()
+        hub.bind_loop(asyncio.get_running_loop())
+        listener = await asyncio.to_thread(_listener, listener_store, hub)
+        try:
+            queue: asyncio.Queue = asyncio.Queue()
+            hub.subscribe("req-s", queue)
+            for deltas in steps:
+                await asyncio.to_thread(driver.publish, "req-s", deltas)
+            await asyncio.to_thread(driver.notify, "req-s")
+            got = []
+            while (item := await asyncio.wait_for(queue.get(), HOLD_S))[1] is not None:
+                got += item[1]
+            return got
+        finally:
+            await asyncio.to_thread(listener.close)
+
+    got = asyncio.run(main())
+    sent = [(d.row, d.start + k, t, d.logprobs[k], None if d.topk is None else (d.topk[0][k].tolist(), d.topk[1][k].tolist()))
+            for deltas in steps for d in deltas for k, t in enumerate(d.tokens)]
+    assert [(d.row, d.start, d.tokens[0], d.logprobs[0],
+             None if d.topk is None else (d.topk[0][0].tolist(), d.topk[1][0].tolist())) for d in got] == sent
+
+
+def test_a_replicas_unload_and_session_end_reach_the_driver_and_new_models_the_replicas(processes):
+    sender_store, listener_store = processes
+    released, served = [], threading.Event()
+    got_all = threading.Event()
+
+    def on_release(model_id):
+        released.append(model_id)
+        if len(released) == 2:
+            got_all.set()
+
+    driver = _listener(listener_store, FutureHub(), on_work=lambda: None, on_release=on_release)
+    replica = PgNotifier(sender_store, FutureHub(), on_served=served.set)
+    replica.start()
+    try:
+        replica.release("m-1")
+        replica.release(None)
+        assert got_all.wait(HOLD_S) and released == ["m-1", None]
+        PgNotifier(listener_store, FutureHub()).served()  # a driver (re)started and rewrote served_models
+        assert served.wait(HOLD_S)
+    finally:
+        driver.close()
+        replica.close()
+
+
+def test_a_driver_that_was_away_releases_the_runs_unloaded_meanwhile(processes, pg_db):
+    """Notifications sent while the listener reconnects are lost; the unload_model futures stored
+    are not: once back, the driver releases the runs of those stored since shortly before it lost
+    its connection, and looks for ended sessions."""
+    sender_store, listener_store = processes
+    released, caught_up = [], threading.Event()
+
+    def on_release(model_id):
+        released.append(model_id)
+        if model_id is None:
+            caught_up.set()
+
+    driver = _listener(listener_store, FutureHub(), on_work=lambda: None, on_release=on_release)
+    try:
+        sender_store.add(FutureRow(request_id="req-u", request_type="UnloadModel", target="m-away", body=b"",
+                                   status="complete", created_at=utcnow()))
+        _terminate_listeners(pg_db)
+        assert caught_up.wait(HOLD_S)
+        assert released == ["m-away", None]
+    finally:
+        driver.close()
+
+
+def test_a_replica_serves_the_models_a_restarted_driver_announces(processes):
+    """A driver restarted with other --base-models rewrites served_models and says so (tinkerd_served):
+    a running replica swaps in the new list, without a restart of its own (control/replicas.py)."""
+    from tinkerd.control import replicas
+    from tinkerd.types import ServedModel
+
+    driver_store, replica_store = processes
+
+    class Engine:  # what the driver's engine reports it serves
+        def __init__(self, names):
+            self.names = names
+
+        def models(self):
+            return [ServedModel(n, n, 128, "qwen3") for n in self.names]
+
+    seen, changed = [], threading.Event()
+    replica = PgNotifier(replica_store, FutureHub())
+    replicas.follow_served(replica, replica_store, lambda models: (seen.append(sorted(models)), changed.set()))
+    replica.start()
+    try:
+        for names in (["m-a"], ["m-a", "m-b"]):  # a start, then a restart with one more model
+            changed.clear()
+            replicas.served_models("worker", driver_store, Engine(names), "w1", PgNotifier(driver_store, FutureHub()))
+            assert changed.wait(HOLD_S)
+        assert seen == [["m-a"], ["m-a", "m-b"]]
+    finally:
+        replica.close()

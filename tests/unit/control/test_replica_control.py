@@ -6,6 +6,8 @@ PostgreSQL."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.unit.control.test_cancel import CancellingEngine, finalize
 from tests.unit.control.test_scheduler import _wait_done, sample_op, train_op
 from tinkerd.artifacts import LocalArtifactStore
@@ -35,6 +37,12 @@ class Bus:
     def cancel(self, request_id):
         self.sent.append(("cancel", request_id))
         self.driver.cancel_id(request_id)
+
+    def publish(self, request_id, deltas):
+        self.hub.publish(request_id, deltas)
+
+    def release(self, model_id):
+        self.sent.append(("release", model_id))
 
     def start(self):
         pass
@@ -88,3 +96,42 @@ def test_an_api_replicas_ops_are_claimed_and_run_by_the_driver_and_its_cancel_re
         engine.release_first_step.set()
         driver.stop()
         replica.stop()
+
+
+def test_the_drivers_quota_pauses_and_queue_depth_are_what_a_replica_reports(tmp_path):
+    """An api replica has no queue: retrieve_future's queue_state comes from the reasons the driver's
+    board posts (pauses.py), and the back-pressure budget counts the store's pending ops."""
+    from tinkerd.control.backpressure import QueueBudget
+    from tinkerd.control.pauses import PauseBoard
+    from tinkerd.control.queue import OpQueue
+    from tinkerd.control.store.futures import FutureRepository
+    from tinkerd.errors import QueueFull
+
+    db = tmp_path / "db.sqlite"
+    replica = Control(Store.sqlite(db), None)
+    replica.use_notifier(Bus(replica.hub))
+    replica.budget = QueueBudget(2, None, count=replica.futures.pending_count)
+    ids = [replica.submit("OptimStep", "m", i, b"", Work(train_op(), finalize)).request_id for i in (1, 2)]
+    # The replica's own queue is empty; the store holds two pending ops of "m".
+    with pytest.raises(QueueFull, match="m already has 2 ops waiting"):
+        replica.submit("OptimStep", "m", 3, b"", Work(train_op(), finalize))
+    replica.submit("OptimStep", "other", 1, b"", Work(train_op(), finalize))  # another target has room
+
+    queue = OpQueue()
+    for i, rid in enumerate(ids):
+        queue.put(rid, "m", i + 1, "OptimStep", Work(train_op(), finalize))
+    reasons = {ids[0]: "account a is over its 40 tokens per minute", ids[1]: None}
+
+    class Scheduler:  # the driver's answer, as scheduler.pause_reason gives it
+        def pause_reason(self, request_id):
+            return reasons.get(request_id)
+
+    board = PauseBoard(FutureRepository(Store.sqlite(db)), queue, Scheduler())
+    assert replica.pause_reason(ids[0]) is None
+    assert board.post_once() == 1 and replica.pause_reason(ids[0]) == reasons[ids[0]]
+    assert replica.pause_reason(ids[1]) is None
+    assert board.post_once() == 0  # nothing changed: nothing written
+    reasons[ids[1]] = "account a has 1 of 1 concurrent training runs"
+    assert board.post_once() == 1 and replica.pause_reason(ids[1]) == reasons[ids[1]]
+    queue.pop("train")  # ids[0] starts: no longer held
+    assert board.post_once() == 1 and replica.pause_reason(ids[0]) is None

@@ -59,7 +59,7 @@ def test_gb_hours_by_hour_match_a_hand_computation(ledger):
 
 def test_an_overwrite_ends_the_old_registration_and_starts_a_new_one(ledger):
     old = ckpt(ledger, "acct-a", "w", 1_000_000_000, at(9))
-    ledger.removed(old, now=at(9, 30))  # what Runs.register_checkpoint does on overwrite=True
+    ledger.removed(old, now=at(9, 30))  # what Checkpoints.register_checkpoint does on overwrite=True
     ledger.store.delete(CheckpointRow, old.tinker_path)
     ckpt(ledger, "acct-a", "w", 3_000_000_000, at(9, 30))
     now = at(10)

@@ -24,6 +24,14 @@ def test_qwen3_moe_is_detected_from_the_key_transformers_saves(tmp_path):
     assert families.detect(cfg, "m") is families.QWEN3_MOE
 
 
+def test_gpt_oss_is_served_with_its_sliding_layers(tmp_path):
+    cfg = _saved(tmp_path, "tinkerd/tiny-gpt-oss")
+    assert cfg["layer_types"] == ["sliding_attention", "full_attention"] and cfg["num_local_experts"] == 4
+    assert families.detect(cfg, "m") is families.GPT_OSS and families.GPT_OSS.experts_class == "GptOssExperts"
+    # Its tokenizer is Qwen3's with the Harmony tokens the cookbook's gpt_oss renderers need as one token each.
+    assert cfg["vocab_size"] == 151_669 + len(tiny.HARMONY_TOKENS) and cfg["eos_token_id"] == [151_674, 151_675]
+
+
 def test_dense_families_are_served():
     for model_type in ("llama", "qwen3", "qwen2", "mistral"):
         assert families.detect({"model_type": model_type}, "m") is families.DENSE
@@ -33,7 +41,7 @@ def test_dense_families_are_served():
     ({"model_type": "qwen3_vl_moe", "architectures": ["Qwen3VLMoeForConditionalGeneration"]}, "vision-language"),
     ({"model_type": "llava", "vision_config": {}}, "vision-language"),
     ({"model_type": "qwen3_next"}, "linear attention"),
-    ({"model_type": "gpt_oss"}, "gpt-oss"),
+    ({"model_type": "deepseek_v3"}, "DeepSeek-V3"),
     ({"model_type": "qwen3", "layer_types": ["full_attention", "sliding_attention"]}, "full attention"),
     ({"model_type": "mixtral", "num_local_experts": 8}, "not a family"),
     ({"model_type": "llama", "num_local_experts": 8}, "routed experts"),
@@ -80,4 +88,29 @@ def test_qwen3_5_moe_is_served_as_hybrid_moe(tmp_path):
     cfg = _saved(tmp_path, "tinkerd/tiny-qwen3.5-moe")
     assert cfg["model_type"] == "qwen3_5_moe_text"
     assert families.detect(cfg, "m") is families.QWEN3_5_MOE
-    assert families.detect({"model_type": "qwen3_5_moe", "vision_config": {}, "text_config": cfg}, "m").text_only
+    vl = {"model_type": "qwen3_5_moe", "vision_config": {}, "text_config": cfg}
+    assert families.detect(vl, "m").text_only
+    # With its preprocessor_config.json, the VLM checkpoint is served with its tower (images in).
+    assert families.detect(vl, "m", has_processor=True) is families.QWEN3_5_MOE_VL
+
+
+def test_a_moe_without_its_experts_module_is_refused_not_served_without_expert_lora(models_dir, monkeypatch):
+    """A quantized gpt-oss checkpoint can load with its experts swapped for another class (transformers'
+    Mxfp4GptOssExperts); served, train_mlp would put LoRA on no expert without a word."""
+    import dataclasses
+
+    from tinkerd.engine import engine as engine_mod
+
+    real = engine_mod.load_model
+
+    def load(name, *args):
+        loaded = real(name, *args)
+        if name == "tinkerd/tiny-gpt-oss":
+            loaded.family = dataclasses.replace(loaded.family, experts_class="Mxfp4GptOssExperts")
+        return loaded
+
+    monkeypatch.setattr(engine_mod, "load_model", load)
+    engine = Engine(models_dir)
+    engine.load_base_models(["tinkerd/tiny-gpt-oss", "tinkerd/tiny-qwen3"])
+    assert list(engine.runtimes) == ["tinkerd/tiny-qwen3"]
+    assert "no Mxfp4GptOssExperts module" in engine.refused["tinkerd/tiny-gpt-oss"]

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tinkerd.engine.engine import Engine
+from tinkerd.engine.sampler import adapters as adapters_mod
 from tinkerd.engine.sampler import sample as sample_mod
 from tinkerd.engine.sampler.rules import MAX_TOPK_PAIRS, RowRules, _inverse_cdf, choose_tokens, validate
 from tinkerd.engine.sampler.sample import run_sample
@@ -446,7 +447,7 @@ def test_validation_errors_are_user_errors_and_touch_nothing(sampler_engine, nam
     def touched(*a):
         raise AssertionError("the adapter was read before validation")
 
-    monkeypatch.setattr(sample_mod, "_read_adapter", touched)
+    monkeypatch.setattr(adapters_mod, "_read_adapter", touched)
     with pytest.raises(UserError) as err:
         run_sample(sampler_engine, replace(BAD[name], adapter_path=str(tmp_path)))
     assert type(err.value) is UserError and err.value.message

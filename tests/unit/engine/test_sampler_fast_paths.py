@@ -12,7 +12,8 @@ import torch
 from tinkerd.engine.engine import Engine
 from tinkerd.engine.sampler.decode import FusedDecode
 from tinkerd.engine.sampler.prefill import Prefill, advance_packed
-from tinkerd.engine.sampler.sample import Sampler, SamplerConfig, split_model
+from tinkerd.engine.sampler.adapters import split_model
+from tinkerd.engine.sampler.sample import Sampler, SamplerConfig
 from tinkerd.types import LoraSpec, SampleOp, SamplingParams
 
 MODELS = ["tinkerd/tiny-qwen3", "tinkerd/tiny-llama"]

@@ -1,6 +1,6 @@
 """The console's pages (docs/console.md): runs, a run's live curves, checkpoints, usage and cost, the
 queue and quotas. Every page is for the signed-in account only, through the same ownership checks as
-the API (control/runs.py): another account's run or checkpoint answers 404, like a missing one.
+the API (control/sessions.py: Sessions.lookup): another account's run or checkpoint answers 404, like a missing one.
 Mutations (publish, unpublish, delete) call the same Runs methods as the REST routes, so they are
 audited the same way."""
 
@@ -24,7 +24,7 @@ from tinkerd.api.deps import _source, state
 from tinkerd.api.routes.export import download_urls
 from tinkerd.control import costs, overview
 from tinkerd.control.metering import TOKEN_KINDS
-from tinkerd.control.runs import TYPE_SEGMENTS, parse_tinker_path
+from tinkerd.control.ids import TYPE_SEGMENTS, parse_tinker_path
 from tinkerd.control.stepmetrics import StepMetrics, series
 from tinkerd.control.storage import STORAGE_KIND
 from tinkerd.control.clock import utcnow
@@ -197,12 +197,12 @@ def _curves(request: Request, model_id: str) -> list:
 @page
 def run_page(request: Request, who: session.Viewer, run_id: str) -> Response:
     st = state(request)
-    run = st.runs.owned_run(run_id, who.account_id)
+    run = st.runs.training_runs.owned_run(run_id, who.account_id)
     now = utcnow()
     start = run.created_at.replace(minute=0, second=0, microsecond=0)
     end = now.replace(minute=0, second=0, microsecond=0) + timedelta(hours=1)
     cost = costs.run_usage(st.control.store, st.runs.storage, who.account_id, start, end, now).get(run_id, costs.Costed())
-    checkpoints, _ = st.runs.list_checkpoints(model_id=run_id, limit=PAGE)
+    checkpoints, _ = st.runs.checkpoints.list_checkpoints(model_id=run_id, limit=PAGE)
     return render(request, "run.html", who=who, nav="runs", run=overview.run_summary(st.control.store, run),
                   charts=_curves(request, run_id), samplers=overview.sampling_activity(st.control.store, run_id),
                   checkpoints=checkpoints, cost=cost, cost_usd=cost.cost_usd(st.config),
@@ -214,7 +214,7 @@ def run_page(request: Request, who: session.Viewer, run_id: str) -> Response:
 @page
 def run_curves(request: Request, who: session.Viewer, run_id: str) -> Response:
     """The curves alone: the run page re-fetches this every few seconds (static/console.js)."""
-    state(request).runs.owned_run(run_id, who.account_id)
+    state(request).runs.training_runs.owned_run(run_id, who.account_id)
     return render(request, "curves.html", charts=_curves(request, run_id))
 
 
@@ -226,8 +226,8 @@ def run_curves(request: Request, who: session.Viewer, run_id: str) -> Response:
 def checkpoints_page(request: Request, who: session.Viewer) -> Response:
     st = state(request)
     current = _page_number(request.query_params.get("page"))
-    rows, total = st.runs.list_checkpoints(limit=PAGE, offset=(current - 1) * PAGE, account_id=who.account_id)
-    bases = st.runs.base_models(r.model_id for r in rows)
+    rows, total = st.runs.checkpoints.list_checkpoints(limit=PAGE, offset=(current - 1) * PAGE, account_id=who.account_id)
+    bases = st.runs.training_runs.base_models(r.model_id for r in rows)
     downloads = {r.tinker_path: download_urls(request, r)[0] for r in rows if r.checkpoint_type == "external"}
     return render(request, "checkpoints.html", who=who, nav="checkpoints", checkpoints=rows, bases=bases,
                   downloads=downloads, pages=_pages(total, current), now=utcnow(), ttl=_ttl,
@@ -242,9 +242,9 @@ async def checkpoint_action(request: Request, who: session.Viewer, action: str) 
     runs = state(request).runs
     path = parse_tinker_path(fields.get("tinker_path", ""))
     if action in ("publish", "unpublish"):
-        await run_in_threadpool(runs.set_public, path, action == "publish", who.account_id)
+        await run_in_threadpool(runs.checkpoints.set_public, path, action == "publish", who.account_id)
     elif action == "delete":
-        await run_in_threadpool(runs.delete_checkpoint, path, who.account_id)  # its rmtree: in the pool
+        await run_in_threadpool(runs.checkpoints.delete_checkpoint, path, who.account_id)  # its rmtree: in the pool
     else:
         raise NotFoundError(f"no checkpoint action {action!r}; publish, unpublish or delete")
     back = _next(fields.get("back"))

@@ -16,7 +16,7 @@ from fastapi.responses import Response
 
 from tinkerd.api.deps import account, authenticate, empty, state
 from tinkerd.control.audit import EVENT_TYPES, day_window
-from tinkerd.control.runs import iso
+from tinkerd.control.ids import iso
 from tinkerd.control.records import ApiKey
 from tinkerd.errors import UserError
 

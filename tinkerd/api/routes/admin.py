@@ -15,11 +15,10 @@ from fastapi import APIRouter, Depends, Request
 
 from tinkerd.api.deps import account, authenticate, state
 from tinkerd.control.metering import TOKEN_KINDS, bucket_end, hourly_buckets
-from tinkerd.control.runs import iso
+from tinkerd.control.ids import iso
 from tinkerd.control.storage import BYTES_PER_GB, STORAGE_KIND, gb_hour_buckets, storage_cost_usd
 from tinkerd.control.clock import utcnow
 from tinkerd.control import projects
-from tinkerd.control.sessions import Sessions
 from tinkerd.errors import UserError
 
 router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
@@ -80,7 +79,7 @@ def billing_usage_events(request: Request, starting_on: str, ending_before: str)
     session_ids = {e["session_id"] for e in data if e["session_id"]}
     sessions = {}
     if session_ids:
-        for row in Sessions(st.runs).by_ids(session_ids):
+        for row in st.runs.sessions.by_ids(session_ids):
             sessions[row.session_id] = {"user_metadata": {str(k): str(v) for k, v in (row.user_metadata or {}).items()} or None}
             for e in data:
                 if e["session_id"] == row.session_id:
@@ -95,8 +94,8 @@ def current_checkpoint_storage(request: Request, project_id: str | None = None) 
     account_id = account(request)
     if project_id is not None:
         projects.require(st.control.store, account_id, [project_id])
-    rows, _ = st.runs.list_checkpoints(account_id=account_id, project_id=project_id)
-    project_of = Sessions(st.runs).projects_of_runs({r.model_id for r in rows})
+    rows, _ = st.runs.checkpoints.list_checkpoints(account_id=account_id, project_id=project_id)
+    project_of = st.runs.sessions.projects_of_runs({r.model_id for r in rows})
     groups: dict[str | None, list] = {}
     for r in rows:
         groups.setdefault(project_of.get(r.model_id), []).append(r)

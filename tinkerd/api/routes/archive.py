@@ -25,8 +25,9 @@ from fastapi.responses import StreamingResponse
 
 from tinkerd.api.deps import account, authenticate, empty, state
 from tinkerd.artifacts import ArtifactStore
-from tinkerd.control.runs import SEGMENT_TYPES, Runs, TinkerPath, check_name
-from tinkerd.control.records import Checkpoint as CheckpointRow
+from tinkerd.control.ids import SEGMENT_TYPES, TinkerPath, check_name
+from tinkerd.control.runs import Runs
+from tinkerd.control.records import Checkpoint
 from tinkerd.errors import ArchiveTooLarge, NotFoundError, UserError
 
 router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
@@ -37,25 +38,25 @@ _CHUNKS_QUEUED = 64  # the tar writer runs at most 64 gzip writes (~640 KiB) ahe
 _PUT_WAIT_S = 1.0
 
 
-def _owned(runs: Runs, path: TinkerPath, account_id: str) -> CheckpointRow | None:
+def _owned(runs: Runs, path: TinkerPath, account_id: str) -> Checkpoint | None:
     try:
-        return runs.owned_checkpoint(path, account_id)
+        return runs.checkpoints.owned_checkpoint(path, account_id)
     except NotFoundError:
         return None
 
 
-def _bare(runs: Runs, run_id: str, name: str, account_id: str) -> list[CheckpointRow]:
+def _bare(runs: Runs, run_id: str, name: str, account_id: str) -> list[Checkpoint]:
     """The caller's checkpoints named `name` in run `run_id`, sampler copy first; 404 when none."""
-    runs.owned_run(run_id, account_id)
+    runs.training_runs.owned_run(run_id, account_id)
     rows = [r for seg in _BARE_ORDER if (r := _owned(runs, TinkerPath(run_id, seg, check_name(name)), account_id))]
     if not rows:
         raise NotFoundError(f"run {run_id} has no checkpoint named {name!r}")
     return rows
 
 
-def _archive(request: Request, row: CheckpointRow) -> Response:
+def _archive(request: Request, row: Checkpoint) -> Response:
     st = state(request)
-    key = st.runs.key_of(row)
+    key = st.runs.checkpoints.key_of(row)
     files = st.runs.artifacts.files(key)
     size = sum(files.values())
     if size > st.config.max_archive_bytes:
@@ -130,7 +131,7 @@ def archive_bare(run_id: str, name: str, request: Request) -> Response:
 def archive_typed(run_id: str, type_seg: str, name: str, request: Request) -> Response:
     if type_seg not in SEGMENT_TYPES:
         raise NotFoundError(f"no checkpoint type {type_seg!r}: use weights, sampler_weights or a bare name")
-    row = state(request).runs.owned_checkpoint(TinkerPath(run_id, type_seg, check_name(name)), account(request))
+    row = state(request).runs.checkpoints.owned_checkpoint(TinkerPath(run_id, type_seg, check_name(name)), account(request))
     return _archive(request, row)
 
 
@@ -141,9 +142,9 @@ def delete_bare(run_id: str, name: str, request: Request) -> Response:
     if len(rows) > 1:
         raise UserError(f"run {run_id} has both a training and a sampler checkpoint named {name!r}; delete "
                         f"weights/{name} or sampler_weights/{name}")
-    runs.delete_checkpoint(TinkerPath(run_id, _segment(rows[0]), rows[0].name), account(request))
+    runs.checkpoints.delete_checkpoint(TinkerPath(run_id, _segment(rows[0]), rows[0].name), account(request))
     return empty()
 
 
-def _segment(row: CheckpointRow) -> str:
+def _segment(row: Checkpoint) -> str:
     return next(seg for seg, kind in SEGMENT_TYPES.items() if kind == row.checkpoint_type)

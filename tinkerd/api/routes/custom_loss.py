@@ -25,7 +25,7 @@ def create_custom_loss(request: Request, body: bytes = Depends(read_body)) -> JS
     account_id = account(request)
     req = parse(t.CreateCustomLossRequest, body)
     limits.integer(req.custom_loss_seq_id, "custom_loss_seq_id")
-    st.runs.owned_session(req.session_id, account_id)  # another account's session answers like a missing one
+    st.runs.sessions.owned_session(req.session_id, account_id)  # another account's session answers like a missing one
     inputs = [(i.name, int(i.rank)) for i in req.inputs]
     loss_id = CustomLosses(st.control.store).create(req.session_id, req.custom_loss_seq_id, req.name, inputs,
                                                     req.graph.model_dump(mode="json"))

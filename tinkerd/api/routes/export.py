@@ -31,8 +31,8 @@ from tinkerd.api.deps import AppState, Prepared, account, authenticate, parse, r
 from tinkerd.artifacts import CHUNK
 from tinkerd.control.control import Work
 from tinkerd.control.oplog import OpRecord, OpType, Payer, RegisterCheckpoint
-from tinkerd.control.runs import TinkerPath, check_name, check_ttl, iso
-from tinkerd.control.records import Checkpoint as CheckpointRow
+from tinkerd.control.ids import TinkerPath, check_name, check_ttl, iso
+from tinkerd.control.records import Checkpoint
 from tinkerd.errors import Forbidden, NotFoundError, UserError
 from tinkerd.types import ExportWeightsOp, base_model_of
 
@@ -91,17 +91,17 @@ def _signer(request: Request) -> UrlSigner:
 def prepare_save_weights_external(st: AppState, body: bytes, account_id: str | None = None) -> Prepared:
     """From the body alone, so recovery re-queues an accepted export after a server restart."""
     req = parse(t.SaveWeightsExternalRequest, body)
-    run = st.runs.owned_run(req.model_id, account_id)
+    run = st.runs.training_runs.owned_run(req.model_id, account_id)
     limits.seq_id(req.seq_id)
     path = TinkerPath(req.model_id, "external_weights", check_name(req.path, "path"))
     ttl = check_ttl(req.ttl_seconds)
     # The request has no overwrite flag; like save_weights' default, an existing name is refused.
     # (Re-queued after a restart, an export that was written but not registered is written again.)
-    if st.runs.checkpoint_exists(path):
+    if st.runs.checkpoints.checkpoint_exists(path):
         raise UserError(f"external weights {path} already exist; delete them or choose another name")
-    op = ExportWeightsOp(req.model_id, st.runs.checkpoint_key(path), req.age_encryption_recipients,
+    op = ExportWeightsOp(req.model_id, st.runs.checkpoints.checkpoint_key(path), req.age_encryption_recipients,
                          base_model=base_model_of(run.base_model))
-    owner = account_id if account_id is not None else st.runs.account_of(run.session_id)
+    owner = account_id if account_id is not None else st.runs.sessions.account_of(run.session_id)
     # Control registers the export when it is written (control/bookkeeping.py; size_bytes joins the reply).
     record = OpRecord(OpType.SAVE_WEIGHTS_EXTERNAL, op, Payer(owner, run.session_id, run.base_model),
                       effect=RegisterCheckpoint(str(path), ttl, None), reply={"path": str(path)})
@@ -121,12 +121,12 @@ def save_weights_external(request: Request, body: bytes = Depends(read_body)) ->
 @authed.get("/training_runs/{run_id}/checkpoints/external_weights/{name}/external_weights_urls")
 def external_weights_urls(run_id: str, name: str, request: Request) -> dict:
     st = state(request)
-    row = st.runs.owned_checkpoint(TinkerPath(run_id, "external_weights", check_name(name)), account(request))
+    row = st.runs.checkpoints.owned_checkpoint(TinkerPath(run_id, "external_weights", check_name(name)), account(request))
     urls, expires = download_urls(request, row)
     return {"urls": urls, "expires": iso(datetime.fromtimestamp(expires, timezone.utc).replace(tzinfo=None))}
 
 
-def download_urls(request: Request, row: CheckpointRow) -> tuple[dict[str, str], int]:
+def download_urls(request: Request, row: Checkpoint) -> tuple[dict[str, str], int]:
     """Signed download URLs of an (ownership-checked) external_weights checkpoint's files, and when
     they expire (unix time); also the console's download links."""
     run_id, name = row.model_id, row.name
@@ -137,7 +137,7 @@ def download_urls(request: Request, row: CheckpointRow) -> tuple[dict[str, str],
     base = str(request.base_url).rstrip("/")
     urls = {}
     runs = state(request).runs
-    for f in runs.artifacts.names(runs.key_of(row)):
+    for f in runs.artifacts.names(runs.checkpoints.key_of(row)):
         sig = signer.signature(run_id, name, f, expires)
         urls[f] = f"{base}/files/external_weights/{quote(run_id, safe=':')}/{name}/{f}?expires={expires}&sig={sig}"
     return urls, expires
@@ -148,10 +148,10 @@ def download_file(run_id: str, name: str, file_name: str, request: Request,
                         expires: str | None = None, sig: str | None = None) -> Response:
     _signer(request).verify(run_id, name, file_name, expires, sig)
     runs = state(request).runs
-    row = runs.checkpoint(TinkerPath(run_id, "external_weights", check_name(name)))
+    row = runs.checkpoints.checkpoint(TinkerPath(run_id, "external_weights", check_name(name)))
     # The signature already pins the file name; this also keeps a leaked key from reading outside
     # the export.
-    key, file_name = runs.key_of(row), check_name(file_name)
+    key, file_name = runs.checkpoints.key_of(row), check_name(file_name)
     size = runs.artifacts.files(key).get(file_name)
     if size is None:
         raise NotFoundError(f"{file_name!r} is not a file of {row.tinker_path}")

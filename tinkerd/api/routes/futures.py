@@ -54,7 +54,7 @@ def _answer(st, request: Request, request_id: str, row: Future | None) -> Respon
         # hold of a long op. An op its account's quota holds back is "paused_rate_limit" (why:
         # control/quotas.py); the SDK keeps polling either way.
         body = {"type": "try_again", "request_id": row.request_id, "queue_state": "active"}
-        reason = st.control.scheduler.pause_reason(row.request_id)
+        reason = st.control.pause_reason(row.request_id)
         if reason is not None:
             body.update(queue_state=PAUSED, queue_state_reason=reason)
         return JSONResponse(body, status_code=408)
@@ -74,7 +74,7 @@ async def retrieve_futures(request: Request, body: bytes = Depends(read_body)) -
     req = parse(t.FuturesRetrieveRequest, body)
     target = req.target.sampling_session_id
     # another account's: 404 as an unknown one
-    await run_in_threadpool(st.runs.owned_sampling_session, target, account(request))
+    await run_in_threadpool(st.runs.sampling_sessions.owned_sampling_session, target, account(request))
     limits.integer(req.target.cloned_sampler_id, "target.cloned_sampler_id", hi=limits.INT64_MAX // CLONE_BLOCK)
     limits.integer(req.prev_cursor, "prev_cursor", hi=MAX_CURSOR)
     hold = st.config.retrieve_future_timeout_s

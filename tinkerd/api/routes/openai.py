@@ -66,8 +66,8 @@ async def list_models(request: Request) -> dict:
     st = state(request)
     created = int(time.time())
     data = [{"id": name, "object": "model", "created": created, "owned_by": "tinkerd"} for name in sorted(st.served)]
-    rows, _ = st.runs.list_checkpoints(checkpoint_type="sampler", limit=1000, account_id=request.state.account_id)
-    bases = st.runs.base_models({r.model_id for r in rows})
+    rows, _ = st.runs.checkpoints.list_checkpoints(checkpoint_type="sampler", limit=1000, account_id=request.state.account_id)
+    bases = st.runs.training_runs.base_models({r.model_id for r in rows})
     data += [{"id": r.tinker_path, "object": "model", "owned_by": "user", "root": bases.get(r.model_id),
               "created": int(r.created_at.replace(tzinfo=timezone.utc).timestamp())} for r in rows]
     return {"object": "list", "data": data}
@@ -79,8 +79,8 @@ def _resolve(st: AppState, model: str, account_id: str) -> str:
         path = hpcai.parse_path(model)
         if path.segment not in ("sampler_weights", "weights"):
             raise schema.OpenAIError(f"cannot sample from {model}: use a sampler_weights path", "model")
-        ckpt = st.runs.owned_checkpoint(path, account_id, public_ok=True)  # another account's: NotFoundError
-        return st.runs.run(ckpt.model_id).base_model
+        ckpt = st.runs.checkpoints.owned_checkpoint(path, account_id, public_ok=True)  # another account's: NotFoundError
+        return st.runs.training_runs.run(ckpt.model_id).base_model
     if model not in st.served:
         raise NotFoundError(f"the model {model!r} does not exist; served: {sorted(st.served)}")
     return model
@@ -201,7 +201,11 @@ async def _stream(st: AppState, kind: str, req, tok: text.TextTokenizer, prompts
     queue: asyncio.Queue = asyncio.Queue()
     request_ids = []
     for body, p in zip(bodies, prepared):
-        work = dataclasses.replace(p.work, op=dataclasses.replace(p.work.op, stream=True))
+        # In the logged record too: a driver behind API replicas runs the op as rebuilt from the log
+        # (control/claims.py), and streams only what the record says streams.
+        op = dataclasses.replace(p.work.op, stream=True)
+        record = dataclasses.replace(p.work.record, op=op) if p.work.record is not None else None
+        work = dataclasses.replace(p.work, op=op, record=record)
         accepted = st.control.submit(p.request_type, p.target, p.seq_id, body, work, account_id=account_id)
         st.control.hub.subscribe(accepted.request_id, queue)  # same loop tick as submit: nothing is missed
         request_ids.append(accepted.request_id)

@@ -19,7 +19,8 @@ from fastapi import APIRouter, Depends, Request, Response
 from tinkerd.api import hpcai, limits
 from tinkerd.api.deps import account, authenticate, empty, load_json, read_body, state
 from tinkerd.control import projects
-from tinkerd.control.runs import LOCAL_OWNER, TYPE_SEGMENTS, Runs, TinkerPath, check_name, iso, parse_tinker_path
+from tinkerd.control.ids import LOCAL_OWNER, TYPE_SEGMENTS, TinkerPath, check_name, iso, parse_tinker_path
+from tinkerd.control.runs import Runs
 from tinkerd.control.records import Checkpoint, TrainingRun
 from tinkerd.errors import NotFoundError, UserError
 
@@ -52,12 +53,12 @@ def checkpoint_json(row: Checkpoint, base_model: str | None = None) -> dict:
 
 
 def run_json(runs: Runs, row: TrainingRun) -> dict:
-    last = runs.last_checkpoint(row.model_id, "training")
-    last_sampler = runs.last_checkpoint(row.model_id, "sampler")
+    last = runs.checkpoints.last_checkpoint(row.model_id, "training")
+    last_sampler = runs.checkpoints.last_checkpoint(row.model_id, "sampler")
     return {
         "training_run_id": row.model_id,
         "base_model": row.base_model,
-        "model_owner": runs.account_of(row.session_id) or LOCAL_OWNER,
+        "model_owner": runs.sessions.account_of(row.session_id) or LOCAL_OWNER,
         "is_lora": True,
         "corrupted": False,
         "lora_rank": row.lora_rank,
@@ -95,7 +96,7 @@ def list_training_runs(request: Request, limit: int = 20, offset: int = 0, acces
     runs = state(request).runs
     if project_id is not None:  # one of the caller's projects (control/projects.py); others are 404
         projects.require(runs.store, account(request), [project_id])
-    rows, total = runs.list_runs(limit, offset, account_id=account(request), project_id=project_id)
+    rows, total = runs.training_runs.list_runs(limit, offset, account_id=account(request), project_id=project_id)
     return hpcai.rest_answer(request, {
         "training_runs": [run_json(runs, r) for r in rows],
         "cursor": {"offset": offset, "limit": limit, "total_count": total},
@@ -106,7 +107,7 @@ def list_training_runs(request: Request, limit: int = 20, offset: int = 0, acces
 def get_training_run(run_id: str, request: Request, access_scope: str = "owned") -> dict:
     _scope(access_scope)
     runs = state(request).runs
-    return hpcai.rest_answer(request, run_json(runs, runs.owned_run(run_id, account(request))))
+    return hpcai.rest_answer(request, run_json(runs, runs.training_runs.owned_run(run_id, account(request))))
 
 
 # -- checkpoints --------------------------------------------------------------------------------
@@ -115,8 +116,8 @@ def get_training_run(run_id: str, request: Request, access_scope: str = "owned")
 @router.get("/training_runs/{run_id}/checkpoints")
 def list_run_checkpoints(run_id: str, request: Request) -> dict:
     runs = state(request).runs
-    run = runs.owned_run(run_id, account(request))
-    rows, total = runs.list_checkpoints(run_id)
+    run = runs.training_runs.owned_run(run_id, account(request))
+    rows, total = runs.checkpoints.list_checkpoints(run_id)
     return hpcai.rest_answer(request, {"checkpoints": [checkpoint_json(r, run.base_model) for r in rows],
                                        "cursor": {"offset": 0, "limit": total, "total_count": total}})
 
@@ -125,8 +126,8 @@ def list_run_checkpoints(run_id: str, request: Request) -> dict:
 def list_user_checkpoints(request: Request, limit: int = 100, offset: int = 0) -> dict:
     limit, offset = _page(limit, offset)
     runs = state(request).runs
-    rows, total = runs.list_checkpoints(limit=limit, offset=offset, account_id=account(request))
-    bases = runs.base_models(r.model_id for r in rows)
+    rows, total = runs.checkpoints.list_checkpoints(limit=limit, offset=offset, account_id=account(request))
+    bases = runs.training_runs.base_models(r.model_id for r in rows)
     return hpcai.rest_answer(request, {
         "checkpoints": [checkpoint_json(r, bases.get(r.model_id)) for r in rows],
         "cursor": {"offset": offset, "limit": limit, "total_count": total},
@@ -135,14 +136,14 @@ def list_user_checkpoints(request: Request, limit: int = 100, offset: int = 0) -
 
 @router.delete("/training_runs/{run_id}/checkpoints/{type_seg}/{name}/publish")
 def unpublish_checkpoint(run_id: str, type_seg: str, name: str, request: Request) -> Response:
-    state(request).runs.set_public(_path(run_id, type_seg, name), False, account(request))
+    state(request).runs.checkpoints.set_public(_path(run_id, type_seg, name), False, account(request))
     return empty()
 
 
 @router.post("/training_runs/{run_id}/checkpoints/{type_seg}/{name}/publish")
 def publish_checkpoint(run_id: str, type_seg: str, name: str, request: Request) -> Response:
     # The SDK posts an empty body with a JSON content type: nothing to parse.
-    state(request).runs.set_public(_path(run_id, type_seg, name), True, account(request))
+    state(request).runs.checkpoints.set_public(_path(run_id, type_seg, name), True, account(request))
     return empty()
 
 
@@ -153,13 +154,13 @@ def set_checkpoint_ttl(run_id: str, type_seg: str, name: str, request: Request, 
     if not isinstance(body, dict) or "ttl_seconds" not in body:
         raise UserError('send {"ttl_seconds": <seconds> or null}')
     runs = state(request).runs
-    row = runs.set_ttl(path, body["ttl_seconds"], account(request))
-    return hpcai.rest_answer(request, checkpoint_json(row, runs.base_models([row.model_id]).get(row.model_id)))
+    row = runs.checkpoints.set_ttl(path, body["ttl_seconds"], account(request))
+    return hpcai.rest_answer(request, checkpoint_json(row, runs.training_runs.base_models([row.model_id]).get(row.model_id)))
 
 
 @router.delete("/training_runs/{run_id}/checkpoints/{type_seg}/{name}")
 def delete_checkpoint(run_id: str, type_seg: str, name: str, request: Request) -> Response:
-    state(request).runs.delete_checkpoint(_path(run_id, type_seg, name), account(request))
+    state(request).runs.checkpoints.delete_checkpoint(_path(run_id, type_seg, name), account(request))
     return empty()
 
 
@@ -170,8 +171,8 @@ def weights_info(request: Request, body: bytes = Depends(read_body)) -> dict:
     if not isinstance(tinker_path, str):
         raise UserError('send {"tinker_path": "tinker://<run_id>/<type>/<name>"}')
     runs = state(request).runs
-    ckpt = runs.owned_checkpoint(hpcai.parse_path(tinker_path), account(request), public_ok=True)
-    run = runs.run(ckpt.model_id)
+    ckpt = runs.checkpoints.owned_checkpoint(hpcai.parse_path(tinker_path), account(request), public_ok=True)
+    run = runs.training_runs.run(ckpt.model_id)
     cfg = run.lora_config or {}
     return {
         "base_model": run.base_model,

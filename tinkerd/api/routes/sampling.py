@@ -13,7 +13,7 @@ from tinkerd.artifacts import adapter_key
 from tinkerd.control.control import Work
 from tinkerd.control.oplog import OpRecord, OpType, Payer
 from tinkerd.errors import UserError
-from tinkerd.images import ChunkExpander, ImageLimits
+from tinkerd.images import ChunkExpander, ImageLimits, refuse_text_placeholders
 from tinkerd.types import SampleOp, SamplingParams, base_model_of, long_context_id
 
 router = APIRouter(prefix="/api/v1", dependencies=[Depends(authenticate)])
@@ -28,18 +28,18 @@ def create_sampling_session(request: Request, body: bytes = Depends(read_body)) 
         path = hpcai.parse_path(req.model_path)
         if path.segment not in ("sampler_weights", "weights"):
             raise UserError(f"cannot sample from {req.model_path}: use a sampler_weights or weights path")
-        ckpt = st.runs.owned_checkpoint(path, account(request), public_ok=True)
-        base_model = st.runs.run(ckpt.model_id).base_model
+        ckpt = st.runs.checkpoints.owned_checkpoint(path, account(request), public_ok=True)
+        base_model = st.runs.training_runs.run(ckpt.model_id).base_model
         if req.base_model is not None and base_model_of(req.base_model) != base_model_of(base_model):
             raise UserError(f"{req.model_path} was trained on {base_model}, not {req.base_model}")
         base_model = req.base_model or base_model  # a long-context id of the same base sets the limit
-        adapter_dir = st.runs.key_of(ckpt)
+        adapter_dir = st.runs.checkpoints.key_of(ckpt)
     elif req.base_model is not None:
         base_model, adapter_dir = req.base_model, None
     else:
         raise UserError("create_sampling_session needs a base_model or a model_path")
     st.served_model(base_model)
-    row = st.runs.create_sampling_session(req.session_id, req.sampling_session_seq_id, base_model, req.model_path,
+    row = st.runs.sampling_sessions.create_sampling_session(req.session_id, req.sampling_session_seq_id, base_model, req.model_path,
                                           adapter_dir, account(request))
     return {"sampling_session_id": row.sampling_session_id, "type": "create_sampling_session"}
 
@@ -49,13 +49,13 @@ def join_sampling_session(request: Request, body: bytes = Depends(read_body)) ->
     """A clone id for a new client of an existing sampling session (an unpickled SamplingClient,
     `sample_join_sampling_session`), unique among its clients, so clones never share seq_ids."""
     req = parse(t.JoinSamplingSessionRequest, body)
-    counter = state(request).runs.join_sampling_session(req.sampling_session_id, account(request))
+    counter = state(request).runs.sampling_sessions.join_sampling_session(req.sampling_session_id, account(request))
     return {"type": "join_sampling_session", "client_counter": counter}
 
 
 @router.get("/samplers/{sampler_id}")
 def get_sampler(sampler_id: str, request: Request) -> dict:
-    row = state(request).runs.owned_sampling_session(sampler_id, account(request))
+    row = state(request).runs.sampling_sessions.owned_sampling_session(sampler_id, account(request))
     return {"sampler_id": row.sampling_session_id, "base_model": row.base_model, "model_path": row.model_path}
 
 
@@ -74,6 +74,7 @@ def _prompt_tokens(prompt: t.ModelInput, served, limits: ImageLimits) -> ChunkEx
                             "bytes in an ImageChunk")
         else:
             raise UserError(f"{chunk.type} prompt chunks are not supported by tinkerd")
+    refuse_text_placeholders(chunks.tokens(), chunks.image_inputs(), served.vision, "prompt")
     return chunks
 
 
@@ -108,13 +109,13 @@ def prepare_asample(st: AppState, body: bytes, account_id: str | None = None) ->
     req = parse(t.SampleRequest, body)
     session_id = None
     if req.sampling_session_id is not None:
-        row = st.runs.owned_sampling_session(req.sampling_session_id, account_id)
+        row = st.runs.sampling_sessions.owned_sampling_session(req.sampling_session_id, account_id)
         base_model, adapter_dir, target = row.base_model, adapter_key(row.adapter_dir), row.sampling_session_id
         session_id = row.session_id
     elif req.model_path is not None:
         path = hpcai.parse_path(req.model_path)
-        ckpt = st.runs.owned_checkpoint(path, account_id, public_ok=True)
-        base_model, adapter_dir, target = st.runs.run(ckpt.model_id).base_model, st.runs.key_of(ckpt), str(path)
+        ckpt = st.runs.checkpoints.owned_checkpoint(path, account_id, public_ok=True)
+        base_model, adapter_dir, target = st.runs.training_runs.run(ckpt.model_id).base_model, st.runs.checkpoints.key_of(ckpt), str(path)
     elif req.base_model is not None:
         base_model, adapter_dir, target = req.base_model, None, req.base_model
     else:
@@ -157,7 +158,7 @@ def prepare_asample(st: AppState, body: bytes, account_id: str | None = None) ->
         prompt_alt_tokens_k=int(req.prompt_alt_tokens_k),
         images=chunks.image_inputs(),
     )
-    payer = Payer(account_id if account_id is not None else (st.runs.account_of(session_id) if session_id else None),
+    payer = Payer(account_id if account_id is not None else (st.runs.sessions.account_of(session_id) if session_id else None),
                   session_id, base_model)
     return Prepared("Sample", target, req.seq_id, Work.of(OpRecord(OpType.SAMPLE, op, payer)))
 

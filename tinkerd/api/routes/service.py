@@ -71,7 +71,7 @@ async def dynamic_config() -> dict:
 def create_session(request: Request, body: bytes = Depends(read_body)) -> dict:
     req, ignored = parse_ignoring_unknown(t.CreateSessionRequest, body)
     project_id = check_project_id(req.project_id) if req.project_id is not None else None
-    session_id = state(request).runs.create_session(req.tags, req.user_metadata or {}, req.sdk_version,
+    session_id = state(request).runs.sessions.create_session(req.tags, req.user_metadata or {}, req.sdk_version,
                                                     account(request), getattr(req, "display_name", None), project_id)
     answer = {"session_id": session_id, "type": "create_session"}
     warning = session_warning(req.sdk_version, ignored)
@@ -83,7 +83,7 @@ def create_session(request: Request, body: bytes = Depends(read_body)) -> dict:
 @authed.post("/session_heartbeat")
 def session_heartbeat(request: Request, body: bytes = Depends(read_body)) -> dict:
     req = parse(t.SessionHeartbeatRequest, body)
-    state(request).runs.heartbeat(req.session_id, account(request))
+    state(request).runs.sessions.heartbeat(req.session_id, account(request))
     return {"type": "session_heartbeat"}
 
 
@@ -96,9 +96,8 @@ def finish_session(session_id: str, request: Request, body: bytes = Depends(read
     except (ValueError, AttributeError):
         pass  # no reason, or one of another shape: the session still finishes
     st = state(request)
-    st.runs.finish_session(session_id, reason, account(request))
-    if st.control.residency is not None:
-        st.control.residency.poke()  # release its runs now: their quota places come free
+    st.runs.sessions.finish_session(session_id, reason, account(request))
+    st.control.release_run()  # release its runs now: their quota places come free
     return empty()
 
 

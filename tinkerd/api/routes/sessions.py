@@ -19,7 +19,7 @@ from tinkerd.api.deps import account, authenticate, empty, load_json, parse, rea
 from tinkerd.control import projects
 from tinkerd.control.projects import check_project_id
 from tinkerd.control.copies import copy_weights
-from tinkerd.control.runs import LOCAL_OWNER, iso
+from tinkerd.control.ids import LOCAL_OWNER, iso
 from tinkerd.control.sessions import SessionSearch, Sessions, status_of
 from tinkerd.control.tokens import InvalidToken
 from tinkerd.control.traces import session_trace
@@ -36,7 +36,7 @@ MAX_PAGE = 10_000
 
 
 def _sessions(request: Request) -> Sessions:
-    return Sessions(state(request).runs)
+    return state(request).runs.sessions
 
 
 def _scope(access_scope: str) -> None:
@@ -97,7 +97,7 @@ def trace_export(session_id: str, request: Request) -> dict:
     """Ready at once: the trace is built from the store when the signed URL is fetched, so it is
     always up to date (control/traces.py)."""
     st = state(request)
-    row = st.runs.owned_session(session_id, account(request))
+    row = st.runs.sessions.owned_session(session_id, account(request))
     token = st.tokens.sign_url_token(TRACE_AUDIENCE, {"session_id": row.session_id}, TRACE_LINK_S)
     return {"status": "ready", "url": f"{str(request.base_url).rstrip('/')}/api/v1/trace_downloads/{token}"}
 
@@ -119,12 +119,12 @@ def trace_download(token: str, request: Request) -> JSONResponse:
 @router.put("/sessions/{session_id}/project")
 def assign_session_project(session_id: str, request: Request, body: bytes = Depends(read_body)) -> Response:
     runs = state(request).runs
-    runs.owned_session(session_id, account(request))  # a foreign session is a 404 first
+    runs.sessions.owned_session(session_id, account(request))  # a foreign session is a 404 first
     body = load_json(body)
     project_id = body.get("project_id") if isinstance(body, dict) else None
     if project_id is None:
         raise UserError("assign_session_project needs a project_id (a session cannot leave its project)")
-    runs.set_project(session_id, check_project_id(project_id), account(request))
+    runs.sessions.set_project(session_id, check_project_id(project_id), account(request))
     return empty()
 
 

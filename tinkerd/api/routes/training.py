@@ -17,11 +17,13 @@ from tinkerd.control.copies import is_copy_run, trainable_config
 from tinkerd.control.custom_losses import CustomLosses
 from tinkerd.control.oplog import CreateSampler, OpRecord, OpType, Payer, RegisterCheckpoint
 from tinkerd.control.records import TrainingRun
-from tinkerd.control.runs import TinkerPath, check_name, check_ttl, parse_tinker_path
+from tinkerd.control.ids import TinkerPath, check_name, check_ttl, parse_tinker_path
 from tinkerd.errors import UserError
+from tinkerd.images import refuse_text_placeholders
 from tinkerd.types import (
     AdamParams,
     CreateModelOp,
+    ForwardBackwardOp,
     LoadWeightsOp,
     LoraSpec,
     OptimStepOp,
@@ -47,7 +49,7 @@ def _lora_spec(st: AppState, cfg: dict) -> LoraSpec:
 
 def _payer(st: AppState, run: TrainingRun, account_id: str | None) -> Payer:
     """Training ops are billed to the run's owner (the caller, who must own it)."""
-    owner = account_id if account_id is not None else st.runs.account_of(run.session_id)
+    owner = account_id if account_id is not None else st.runs.sessions.account_of(run.session_id)
     return Payer(owner, run.session_id, run.base_model)
 
 
@@ -61,11 +63,22 @@ def _accepted(op_type: OpType, op, st: AppState, run: TrainingRun, account_id: s
 
 def _trainable(st: AppState, model_id: str, account_id: str | None) -> TrainingRun:
     """The caller's run, refused when copy_weights made it: it holds copies, no adapter to train."""
-    run = st.runs.owned_run(model_id, account_id)
+    run = st.runs.training_runs.owned_run(model_id, account_id)
     if is_copy_run(run):
         raise UserError(f"training run {model_id} holds copied weights and cannot be trained on; "
                         "load them with create_training_client_from_state")
     return run
+
+
+def _refuse_text_placeholders(st: AppState, run: TrainingRun, op: ForwardBackwardOp) -> None:
+    """A VLM's image placeholder id in a datum's text is a 400 here, naming the datum and position,
+    rather than the engine's failed future (engine/model/vision.py)."""
+    try:
+        vision = st.served_model(run.base_model).vision
+    except UserError:  # a base model not served now: the engine reports that, as for any op of the run
+        return
+    for i, d in enumerate(op.data):
+        refuse_text_placeholders(d.tokens, d.images, vision, f"datum {i}")
 
 
 # `completed`: a complete op of a data directory written before the op log (api/legacy.py) is being
@@ -93,7 +106,7 @@ def prepare_create_model(st: AppState, body: bytes, account_id: str | None = Non
         # initial weights, and distinct runs still start from distinct ones.
         model_id = f"{req.session_id}:train:{req.model_seq_id}"
         lora_config["seed"] = int.from_bytes(hashlib.sha256(model_id.encode()).digest()[:8], "big") >> 1
-    run, _ = st.runs.create_run(req.session_id, req.model_seq_id, req.base_model, lora_config, req.user_metadata,
+    run, _ = st.runs.training_runs.create_run(req.session_id, req.model_seq_id, req.base_model, lora_config, req.user_metadata,
                                 account_id)
     # The run keeps the name as asked (a long-context id included: get_info and its samplers report
     # it, and its limit applies to them); the engine gets the base.
@@ -106,7 +119,7 @@ def prepare_create_model(st: AppState, body: bytes, account_id: str | None = Non
 def get_info(request: Request, body: bytes = Depends(read_body)) -> dict:
     st = state(request)
     req = parse(t.GetInfoRequest, body)
-    run = st.runs.owned_run(req.model_id, account(request))
+    run = st.runs.training_runs.owned_run(req.model_id, account(request))
     served = st.served_model(run.base_model)
     return {
         "type": "get_info",
@@ -129,6 +142,8 @@ def prepare_forward_backward(st: AppState, body: bytes, account_id: str | None =
 
     op = codec.decode_forward_backward(body, vision_of, st.image_limits())
     run = _trainable(st, op.model_id, account_id)
+    if not completed:
+        _refuse_text_placeholders(st, run, op)
     seq_id = codec.forward_backward_seq_id(body)[1] if sequenced else None
     if not completed and seq_id is not None:
         limits.seq_id(seq_id)
@@ -173,9 +188,9 @@ def prepare_save_weights(st: AppState, body: bytes, account_id: str | None = Non
     name = check_name(req.path, "path") if req.path is not None else f"step-{req.seq_id}"
     path = TinkerPath(req.model_id, "weights", name)
     ttl = check_ttl(req.ttl_seconds)  # before the op is queued: a bad TTL writes nothing
-    if not req.overwrite and st.runs.checkpoint_exists(path):
+    if not req.overwrite and st.runs.checkpoints.checkpoint_exists(path):
         raise UserError(f"checkpoint {path} already exists; pass overwrite=True to replace it")
-    op = SaveWeightsOp(req.model_id, st.runs.checkpoint_key(path), with_optimizer=True)
+    op = SaveWeightsOp(req.model_id, st.runs.checkpoints.checkpoint_key(path), with_optimizer=True)
     work = _accepted(OpType.SAVE_WEIGHTS, op, st, run, account_id, reply={"path": str(path)},
                      effect=RegisterCheckpoint(str(path), ttl, req.user_metadata))
     return Prepared("SaveWeights", req.model_id, req.seq_id, work)
@@ -196,14 +211,14 @@ def prepare_save_weights_for_sampler(st: AppState, body: bytes, account_id: str 
     if req.path is not None:
         path = TinkerPath(req.model_id, "sampler_weights", check_name(req.path, "path"))
         ttl = check_ttl(req.ttl_seconds)  # before the op is queued: a bad TTL writes nothing
-        op = SaveWeightsOp(req.model_id, st.runs.checkpoint_key(path), with_optimizer=False)
+        op = SaveWeightsOp(req.model_id, st.runs.checkpoints.checkpoint_key(path), with_optimizer=False)
         reply, effect = {"path": str(path)}, RegisterCheckpoint(str(path), ttl, req.user_metadata)
 
     elif req.sampling_session_seq_id is not None:
         # Ephemeral: the sampler is created server-side from these weights; the SDK sends no
         # create_sampling_session and samples through the returned id.
         sid = f"{run.session_id}:sample:{req.sampling_session_seq_id}"
-        adapter_dir = st.runs.ephemeral_key(sid)
+        adapter_dir = st.runs.sampling_sessions.ephemeral_key(sid)
         op = SaveWeightsOp(req.model_id, adapter_dir, with_optimizer=False)
 
         # Control creates the session when the save succeeded (control/bookkeeping.py), and prunes
@@ -226,8 +241,8 @@ def prepare_load_weights(st: AppState, body: bytes, account_id: str | None = Non
     path = hpcai.parse_path(req.path)
     if path.segment != "weights":
         raise UserError(f"load_weights needs a training checkpoint (tinker://.../weights/<name>), got {req.path}")
-    ckpt = st.runs.owned_checkpoint(path, account_id, public_ok=True)
-    source = st.runs.run(ckpt.model_id)
+    ckpt = st.runs.checkpoints.owned_checkpoint(path, account_id, public_ok=True)
+    source = st.runs.training_runs.run(ckpt.model_id)
     if req.model_id is not None:
         # Legacy in-place load into an existing model, ordered with its other ops.
         run = _trainable(st, req.model_id, account_id)
@@ -242,7 +257,7 @@ def prepare_load_weights(st: AppState, body: bytes, account_id: str | None = Non
         name = req.base_model if req.base_model is not None else source.base_model
         if req.base_model is not None:
             st.served_model(name)
-        run, _ = st.runs.create_run(req.session_id, req.model_seq_id, name, trainable_config(source.lora_config),
+        run, _ = st.runs.training_runs.create_run(req.session_id, req.model_seq_id, name, trainable_config(source.lora_config),
                                     req.user_metadata if req.user_metadata is not None else source.user_metadata,
                                     account_id)
         target, seq_id = run.model_id, 0
@@ -251,7 +266,7 @@ def prepare_load_weights(st: AppState, body: bytes, account_id: str | None = Non
     rank = int(source.lora_config.get("rank", 0))
     if not completed and rank > st.config.max_lora_rank:  # the engine runs what was accepted, unchecked
         raise UserError(f"checkpoint {path} has LoRA rank {rank}, over this server's limit {st.config.max_lora_rank}")
-    op = LoadWeightsOp(target, base_model_of(source.base_model), st.runs.key_of(ckpt),
+    op = LoadWeightsOp(target, base_model_of(source.base_model), st.runs.checkpoints.key_of(ckpt),
                        with_optimizer=req.optimizer)
     work = _accepted(OpType.LOAD_WEIGHTS, op, st, run, account_id, reply={"path": str(path), "model_id": target})
     return Prepared("LoadWeights", target, seq_id, work)
@@ -325,7 +340,7 @@ def unload_model(request: Request, body: bytes = Depends(read_body)) -> JSONResp
     model_id = body.get("model_id") if isinstance(body, dict) else None
     if not isinstance(model_id, str) or not model_id:
         raise UserError("unload_model needs a model_id (a string)")
-    run = st.runs.owned_run(model_id, account(request))
+    run = st.runs.training_runs.owned_run(model_id, account(request))
     st.control.release_run(run.model_id)
     payload = json.dumps({"model_id": run.model_id, "type": "unload_model"}).encode()
     request_id = st.control.complete_now("UnloadModel", run.model_id, payload, "application/json",

@@ -15,15 +15,19 @@ retries storing a finished op's result until it lands (control/results.py).
 
 from __future__ import annotations
 
+import os
+import socket
 import sqlite3
 import threading
+import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any, Iterator, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
-from sqlalchemy import create_engine, event, make_url, select
-from sqlalchemy.exc import DataError, IntegrityError, OperationalError
+from sqlalchemy import create_engine, event, make_url, select, text
+from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import NullPool
 
 from tinkerd.control.clock import utcnow  # noqa: F401  (imported from here by most of control)
 from tinkerd.control.store.migrations import upgrade
@@ -31,6 +35,10 @@ from tinkerd.control.store.tables import FutureRow
 from tinkerd.errors import StorageUnavailable, UserError
 
 T = TypeVar("T")
+# How a process's connections name themselves to PostgreSQL (pg_stat_activity.application_name):
+# `tinkerd fsck` finds the other processes using the database by it, as it finds SQLite's holders
+# in /proc (cli/fsck.py). At most 63 bytes (PostgreSQL's NAMEDATALEN).
+APP_NAME = f"tinkerd {socket.gethostname()[:32]} pid {os.getpid()}"
 
 
 class Store:
@@ -47,7 +55,10 @@ class Store:
             # pre_ping: a pooled connection a PostgreSQL restart closed is replaced before use, not
             # handed to a request. The pool (5 + 10 overflow) exceeds the store's concurrent callers
             # here (the event loop's thread, the worker, the sweeps).
-            self.engine = create_engine(url, pool_pre_ping=True)
+            connect = {"application_name": APP_NAME}
+            self.engine = create_engine(url, pool_pre_ping=True, connect_args=connect)
+            # The write probe's: a new connection each time (below), with a short connect timeout.
+            self._probe_engine = create_engine(url, poolclass=NullPool, connect_args={**connect, "connect_timeout": 2})
             self._lock = nullcontext()
             self._where = parsed.render_as_string(hide_password=True)
         with self._faults():
@@ -123,13 +134,18 @@ class Store:
 
     def write_probe(self, timeout_s: float = 0.1) -> str | None:
         """Why a write would fail now, or None: for readiness (GET /readyz), so that a store another
-        process has locked, or a read-only one, shows before a write has failed on it. SQLite only,
-        on a connection of its own with a short busy timeout: BEGIN IMMEDIATE takes the write lock
-        (in WAL mode readers go on), a CREATE TABLE makes SQLite open the file for writing (BEGIN
-        alone passes on a read-only file), and the ROLLBACK leaves nothing. The store's own writes
-        hold the lock for well under a millisecond, so they do not make it fail."""
-        if self.engine.dialect.name != "sqlite":
-            return None
+        process has locked, a read-only one or (PostgreSQL) an unreachable one shows before a write
+        has failed on it. On a connection of its own, with a short timeout, and rolled back.
+
+        SQLite: BEGIN IMMEDIATE takes the write lock (in WAL mode readers go on), a CREATE TABLE makes
+        SQLite open the file for writing (BEGIN alone passes on a read-only file). The store's own
+        writes hold the lock for well under a millisecond, so they do not make it fail.
+        PostgreSQL: a new connection (a pooled one would hide a server that refuses new ones, and
+        settings such as default_transaction_read_only take effect on new sessions), then an UPDATE
+        of no rows of the futures table, which every accepted op writes: refused in a read-only
+        transaction or on a standby, and it waits for the table's write lock, up to the timeout."""
+        if not self.sqlite:
+            return self._pg_write_probe(timeout_s)
         try:
             db = sqlite3.connect(self._where, timeout=timeout_s, isolation_level=None)
         except sqlite3.Error as e:
@@ -146,6 +162,56 @@ class Store:
                     db.execute("ROLLBACK")
             finally:
                 db.close()
+
+    def _pg_write_probe(self, timeout_s: float) -> str | None:
+        ms = max(1, int(timeout_s * 1000))
+        try:
+            with self._probe_engine.connect() as conn:
+                conn.execute(text(f"SET lock_timeout = {ms}"))
+                conn.execute(text(f"SET statement_timeout = {ms * 10}"))
+                conn.execute(text("UPDATE futures SET status = status WHERE false"))
+                conn.rollback()
+            return None
+        except DBAPIError as e:  # refused, unreachable, read-only, locked: the reason is the answer
+            return str(e.orig).strip().splitlines()[0] if str(e.orig).strip() else type(e.orig).__name__
+
+    def holders(self) -> list[str]:
+        """PostgreSQL: the other tinkerd processes connected to this database now, one line each
+        (their application_name and address); this process's own connections are left out. Empty on
+        SQLite (cli/fsck.py looks in /proc there)."""
+        if self.sqlite:
+            return []
+        with self._faults(), self.engine.connect() as conn:
+            rows = conn.execute(text(
+                "SELECT pid, application_name, coalesce(host(client_addr), 'local socket') FROM pg_stat_activity "
+                "WHERE datname = current_database() AND application_name LIKE 'tinkerd %' "
+                "AND application_name <> :me"), {"me": APP_NAME}).all()
+        return [f"{name} (backend {pid}, from {addr})" for pid, name, addr in rows]
+
+    def dispose(self) -> None:
+        """Close the pooled connections (PostgreSQL: they leave pg_stat_activity)."""
+        self.engine.dispose()
+
+    def time_statements(self, observe: Callable[[str, float], None]) -> Callable[[], None]:
+        """Call observe(verb, seconds) after every statement the store runs (verb: its first word,
+        lower case: select, insert, ...), for the metrics (control/metrics.py); returns the function
+        that stops it."""
+        def start(conn, cursor, statement, parameters, context, executemany):
+            conn.info.setdefault("tinkerd_t0", []).append(time.perf_counter())
+
+        def end(conn, cursor, statement, parameters, context, executemany):
+            starts = conn.info.get("tinkerd_t0")
+            if starts:
+                observe(statement.lstrip()[:6].lower(), time.perf_counter() - starts.pop())
+
+        listeners = (("before_cursor_execute", start), ("after_cursor_execute", end))
+        for name, fn in listeners:
+            event.listen(self.engine, name, fn)
+
+        def stop() -> None:
+            for name, fn in listeners:
+                event.remove(self.engine, name, fn)
+        return stop
 
     def future_by_dedupe_key(self, key: str) -> FutureRow | None:
         rows = self.query(select(FutureRow).where(FutureRow.dedupe_key == key))

@@ -109,6 +109,10 @@ class FutureRow(Base):
     # process with a worker, and by the worker's claim for ops an `api` replica accepted. NULL: not
     # claimed yet (or accepted by a tinkerd from before replicas; recovery takes every pending op).
     claimed_by: Mapped[str | None] = mapped_column(String, nullable=True)
+    # Why the driver's scheduler holds this pending op back (an account quota, control/quotas.py), as
+    # the driver last posted it (control/pauses.py), for an api replica's retrieve_future to report;
+    # NULL: not held. Only api replicas read it: the driver answers from its scheduler.
+    paused_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
 
 
 class FutureWatermarkRow(Base):

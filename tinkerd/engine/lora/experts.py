@@ -6,6 +6,13 @@ Qwen3_5MoeExperts, Qwen3VLMoeTextExperts):
     gate_up_proj [E, 2I, H]   gate rows first, then up (`.chunk(2, -1)`)
     down_proj    [E, H, I]
 
+gpt-oss (GptOssExperts, flagged `is_transposed` and not `is_concatenated` by transformers' experts
+decorator) stores them the other way round, with the gate and up columns interleaved, a bias on
+each, and its own clamped SwiGLU (`_apply_gate`):
+
+    gate_up_proj [E, H, 2I]   columns g0, u0, g1, u1, ...      gate_up_proj_bias [E, 2I]
+    down_proj    [E, I, H]                                     down_proj_bias    [E, H]
+
 and the experts module is called as `experts(hidden [N, H], top_k_index [N, k], top_k_weights [N, k])`
 on the flattened tokens of the batch. `MultiLoraExperts` replaces that module. For every adapter
 slot each parameter carries a rank-R LoRA per expert, stacked:
@@ -13,7 +20,11 @@ slot each parameter carries a rank-R LoRA per expert, stacked:
     A [E, R, in]   B [E, out, R]       delta_e = scaling * B[e] @ A[e]
 
 which is exactly PEFT's `target_parameters` LoRA (lora.ParamWrapper: its `get_delta_factors`
-gives the same A [E, R, in] and B [E, out, R]), so PEFT is the test oracle. Unlike PEFT, which adds
+gives the same A [E, R, in] and B [E, out, R], for either storage order), so PEFT is the test
+oracle. The gate_up LoRA's B is kept gate rows first for every family: for gpt-oss the layer
+interleaves the delta's columns to the model's g0, u0, ... order, so checkpoints and the file
+layout below (w1 = gate half, w3 = up half) are the same code for every family (PEFT's B for
+gpt-oss has the interleaved row order; tests/parity/peft_oracle.py converts). Unlike PEFT, which adds
 the delta to the whole expert stack every forward (a full copy of every expert tensor) and refuses
 mixed-adapter batches, the delta here is applied as two skinny matmuls to the tokens routed to an
 expert, grouped by their row's slot: a decode batch mixing tenants stays one forward.
@@ -41,8 +52,11 @@ from tinkerd.engine.lora.layers import LoraContext, LoraWeights
 class ExpertsParam:
     """The adapters of one 3-D expert parameter, by slot: what the pool attaches to and sizes by."""
 
-    def __init__(self, weight: nn.Parameter):
-        self.weight = weight  # [E, out, in]
+    def __init__(self, weight: nn.Parameter, transposed: bool = False, interleaved: bool = False):
+        self.weight = weight  # [E, out, in]; transposed: [E, in, out]
+        self.transposed = transposed
+        # Output columns g0, u0, g1, u1, ... (gpt-oss gate_up_proj); B stays gate rows first.
+        self.interleaved = interleaved
         self.adapters: dict[int, LoraWeights] = {}
 
     @property
@@ -51,7 +65,22 @@ class ExpertsParam:
 
     def lora_shapes(self, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         e, out, inp = self.weight.shape
+        if self.transposed:
+            out, inp = inp, out
         return (e, rank, inp), (e, out, rank)
+
+    def base(self, x: torch.Tensor, expert: int, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [n, in] through expert `expert`'s frozen weight (and bias)."""
+        w = self.weight[expert]
+        y = x @ w if self.transposed else F.linear(x, w)
+        return y if bias is None else y + bias[expert]
+
+    def _delta(self, x: torch.Tensor, lw: LoraWeights, expert: int) -> torch.Tensor:
+        # A bf16 base casts the fp32 master A/B for the pass, as lora_delta_add does (engine/precision.py).
+        d = (x @ lw.a[expert].to(x.dtype).t()) @ lw.b[expert].to(x.dtype).t()  # [n, out], gate rows first
+        if self.interleaved:  # [g | u] -> g0, u0, g1, u1, ...
+            d = d.view(d.shape[0], 2, -1).transpose(1, 2).reshape(d.shape[0], -1)
+        return d
 
     def init_a(self, a: torch.Tensor, generator: torch.Generator) -> None:
         """Kaiming-uniform as PEFT draws its [E*R, in] lora_A: the bound depends on `in` only."""
@@ -65,11 +94,10 @@ class ExpertsParam:
             lw = self.adapters.get(slot)
             if lw is None:
                 continue
-            a, b = lw.a[expert], lw.b[expert]  # [R, in], [out, R]
             if pos is None:
-                y = y + (x @ a.t()) @ b.t() * lw.scaling
+                y = y + self._delta(x, lw, expert) * lw.scaling
             else:
-                y = y.index_add(0, pos, (x[pos] @ a.t()) @ b.t() * lw.scaling)
+                y = y.index_add(0, pos, self._delta(x[pos], lw, expert) * lw.scaling)
         return y
 
 
@@ -121,8 +149,13 @@ class MultiLoraExperts(nn.Module):
         self.ctx = ctx
         self.routing = routing
         self.num_experts = base.gate_up_proj.shape[0]
-        self.gate_up = ExpertsParam(base.gate_up_proj)
-        self.down = ExpertsParam(base.down_proj)
+        # transformers' experts decorator records the storage order on the module (gpt-oss:
+        # transposed, interleaved, with biases); a class without it is Qwen's [E, out, in], gate first.
+        transposed = bool(getattr(base, "is_transposed", False))
+        self.gate_up = ExpertsParam(base.gate_up_proj, transposed, not getattr(base, "is_concatenated", True))
+        self.down = ExpertsParam(base.down_proj, transposed)
+        self.gate_up_bias = getattr(base, "gate_up_proj_bias", None)
+        self.down_bias = getattr(base, "down_proj_bias", None)
 
     def _token_slots(self, n: int) -> torch.Tensor | None:
         """None when every token uses one slot (ctx.groups[0]), else the slot of each token [n]."""
@@ -156,10 +189,10 @@ class MultiLoraExperts(nn.Module):
                 mine = token_slots[token_idx]
                 slots = [(int(s), (mine == s).nonzero()[:, 0]) for s in mine.unique().tolist()]
             x = hidden_states[token_idx]
-            gate_up = self.gate_up.add(F.linear(x, base.gate_up_proj[e]), x, e, slots)
-            gate, up = gate_up.chunk(2, dim=-1)
-            h = base.act_fn(gate) * up
-            y = self.down.add(F.linear(h, base.down_proj[e]), h, e, slots)
+            gate_up = self.gate_up.add(self.gate_up.base(x, e, self.gate_up_bias), x, e, slots)
+            # The family's own activation: chunk + act_fn (Qwen), clamped interleaved SwiGLU (gpt-oss).
+            h = base._apply_gate(gate_up)
+            y = self.down.add(self.down.base(h, e, self.down_bias), h, e, slots)
             y = y * top_k_weights[token_idx, top_k_pos, None]
             out.index_add_(0, token_idx, y.to(out.dtype))
         return out

@@ -15,15 +15,20 @@ Saved keys differ from constructor keywords: `Qwen3MoeConfig(num_experts=4)` is 
 | qwen3_moe  | qwen3_moe                        | attention, every routed expert (lora/experts.py), dense MLP layers, lm_head |
 | qwen3_5    | qwen3_5_text; qwen3_5 text only  | Gated DeltaNet in_proj_qkv/in_proj_z/out_proj, gated attention q/k/v/o, MLP, lm_head |
 | qwen3_5_moe | qwen3_5_moe_text; qwen3_5_moe text only | as qwen3_5, with every routed expert and the shared expert instead of the MLP |
+| gpt_oss    | gpt_oss                          | attention q/k/v/o, every routed expert (interleaved gate/up, lora/experts.py), lm_head |
 | qwen3_vl   | qwen3_vl (with its vision tower) | the language model's attention, MLP, lm_head; none on the tower |
 | qwen3_5 VL | qwen3_5 with preprocessor_config.json | as qwen3_5; none on the tower |
+| qwen3_5_moe VL | qwen3_5_moe with preprocessor_config.json | as qwen3_5_moe; none on the tower |
 
 Qwen3.5 is hybrid linear attention: 3 of every 4 layers are Gated DeltaNet (conv + recurrent
 state, no KV cache; the sampler keeps both, sampler/hybrid.py). A `qwen3_5` checkpoint (the
 vision-language one, with `vision_config`) is served with its vision tower when its
-`preprocessor_config.json` is there (images in, engine/model/vision.py); without it, and for
-`qwen3_5_moe` VLM checkpoints, `AutoModelForCausalLM` loads the language model alone and the
-registry logs as a warning, naming the model, that the tower is not loaded and images are refused.
+`preprocessor_config.json` is there (images in, engine/model/vision.py), and so is a `qwen3_5_moe`
+one; without it `AutoModelForCausalLM` loads the language model alone and the registry logs as a warning, naming the model, that the tower is not loaded and images are refused.
+
+gpt-oss alternates sliding-window and full attention layers (`layer_types`); its attention adds a
+learned per-head sink logit to the softmax (transformers' eager attention, which the model is
+loaded with), and the sampler gives its sliding layers their own window mask (sampler/sample.py).
 """
 
 from __future__ import annotations
@@ -57,20 +62,21 @@ QWEN3_5_TEXT_ONLY = Family("qwen3_5", layer_types=_HYBRID, text_only=True)
 QWEN3_5_VL = Family("qwen3_5", layer_types=_HYBRID, vision=True)
 QWEN3_5_MOE = Family("qwen3_5_moe", experts_class="Qwen3_5MoeExperts", layer_types=_HYBRID)
 QWEN3_5_MOE_TEXT_ONLY = Family("qwen3_5_moe", experts_class="Qwen3_5MoeExperts", layer_types=_HYBRID, text_only=True)
+GPT_OSS = Family("gpt_oss", experts_class="GptOssExperts", layer_types=frozenset({"full_attention", "sliding_attention"}))
+QWEN3_5_MOE_VL = Family("qwen3_5_moe", experts_class="Qwen3_5MoeExperts", layer_types=_HYBRID, vision=True)
 
 _SERVED = {"llama": DENSE, "mistral": DENSE, "qwen2": DENSE, "qwen3": DENSE, "qwen3_moe": QWEN3_MOE,
-           "qwen3_5_text": QWEN3_5, "qwen3_5_moe_text": QWEN3_5_MOE, "qwen3_vl": QWEN3_VL}
+           "qwen3_5_text": QWEN3_5, "qwen3_5_moe_text": QWEN3_5_MOE, "qwen3_vl": QWEN3_VL, "gpt_oss": GPT_OSS}
 # Vision-language checkpoints served as their language model alone (see the module docstring).
 _TEXT_ONLY = {"qwen3_5": QWEN3_5_TEXT_ONLY, "qwen3_5_moe": QWEN3_5_MOE_TEXT_ONLY}
 # ... and the same served with the tower, when the checkpoint has its image processor's
 # preprocessor_config.json (the image token count depends on it).
-_WITH_TOWER = {"qwen3_5": QWEN3_5_VL}
+_WITH_TOWER = {"qwen3_5": QWEN3_5_VL, "qwen3_5_moe": QWEN3_5_MOE_VL}
 
 # Known but not (yet) served, with the reason a user reads.
 _VISION = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl_moe", "kimi_k25",
            "llava", "mllama", "gemma3", "idefics3", "inkling")
 _NOT_YET = {
-    "gpt_oss": "gpt-oss MoE (interleaved experts, attention sinks) is not served yet",
     "qwen3_next": "hybrid linear attention (Gated DeltaNet) is not served yet",
     "deepseek_v3": "DeepSeek-V3 MoE is not served yet",
 }

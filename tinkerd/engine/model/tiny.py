@@ -12,10 +12,12 @@ import importlib.util
 from pathlib import Path
 
 import torch
-from transformers import (AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
-                          Qwen3MoeForCausalLM, Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLMoeConfig,
-                          Qwen3VLMoeForConditionalGeneration, Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration,
-                          Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig)
+from transformers import (AutoTokenizer, GptOssConfig, GptOssForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, Qwen3VLConfig,
+                          Qwen3VLForConditionalGeneration, Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration,
+                          Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5MoeConfig,
+                          Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration, Qwen3_5MoeTextConfig,
+                          Qwen3_5TextConfig)
 
 from tinkerd.engine.model.vision import tiny_processor_files
 
@@ -116,6 +118,43 @@ def _qwen3_5_moe(common: dict) -> Qwen3_5MoeTextConfig:
                                 num_experts=4, num_experts_per_tok=2)
 
 
+def _qwen3_5_moe_vl(common: dict) -> Qwen3_5MoeConfig:
+    # The layers of _qwen3_5_moe with the one-block tower of _qwen3_5_vl: Qwen3_5MoeForConditionalGeneration,
+    # model_type qwen3_5_moe, as the released Qwen3.5 / 3.6 MoE checkpoints.
+    vision = _qwen3_5_vl(common).vision_config.to_dict()
+    return Qwen3_5MoeConfig(text_config=_qwen3_5_moe(common).to_dict(), vision_config=vision, tie_word_embeddings=False,
+                            **_QWEN3_VISION_IDS)
+
+
+def _gpt_oss(common: dict) -> GptOssConfig:
+    # 2 layers, the released alternation (layer 0 sliding, layer 1 full) with a window of 8, so a
+    # test's prompts and decode steps cross it. 4 experts top-2; expert intermediate 40 against
+    # hidden 64 (the cookbook's fused-axis detection, as the Qwen MoE models). YaRN rope as
+    # released (factor 32 over 128 original positions here, 4096 in all). swiglu_limit 0.3
+    # (released: 7.0): at a tiny random model's scale the clamp would otherwise never bite.
+    keep = {k: v for k, v in common.items() if k not in ("intermediate_size", "torch_dtype")}
+    return GptOssConfig(**keep, intermediate_size=40, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                        layer_types=["sliding_attention", "full_attention"], swiglu_limit=0.3,
+                        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 128})
+
+
+def _gpt_oss_weights(model: GptOssForCausalLM) -> None:
+    # Sinks and the router bias are drawn N(0, 0.02) by transformers: next to nothing. Larger
+    # draws make a sampler or trainer that dropped them visibly wrong in tests.
+    for layer in model.model.layers:
+        layer.self_attn.sinks.normal_(0.0, 1.0)
+        layer.mlp.router.bias.normal_(0.0, 0.5)
+
+
+# The Harmony format's special tokens (the cookbook's gpt_oss renderers need <|return|> and <|call|>
+# to be one token each). The tiny gpt-oss model has the Qwen3 tokenizer with these added (o200k_harmony
+# itself is not installable offline); they end its vocabulary, and <|return|> / <|call|> are its EOS.
+HARMONY_TOKENS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>"]
+_EXTRA_TOKENS = {"tinkerd/tiny-gpt-oss": HARMONY_TOKENS}
+_EXTRA_WEIGHTS = {"tinkerd/tiny-gpt-oss": _gpt_oss_weights}
+
+
 TINY_MODELS = {
     "tinkerd/tiny-qwen3": (lambda c: Qwen3Config(**c), Qwen3ForCausalLM),
     "tinkerd/tiny-llama": (lambda c: LlamaConfig(**c), LlamaForCausalLM),
@@ -125,6 +164,8 @@ TINY_MODELS = {
     "tinkerd/tiny-qwen3.5": (_qwen3_5, Qwen3_5ForCausalLM),
     "tinkerd/tiny-qwen3.5-moe": (_qwen3_5_moe, Qwen3_5MoeForCausalLM),
     "tinkerd/tiny-qwen3.5-vl": (_qwen3_5_vl, Qwen3_5ForConditionalGeneration),
+    "tinkerd/tiny-gpt-oss": (_gpt_oss, GptOssForCausalLM),
+    "tinkerd/tiny-qwen3.5-moe-vl": (_qwen3_5_moe_vl, Qwen3_5MoeForConditionalGeneration),
 }
 
 
@@ -132,7 +173,12 @@ def build_tiny(name: str, out_dir: Path) -> None:
     """Build `name` into `out_dir` (config, safetensors, tokenizer files)."""
     config_cls, model_cls = TINY_MODELS[name]
     tok = AutoTokenizer.from_pretrained(qwen3_tokenizer_dir())
-    config = config_cls(_common(len(tok), tok.eos_token_id, tok.pad_token_id))
+    eos = tok.eos_token_id
+    if name in _EXTRA_TOKENS:
+        tok.add_special_tokens({"additional_special_tokens": _EXTRA_TOKENS[name]})
+        tok.eos_token = "<|return|>"
+        eos = tok.convert_tokens_to_ids(["<|return|>", "<|call|>"])
+    config = config_cls(_common(len(tok), eos, tok.pad_token_id))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(TINY_SEED)
         model = model_cls(config)
@@ -141,7 +187,9 @@ def build_tiny(name: str, out_dir: Path) -> None:
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(TINY_SEED + 1)
         model.lm_head.weight.normal_(0.0, 0.5)
-    model.generation_config.eos_token_id = tok.eos_token_id
+        if name in _EXTRA_WEIGHTS:
+            _EXTRA_WEIGHTS[name](model)
+    model.generation_config.eos_token_id = eos
     model.save_pretrained(out_dir)
     tok.save_pretrained(out_dir)
     vision = getattr(config, "vision_config", None)

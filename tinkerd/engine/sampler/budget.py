@@ -43,27 +43,42 @@ class KvBudget:
                 f"lower num_samples or max_tokens, or split the request"
             )
 
-    def room(self, rows: list[Row], joining: list[Request]) -> Callable[[Request], bool]:
+    def room(self, rows: list[Row], joining: list[Request], held=None) -> Callable[[Request], bool]:
         """A check, for unstarted requests in admission order, of whether each fits the KV budget
         beside the rows decoding and the requests already prefilling (and those it said yes to).
 
         The bound is rows x the widest final length among them: rows share one cache width, which
         can grow to the longest row's prompt + max_tokens. A request alone always fits (admission
-        refused it otherwise), so the batch never waits on an empty engine.
+        refused it otherwise), so the batch never waits on an empty engine. `held` (a PrefixCache)
+        gives way: its least recently used entries are evicted for a request that fits without them.
         """
-        started = [req for req in joining if req.prefill.done > 0]
-        n = len(rows) + sum(len(req.rows) for req in started)
-        width = max([row.request.final_len for row in rows] + [req.final_len for req in started], default=0)
+        n, width = self._in_flight(rows, joining)
 
         def fits(req: Request) -> bool:
             nonlocal n, width
             new_rows, new_width = n + len(req.rows), max(width, req.final_len)
-            if n and new_rows * (new_width * self.token_bytes + self.state_bytes) > self.limit:
+            need = new_rows * (new_width * self.token_bytes + self.state_bytes)
+            if n and need > self.limit:
                 return False
+            if held is not None:
+                held.shrink(self.limit - need)
             n, width = new_rows, new_width
             return True
 
         return fits
+
+    def spare(self, rows: list[Row], joining: list[Request]) -> int:
+        """Bytes of the budget the rows in flight (decoding, prefilling, following) cannot reach."""
+        n, width = self._in_flight(rows, joining)
+        return max(0, self.limit - n * (width * self.token_bytes + self.state_bytes))
+
+    @staticmethod
+    def _in_flight(rows: list[Row], joining: list[Request]) -> tuple[int, int]:
+        # Followers of another request's prefill (prefix.py) are admitted to the budget too.
+        started = [req for req in joining if req.prefill.done > 0 or req.leader is not None]
+        n = len(rows) + sum(len(req.rows) for req in started)
+        width = max([row.request.final_len for row in rows] + [req.final_len for req in started], default=0)
+        return n, width
 
 
 def _size(n: int) -> str:

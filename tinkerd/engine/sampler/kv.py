@@ -35,9 +35,10 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     # A hybrid model's linear-attention layers cache no keys/values (sampler/hybrid.py counts their
-    # per-row state): only its full-attention layers grow with the sequence.
+    # per-row state): only its attention layers grow with the sequence. Sliding-window layers
+    # (gpt-oss) keep every position too: the window is a mask here (window_masks), not a ring buffer.
     layer_types = getattr(config, "layer_types", None)
-    layers = sum(t == "full_attention" for t in layer_types) if layer_types else config.num_hidden_layers
+    layers = sum(t != "linear_attention" for t in layer_types) if layer_types else config.num_hidden_layers
     return layers * 2 * kv_heads * head_dim * dtype.itemsize
 
 
@@ -52,6 +53,36 @@ def default_kv_budget(device: torch.device) -> int:
     else:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return int(total) // 4
+
+
+SLIDING = "sliding_attention"
+
+
+def sliding_window(config) -> int | None:
+    """The window of a model whose layers include sliding-window attention (gpt-oss), else None."""
+    types = getattr(config, "layer_types", None) or ()
+    return int(config.sliding_window) if SLIDING in types and getattr(config, "sliding_window", None) else None
+
+
+def prefill_cache(config) -> DynamicCache:
+    """A one-row cache for a prompt's prefill. With sliding-window layers every layer keeps every
+    position (plain DynamicLayers): transformers' sliding layer would keep only the last window - 1,
+    while the decode batch stores all columns of every layer and applies the window as a mask, and
+    HF's own masks apply it in the prefill's forwards (from absolute positions)."""
+    return DynamicCache() if sliding_window(config) else DynamicCache(config=config)
+
+
+def window_masks(mask: torch.Tensor, width: int, window: int, dtype: torch.dtype, additive: bool) -> dict:
+    """A decode step's masks by layer type, as HF's decoder takes them in a dict, for a model with
+    sliding-window layers. mask [B, 1, 1, W + 1] (step_inputs); the new token sits in column W, so
+    with the window's rule (a key at most window - 1 positions back) it sees columns > W - window.
+    `additive`: 0 / dtype-min floats, as eager attention (gpt-oss: sinks) adds them to its scores."""
+    columns = torch.arange(mask.shape[-1], device=mask.device)
+    masks = {"full_attention": mask, SLIDING: mask & (columns > width - window)}
+    if additive:
+        masks = {k: torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, torch.finfo(dtype).min)
+                 for k, m in masks.items()}
+    return masks
 
 
 class _Layer(CacheLayerMixin):

@@ -18,6 +18,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from tinkerd.engine.sampler import prompt_scores
+from tinkerd.engine.sampler.kv import prefill_cache
 from tinkerd.engine.sampler.rules import EMPTY_LOGPROB
 
 # Prompt positions scored per lm_head call: 128 x 151,669 fp32 logits = 78 MB at a time, instead
@@ -35,6 +36,7 @@ class Prefill:
     # last N prompt tokens starts at P - 1 - N (0 = score everything).
     score_from: int
     done: int = 0  # prompt tokens through the body so far
+    cached: int = 0  # of those, taken from the prefix cache (prefix.py) instead
     last_hidden: torch.Tensor | None = None  # [1, H] of position done - 1
     logprobs: np.ndarray | None = None  # [P] float32, NaN where not scored
     topk: tuple[np.ndarray, np.ndarray] | None = None  # ([P, K] ids, [P, K] logprobs), empty rows
@@ -61,7 +63,7 @@ class Prefill:
         scored = n - 1 if last_n is None else min(last_n, n - 1)
         pf = Prefill(
             prompt=torch.as_tensor(prompt, dtype=torch.long, device=device),
-            cache=DynamicCache(config=config),
+            cache=prefill_cache(config),
             want_logprobs=want_logprobs,
             k=k,
             score_from=n - 1 - scored,

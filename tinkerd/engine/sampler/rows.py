@@ -68,6 +68,9 @@ class Request:
     rows: list[Row] = field(default_factory=list)
     rules: RowRules | None = None
     unfinished: int = 0
+    # Another joining request prefilling the same weights and prompt (prefix.py): this one runs no
+    # prefill of its own and joins the batch from the leader's when that finishes.
+    leader: Request | None = None
     admitted_at: float = field(default_factory=time.perf_counter)
 
     @property
@@ -83,5 +86,5 @@ class Request:
         pf = self.prefill
         return SampleResult(
             sequences=[row.result() for row in self.rows], prompt_logprobs=pf.logprobs, topk_prompt_logprobs=pf.topk,
-            target_prompt_logprobs=pf.targets, prompt_alt_tokens=pf.alt,
+            target_prompt_logprobs=pf.targets, prompt_alt_tokens=pf.alt, prompt_cache_hit_tokens=pf.cached,
         )

@@ -21,17 +21,19 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from tinkerd.engine.lora.layers import pack_for_decode
+from tinkerd.engine.sampler.adapters import acquire_adapter, split_model
 from tinkerd.engine.sampler.decode import FusedDecode
 from tinkerd.engine.sampler.budget import KvBudget
-from tinkerd.engine.sampler.hybrid import LINEAR, is_hybrid, new_batch_cache
+from tinkerd.engine.sampler.hybrid import is_hybrid, new_batch_cache
+from tinkerd.engine.sampler.kv import sliding_window, window_masks
 from tinkerd.engine.sampler import prompt_scores
 from tinkerd.engine.sampler.prefill import Prefill, advance_packed
+from tinkerd.engine.sampler.prefix import PrefixCache, prefix_name
 from tinkerd.engine.sampler.rows import BASE_SLOT, Request, Row
 from tinkerd.engine.sampler.rules import RowRules, StopRule, choose_tokens, row_generators, validate
-from tinkerd.errors import NotFoundError, ServerError, TinkerdError, UserError
+from tinkerd.errors import ServerError, TinkerdError, UserError
 from tinkerd.types import SampleOp, SampleResult, TokenDelta
 
 if TYPE_CHECKING:
@@ -63,6 +65,9 @@ class SamplerConfig:
     # kv.default_kv_budget). A request that alone would need more is refused at admission; one that
     # does not fit beside the rows in flight waits, in admission order, until rows leave.
     kv_cache_bytes: int | None = None
+    # Keep finished prefills, keyed by the weights and the prompt, inside the KV budget (prefix.py):
+    # GRPO's group of requests with one prompt, and prompts sharing a system prompt, prefill once.
+    prefix_cache: bool = True
 
 
 class Sampler:
@@ -86,14 +91,21 @@ class Sampler:
         # What the decode batch's KV cache may take, and what a row of it takes (budget.py).
         self.kv = KvBudget.of(self.text_config, next(runtime.model.parameters()).dtype, self.device,
                               config.kv_cache_bytes)
-        # Packing prompts end to end into one row would run them through one recurrent state.
-        self.pack_prompts = not is_hybrid(self.text_config)
+        # Sliding-window layers (gpt-oss) get their own decode mask (kv.window_masks).
+        self.window = sliding_window(self.text_config)
+        # Packing prompts end to end into one row would run them through one recurrent state, and
+        # its block-diagonal mask has no window.
+        self.pack_prompts = not is_hybrid(self.text_config) and self.window is None
         # M-RoPE (vision-language models): decode positions carry each row's image offset.
         self.vision = runtime.loaded.vision
         if config.pack_weights:
             pack_for_decode(runtime.layers)
         # After packing: the fused step binds each linear's packed weight once.
-        self.fused = FusedDecode.build(self.body) if config.fused_decode else None
+        # (The fused step builds a full-attention mask only: a model with a window keeps the HF path.)
+        self.fused = FusedDecode.build(self.body) if config.fused_decode and self.window is None else None
+        # Finished prefills kept for later requests with the same weights and prompt (prefix.py).
+        self.prefix = PrefixCache(self.kv.token_bytes, self.kv.state_bytes, partial=self.pack_prompts) \
+            if config.prefix_cache else None
 
     def kv_cache_bytes(self) -> int:
         """The decode batch's KV cache as allocated now (rows x columns x bytes per position, plus
@@ -170,13 +182,26 @@ class Sampler:
         budget = self.config.prefill_tokens_per_step
         ready: list[Request] = []
         packed: dict[int, list[Request]] = {}  # unstarted prompts that fit whole, by adapter slot
-        room, waiting = self.kv.room(self.rows, self.joining), False
+        room, waiting = self.kv.room(self.rows, self.joining, self.prefix), False
+        # Requests prefilling a cacheable prompt, by (weights, prompt): later ones follow them.
+        leaders = {name: req for req in self.joining if req.prefill.done > 0 and req.leader is None
+                   and (name := prefix_name(req)) is not None}
         for req in list(self.joining):
-            if budget <= 0:
-                break
-            if req.prefill.done == 0 and (waiting or not room(req)):
-                waiting = True  # it waits for rows to leave, and those admitted after it wait behind it
+            if req.leader is not None:
+                if not any(other is req.leader for other in self.joining):  # it failed or was cancelled: prefill alone
+                    req.leader = None
                 continue
+            if req.prefill.done == 0:
+                if waiting or not room(req):
+                    waiting = True  # it waits for rows to leave, and those admitted after it wait behind it
+                    continue
+                if self.prefix is not None and self.prefix.start(req, leaders):
+                    if req.prefill.finished:  # a whole-prompt hit
+                        ready.append(req)
+                    if req.prefill.finished or req.leader is not None:
+                        continue
+            if budget <= 0:
+                continue  # later requests may still be hits or followers, which need no budget
             if req.prefill.done == 0 and req.prefill.remaining <= self.config.prefill_tokens_per_step \
                     and req.prefill.images is None:
                 # A prompt that fits one step's budget is never split, even past what is left of it
@@ -206,10 +231,15 @@ class Sampler:
                 self._fail_prefill(reqs, done, e)
                 continue
             ready.extend(reqs)
+        ready += self.prefix.followers_of(ready, self.joining) if self.prefix is not None else []
         order = {id(r): i for i, r in enumerate(self.joining)}
         ready.sort(key=lambda r: order[id(r)])  # batch rows in admission order, however prefilled
         for req in ready:
             self.joining.remove(req)
+        if ready and self.prefix is not None:
+            spare = self.kv.spare(self.rows + [row for req in ready for row in req.rows], self.joining)
+            for req in ready:
+                self.prefix.add(req, spare)
         if ready:
             try:
                 self._join(ready)
@@ -285,6 +315,9 @@ class Sampler:
             adapters = any(row.slot != BASE_SLOT for row in self.rows)
             hidden = self.fused(tokens, positions, mask, self.cache, adapters=adapters)
         else:
+            if self.window is not None:
+                mask = window_masks(mask, self.cache.width, self.window, self.hidden.dtype,
+                                    additive=self.text_config._attn_implementation == "eager")
             out = self.body(
                 input_ids=tokens[:, None], attention_mask=mask, position_ids=positions, cache=self.cache, use_cache=True
             )
@@ -418,56 +451,6 @@ def run_sample(engine: Engine, op: SampleOp, config: SamplerConfig | None = None
             if isinstance(result, TinkerdError):
                 raise result
             return result
-
-
-def split_model(model: nn.Module) -> tuple[nn.Module, nn.Module]:
-    """The decoder body and the (multi-LoRA) lm_head of a causal LM.
-
-    Logits are computed as head(body(x)), which is what the HF forward does for Qwen3 / Llama.
-    Models that post-process logits (Gemma 2's soft-capping) would silently sample from the wrong
-    distribution, and sliding-window layers would get the full-attention mask the decode batch
-    builds, so both are refused instead. Linear-attention layers (Qwen3.5's Gated DeltaNet) keep
-    their states in the hybrid batch cache (hybrid.py).
-    """
-    if getattr(model.config, "final_logit_softcapping", None):
-        raise ServerError(f"{type(model).__name__} soft-caps its logits; the sampler does not support that")
-    layer_types = getattr(model.config.get_text_config(), "layer_types", None) or ()
-    if any(t not in ("full_attention", LINEAR) for t in layer_types):
-        raise ServerError(f"{type(model).__name__} has {set(layer_types)} layers; the sampler supports full and linear attention only")
-    return model.get_decoder(), model.get_output_embeddings()
-
-
-def acquire_adapter(runtime: ModelRuntime, adapter_path: str | None, max_idle: int) -> Adapter | None:
-    """The pool entry serving `adapter_path`, held for one request (None: the base model).
-
-    `adapter_path` is a key of the runtime's ArtifactStore (tinkerd/artifacts.py). Loaded once per
-    key and reused while the artifact stands: its store version is remembered, so a checkpoint
-    re-saved under the same key is reloaded, while requests already decoding keep the old weights.
-    Loading evicts idle sampler adapters beyond `max_idle`, least recently used first.
-    """
-    if adapter_path is None:
-        return None
-    fingerprint = runtime.artifacts.version(adapter_path)
-    if fingerprint is None:
-        raise NotFoundError(f"no sampler weights at {adapter_path!r}")
-    pool = runtime.pool
-    if adapter_path in pool:
-        if pool.get(adapter_path).extra.get("fingerprint") == fingerprint:
-            return pool.acquire(adapter_path)
-        pool.retire(adapter_path)
-    files = _read_adapter(runtime.artifacts, adapter_path)
-    pool.evict_idle(keep=max(0, max_idle - 1))
-    adapter = pool.create_from_tensors(adapter_path, files.spec, files.weights, trainable=False)
-    adapter.extra["fingerprint"] = fingerprint
-    return pool.acquire(adapter_path)
-
-
-def _read_adapter(store, key: str):
-    # Imported here, not at the top: checkpoints.py brings in the PEFT file format, which only
-    # requests naming a sampler checkpoint need.
-    from tinkerd.engine import checkpoints
-
-    return checkpoints.read_adapter_from(store, key)
 
 
 def _decoder(runtime: ModelRuntime):
