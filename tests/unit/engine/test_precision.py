@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tinkerd.engine.engine import Engine
-from tinkerd.engine.precision import Precision, lora_delta_add
+from tinkerd.engine.precision import Precision, lora_delta, lora_delta_add
 from tinkerd.errors import UserError
 from tinkerd.types import LoraSpec
 
@@ -17,6 +17,27 @@ TINY = "tinkerd/tiny-qwen3"
 def test_cuda_without_a_device_is_refused_by_name(models_dir):
     with pytest.raises(UserError, match="no CUDA device"):
         Engine(models_dir, precision=Precision("cuda", "float32")).load_base_models([TINY])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rank, alpha", [(32, 32.0), (8, 32.0), (64, 32.0), (128, 16.0), (24, 32.0), (16, 7.0)])
+def test_lora_delta_has_pefts_bits_forward_and_backward(rank, alpha, dtype):
+    """A power-of-two scaling moves onto the rank-r product (or goes, when 1): the delta and the
+    gradients of x, A and B are PEFT's `lora_B(lora_A(x)) * scaling` to the bit, for every scaling."""
+    g = torch.Generator().manual_seed(rank)
+    x0, a0, b0 = (torch.randn(*shape, generator=g) for shape in ((2, 37, 96), (rank, 96), (80, rank)))
+    grad = torch.randn(2, 37, 80, generator=g).to(dtype)
+
+    def run(fn):
+        x, a, b = (t.to(dtype).requires_grad_(True) for t in (x0, a0, b0))
+        y = fn(x, a, b)
+        y.backward(grad)
+        return [y.detach(), x.grad, a.grad, b.grad]
+
+    ours = run(lambda x, a, b: lora_delta(x, a, b, alpha / rank))
+    peft = run(lambda x, a, b: torch.nn.functional.linear(torch.nn.functional.linear(x, a), b) * (alpha / rank))
+    for got, want in zip(ours, peft):
+        assert torch.equal(got, want)
 
 
 def test_lora_sum_equals_peft_under_autocast():

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from tinkerd.engine.lora import deltanet
-from tinkerd.engine.precision import lora_delta_add
+from tinkerd.engine.precision import lora_delta, lora_delta_add
 
 log = logging.getLogger(__name__)
 
@@ -175,10 +175,10 @@ class MultiLoraLinear(nn.Module):
             if lw.a.dtype != out.dtype:  # bf16 base, fp32 master adapter (engine/precision.py)
                 out = _mixed_add(out, x, lw, group.rows)
             elif group.rows is None:
-                out = out + ((x @ lw.a.t()) @ lw.b.t()) * lw.scaling
+                out = out + lora_delta(x, lw.a, lw.b, lw.scaling)
             else:
                 rows = group.token_rows(x)
-                delta = ((x[rows] @ lw.a.t()) @ lw.b.t()) * lw.scaling
+                delta = lora_delta(x[rows], lw.a, lw.b, lw.scaling)
                 out = out.index_add(0, rows, delta)
         return out
 
@@ -197,7 +197,7 @@ class MultiLoraLinear(nn.Module):
                 w = group.width or x.shape[1]
                 xs = x[start : start + n, :w]  # [B_g, T_g, in]
                 # A bf16 base casts the fp32 master A/B per pass, as lora_delta_add does (engine/precision.py).
-                delta = ((xs @ lw.a.to(xs.dtype).t()) @ lw.b.to(xs.dtype).t()) * lw.scaling
+                delta = lora_delta(xs, lw.a.to(xs.dtype), lw.b.to(xs.dtype), lw.scaling)
                 parts.append(torch.nn.functional.pad(delta, (0, 0, 0, x.shape[1] - w)))
             start += n
         return out + torch.cat(parts)
@@ -232,7 +232,7 @@ def _mixed_add(out: torch.Tensor, x: torch.Tensor, lw: LoraWeights, rows: torch.
     if rows is None:
         return lora_delta_add(out, x, lw.a, lw.b, lw.scaling)
     rows = rows.to(out.device)  # LoraContext builds its row lists on the CPU
-    delta = ((x[rows] @ lw.a.to(x.dtype).t()) @ lw.b.to(x.dtype).t()) * lw.scaling
+    delta = lora_delta(x[rows], lw.a.to(x.dtype), lw.b.to(x.dtype), lw.scaling)
     return out.index_add(0, rows, delta)
 
 
