@@ -11,6 +11,7 @@ from datetime import datetime
 from sqlalchemy import select
 
 from tinkerd.control.store.db import Store
+from tinkerd.control.store.repository import Keyed
 from tinkerd.control.store.tables import AccountRow, ApiKeyRow, AuditRow
 
 
@@ -44,26 +45,12 @@ class AuditEntry:
     count: int
 
 
-def _account(row: AccountRow | None) -> Account | None:
-    return None if row is None else Account(row.account_id, row.name, row.created_at, row.max_concurrent_runs,
-                                            row.max_tokens_per_minute)
-
-
-def _key(row: ApiKeyRow | None) -> ApiKey | None:
-    return None if row is None else ApiKey(row.key_id, row.key_hash, row.account_id, row.name, row.created_at,
-                                           row.revoked_at)
-
-
-class AccountRepository:
-    def __init__(self, store: Store):
-        self.store = store
-
-    def get(self, account_id: str) -> Account | None:
-        return _account(self.store.get(AccountRow, account_id))
+class AccountRepository(Keyed[Account]):
+    row, item = AccountRow, Account
 
     def by_name(self, name: str) -> Account | None:
         rows = self.store.query(select(AccountRow).where(AccountRow.name == name))
-        return _account(rows[0]) if rows else None
+        return self._item(rows[0]) if rows else None
 
     def add(self, account_id: str, name: str, at: datetime) -> bool:
         """A new account without quota overrides; False when the id or the name is taken."""
@@ -71,31 +58,19 @@ class AccountRepository:
 
     def all(self) -> list[Account]:
         """Every account, by name."""
-        return [_account(r) for r in self.store.query(select(AccountRow).order_by(AccountRow.name))]
-
-    def set(self, account_id: str, **values) -> None:
-        self.store.update(AccountRow, account_id, **values)
+        return [self._item(r) for r in self.store.query(select(AccountRow).order_by(AccountRow.name))]
 
 
-class ApiKeyRepository:
-    def __init__(self, store: Store):
-        self.store = store
-
-    def get(self, key_id: str) -> ApiKey | None:
-        return _key(self.store.get(ApiKeyRow, key_id))
+class ApiKeyRepository(Keyed[ApiKey]):
+    row, item = ApiKeyRow, ApiKey
 
     def by_hash(self, key_hash: str) -> ApiKey | None:
         rows = self.store.query(select(ApiKeyRow).where(ApiKeyRow.key_hash == key_hash))
-        return _key(rows[0]) if rows else None
-
-    def add(self, key: ApiKey) -> bool:
-        """False when the id or the hash exists."""
-        return self.store.add(ApiKeyRow(key_id=key.key_id, key_hash=key.key_hash, account_id=key.account_id,
-                                        name=key.name, created_at=key.created_at, revoked_at=key.revoked_at))
+        return self._item(rows[0]) if rows else None
 
     def all(self) -> list[ApiKey]:
         """Every key, revoked ones included, oldest first."""
-        return [_key(r) for r in self.store.query(select(ApiKeyRow).order_by(ApiKeyRow.created_at))]
+        return [self._item(r) for r in self.store.query(select(ApiKeyRow).order_by(ApiKeyRow.created_at))]
 
     def any(self) -> bool:
         return bool(self.store.query(select(ApiKeyRow.key_id).limit(1)))

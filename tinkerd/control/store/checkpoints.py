@@ -4,13 +4,13 @@ frozen Checkpoint dataclasses, not rows."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from datetime import datetime
 
 from sqlalchemy import func, or_, select
 
 from tinkerd.control.store.db import Store
+from tinkerd.control.store.repository import Keyed, plain_dict
 from tinkerd.control.store.tables import CheckpointRow, CheckpointStorageRow, SessionRow, TrainingRunRow
 
 
@@ -28,40 +28,17 @@ class Checkpoint:
     user_metadata: dict
 
 
-_FIELDS = tuple(f.name for f in dataclasses.fields(Checkpoint))
+class CheckpointRepository(Keyed[Checkpoint]):
+    row, item = CheckpointRow, Checkpoint
+    fix = {"public": bool, "user_metadata": plain_dict}
 
-
-def _checkpoint(row: CheckpointRow | None) -> Checkpoint | None:
-    if row is None:
-        return None
-    return Checkpoint(**{**{name: getattr(row, name) for name in _FIELDS},
-                         "public": bool(row.public), "user_metadata": dict(row.user_metadata or {})})
-
-
-class CheckpointRepository:
-    def __init__(self, store: Store):
-        self.store = store
-
-    def get(self, tinker_path: str) -> Checkpoint | None:
-        """The registered checkpoint, expired or not."""
-        return _checkpoint(self.store.get(CheckpointRow, tinker_path))
-
-    def add(self, checkpoint: Checkpoint) -> bool:
-        """False when the tinker_path is registered."""
-        return self.store.add(CheckpointRow(**dataclasses.asdict(checkpoint)))
-
-    def set(self, tinker_path: str, **values) -> None:
-        self.store.update(CheckpointRow, tinker_path, **values)
-
-    def delete(self, tinker_path: str) -> None:
-        self.store.delete(CheckpointRow, tinker_path)
 
     def all(self) -> list[Checkpoint]:
         """Every registered checkpoint, expired ones not yet swept included."""
-        return [_checkpoint(r) for r in self.store.query(select(CheckpointRow))]
+        return [self._item(r) for r in self.store.query(select(CheckpointRow))]
 
     def expired(self, now: datetime) -> list[Checkpoint]:
-        return [_checkpoint(r) for r in self.store.query(select(CheckpointRow).where(CheckpointRow.expires_at <= now))]
+        return [self._item(r) for r in self.store.query(select(CheckpointRow).where(CheckpointRow.expires_at <= now))]
 
     def page(self, now: datetime, model_id: str | None = None, checkpoint_type: str | None = None,
              limit: int | None = None, offset: int = 0, account_id: str | None = None,
@@ -83,7 +60,7 @@ class CheckpointRepository:
         if limit is not None:
             stmt = stmt.limit(limit)
         count = select(func.count()).select_from(CheckpointRow).where(*where)
-        return [_checkpoint(r) for r in self.store.query(stmt.offset(offset))], int(self.store.query(count)[0])
+        return [self._item(r) for r in self.store.query(stmt.offset(offset))], int(self.store.query(count)[0])
 
     def newest(self, model_id: str, checkpoint_type: str, now: datetime) -> Checkpoint | None:
         """The run's newest checkpoint of a type live at `now`."""
@@ -92,7 +69,7 @@ class CheckpointRepository:
             .where(CheckpointRow.model_id == model_id, CheckpointRow.checkpoint_type == checkpoint_type,
                    or_(CheckpointRow.expires_at.is_(None), CheckpointRow.expires_at > now))
             .order_by(CheckpointRow.created_at.desc()).limit(1))
-        return _checkpoint(rows[0]) if rows else None
+        return self._item(rows[0]) if rows else None
 
 
 class CheckpointStorageRepository:

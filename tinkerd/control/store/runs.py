@@ -5,13 +5,13 @@ not rows."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from datetime import datetime
 
 from sqlalchemy import and_, func, or_, select
 
 from tinkerd.control.store.db import Store
+from tinkerd.control.store.repository import Keyed, plain_dict
 from tinkerd.control.store.tables import (
     FutureRow,
     SessionRow,
@@ -34,16 +34,6 @@ class TrainingRun:
     last_request_at: datetime
 
 
-_FIELDS = tuple(f.name for f in dataclasses.fields(TrainingRun))
-
-
-def _run(row: TrainingRunRow | None) -> TrainingRun | None:
-    if row is None:
-        return None
-    return TrainingRun(**{**{name: getattr(row, name) for name in _FIELDS},
-                          "lora_config": dict(row.lora_config or {}), "user_metadata": dict(row.user_metadata or {})})
-
-
 @dataclass(frozen=True)
 class RunState:
     """A run with what its status is made of (control/overview.py turns it into one)."""
@@ -54,22 +44,13 @@ class RunState:
     unrecoverable: str | None  # why recovery could not rebuild it
 
 
-class RunRepository:
-    def __init__(self, store: Store):
-        self.store = store
+class RunRepository(Keyed[TrainingRun]):
+    row, item = TrainingRunRow, TrainingRun
+    fix = {"lora_config": plain_dict, "user_metadata": plain_dict}
 
-    def get(self, model_id: str) -> TrainingRun | None:
-        return _run(self.store.get(TrainingRunRow, model_id))
-
-    def add(self, run: TrainingRun) -> bool:
-        """False when the model_id exists."""
-        return self.store.add(TrainingRunRow(**dataclasses.asdict(run)))
-
-    def set(self, model_id: str, **values) -> None:
-        self.store.update(TrainingRunRow, model_id, **values)
 
     def all(self) -> list[TrainingRun]:
-        return [_run(r) for r in self.store.query(select(TrainingRunRow))]
+        return [self._item(r) for r in self.store.query(select(TrainingRunRow))]
 
     def count_of_session(self, session_id: str) -> int:
         return int(self.store.query(select(func.count()).select_from(TrainingRunRow)
@@ -95,7 +76,7 @@ class RunRepository:
             stmt, count = stmt.where(SessionRow.project_id == project_id), count.where(SessionRow.project_id == project_id)
         if limit is not None:
             stmt = stmt.limit(limit)
-        return [_run(r) for r in self.store.query(stmt.offset(offset))], int(self.store.query(count)[0])
+        return [self._item(r) for r in self.store.query(stmt.offset(offset))], int(self.store.query(count)[0])
 
     def states_of_account(self, account_id: str, limit: int, offset: int) -> tuple[list[RunState], int]:
         """A page of the account's runs with their status rows, newest first (one query, joined), and
@@ -109,7 +90,7 @@ class RunRepository:
                 .order_by(TrainingRunRow.created_at.desc(), TrainingRunRow.model_id)
                 .limit(limit).offset(offset))
         count = _of_account(select(func.count()).select_from(TrainingRunRow), account_id)
-        states = [RunState(_run(run), finished, bool(released), broken) for run, finished, released, broken in self.store.rows(stmt)]
+        states = [RunState(self._item(run), finished, bool(released), broken) for run, finished, released, broken in self.store.rows(stmt)]
         return states, int(self.store.query(count)[0])
 
     def state(self, run: TrainingRun) -> RunState:

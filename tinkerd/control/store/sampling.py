@@ -4,13 +4,13 @@ the queries are here). Sampling sessions come out as frozen SamplingSession data
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from datetime import datetime
 
 from sqlalchemy import delete, func, or_, select, update
 
 from tinkerd.control.store.db import Store
+from tinkerd.control.store.repository import Keyed
 from tinkerd.control.store.tables import RecordedSampleRow, SamplingSessionRow, SessionRow, UsageRow
 
 
@@ -26,13 +26,6 @@ class SamplingSession:
     inflight_of: str | None  # an inflight sampler: the training run whose inflight target it follows
 
 
-_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingSession))
-
-
-def _sampler(row: SamplingSessionRow | None) -> SamplingSession | None:
-    return None if row is None else SamplingSession(**{name: getattr(row, name) for name in _FIELDS})
-
-
 @dataclass(frozen=True)
 class SamplerUse:
     """A sampling session and its metered sample requests (the console's sampling activity)."""
@@ -44,19 +37,9 @@ class SamplerUse:
     last_at: datetime | None
 
 
-class SamplingSessionRepository:
-    def __init__(self, store: Store):
-        self.store = store
+class SamplingSessionRepository(Keyed[SamplingSession]):
+    row, item = SamplingSessionRow, SamplingSession
 
-    def get(self, sampling_session_id: str) -> SamplingSession | None:
-        return _sampler(self.store.get(SamplingSessionRow, sampling_session_id))
-
-    def add(self, sampler: SamplingSession) -> bool:
-        """False when the id exists."""
-        return self.store.add(SamplingSessionRow(**dataclasses.asdict(sampler)))
-
-    def delete(self, sampling_session_id: str) -> None:
-        self.store.delete(SamplingSessionRow, sampling_session_id)
 
     def ids_of_session(self, session_id: str) -> list[str]:
         """The session's sampling sessions, in the order they were created."""
@@ -82,13 +65,13 @@ class SamplingSessionRepository:
 
     def ephemeral_of_session(self, session_id: str) -> list[SamplingSession]:
         """The session's samplers of unnamed weights (no model_path, an adapter, not inflight)."""
-        return [_sampler(r) for r in self.store.query(select(SamplingSessionRow).where(
+        return [self._item(r) for r in self.store.query(select(SamplingSessionRow).where(
             SamplingSessionRow.session_id == session_id, SamplingSessionRow.model_path.is_(None),
             SamplingSessionRow.adapter_dir.is_not(None), SamplingSessionRow.inflight_of.is_(None)))]
 
     def inflight_of(self, model_id: str) -> list[SamplingSession]:
         """The inflight samplers following a run's inflight target."""
-        return [_sampler(r) for r in
+        return [self._item(r) for r in
                 self.store.query(select(SamplingSessionRow).where(SamplingSessionRow.inflight_of == model_id))]
 
     def repoint_inflight(self, model_id: str, adapter_dir: str) -> None:
@@ -101,7 +84,7 @@ class SamplingSessionRepository:
         """Sampling sessions that load an adapter (one of `adapter_dirs` when given)."""
         where = (SamplingSessionRow.adapter_dir.is_not(None) if adapter_dirs is None
                  else SamplingSessionRow.adapter_dir.in_(adapter_dirs))
-        return [_sampler(r) for r in self.store.query(select(SamplingSessionRow).where(where))]
+        return [self._item(r) for r in self.store.query(select(SamplingSessionRow).where(where))]
 
     def runs_of_account(self, account_id: str) -> list[tuple[str, str | None, str | None]]:
         """(sampling_session_id, model_path, inflight_of) of the account's sampling sessions."""
@@ -122,7 +105,7 @@ class SamplingSessionRepository:
                 .where(of_run)
                 .group_by(SamplingSessionRow.sampling_session_id)
                 .order_by(SamplingSessionRow.created_at.desc()).limit(limit))
-        return [SamplerUse(_sampler(r), int(n), int(pre), int(samp), last)
+        return [SamplerUse(self._item(r), int(n), int(pre), int(samp), last)
                 for r, n, pre, samp, last in self.store.rows(stmt)]
 
 

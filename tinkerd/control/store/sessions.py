@@ -4,13 +4,13 @@ hold the rules, the queries are here. Sessions come out as frozen Session datacl
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from datetime import datetime
 
 from sqlalchemy import func, or_, select
 
 from tinkerd.control.store.db import Store
+from tinkerd.control.store.repository import Keyed, plain_dict, plain_list
 from tinkerd.control.store.tables import CheckpointRow, CustomLossRow, SessionRow, TrainingRunRow
 
 
@@ -30,32 +30,13 @@ class Session:
     project_id: str | None
 
 
-_FIELDS = tuple(f.name for f in dataclasses.fields(Session))
+class SessionRepository(Keyed[Session]):
+    row, item = SessionRow, Session
+    fix = {"tags": plain_list, "user_metadata": plain_dict}
 
-
-def _session(row: SessionRow | None) -> Session | None:
-    if row is None:
-        return None
-    return Session(**{**{name: getattr(row, name) for name in _FIELDS},
-                      "tags": list(row.tags or []), "user_metadata": dict(row.user_metadata or {})})
-
-
-class SessionRepository:
-    def __init__(self, store: Store):
-        self.store = store
-
-    def get(self, session_id: str) -> Session | None:
-        return _session(self.store.get(SessionRow, session_id))
-
-    def add(self, session: Session) -> bool:
-        """False when the session_id exists."""
-        return self.store.add(SessionRow(**dataclasses.asdict(session)))
-
-    def set(self, session_id: str, **values) -> None:
-        self.store.update(SessionRow, session_id, **values)
 
     def all(self) -> list[Session]:
-        return [_session(r) for r in self.store.query(select(SessionRow))]
+        return [self._item(r) for r in self.store.query(select(SessionRow))]
 
     def ids_of_account(self, account_id: str, limit: int, offset: int) -> list[str]:
         """A page of the account's session ids, newest first."""
@@ -73,12 +54,12 @@ class SessionRepository:
         if after is not None:
             at, sid = after
             stmt = stmt.where((SessionRow.created_at < at) | ((SessionRow.created_at == at) & (SessionRow.session_id > sid)))
-        return [_session(r) for r in self.store.query(stmt.order_by(SessionRow.created_at.desc(), SessionRow.session_id))]
+        return [self._item(r) for r in self.store.query(stmt.order_by(SessionRow.created_at.desc(), SessionRow.session_id))]
 
     def by_ids(self, session_ids) -> list[Session]:
         if not session_ids:
             return []
-        return [_session(r) for r in self.store.query(select(SessionRow).where(SessionRow.session_id.in_(list(session_ids))))]
+        return [self._item(r) for r in self.store.query(select(SessionRow).where(SessionRow.session_id.in_(list(session_ids))))]
 
     def heard_from_since(self, session_ids, since: datetime) -> set[str]:
         """Those of `session_ids` that sent a heartbeat at or after `since`."""

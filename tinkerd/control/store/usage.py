@@ -3,13 +3,12 @@ the queries are here). Records go in and come out as frozen UsageRecords, never 
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from datetime import datetime
 
 from sqlalchemy import func, select
 
-from tinkerd.control.store.db import Store
+from tinkerd.control.store.repository import Keyed
 from tinkerd.control.store.tables import UsageRow
 
 
@@ -33,20 +32,10 @@ class UsageRecord:
     completed_at: datetime
 
 
-_FIELDS = tuple(f.name for f in dataclasses.fields(UsageRecord))
+class UsageRepository(Keyed[UsageRecord]):
+    """`add` returns False for a re-run after recovery: the first record (same request_id) stays."""
 
-
-def _record(row: UsageRow) -> UsageRecord:
-    return UsageRecord(**{name: getattr(row, name) for name in _FIELDS})
-
-
-class UsageRepository:
-    def __init__(self, store: Store):
-        self.store = store
-
-    def add(self, record: UsageRecord) -> None:
-        # A re-run after recovery keeps the first record (same request_id).
-        self.store.add(UsageRow(**dataclasses.asdict(record)))
+    row, item = UsageRow, UsageRecord
 
     def rows(self, account_id: str | None = None, start: datetime | None = None,
              end: datetime | None = None) -> list[UsageRecord]:
@@ -58,11 +47,11 @@ class UsageRepository:
             stmt = stmt.where(UsageRow.completed_at >= start)
         if end is not None:
             stmt = stmt.where(UsageRow.completed_at < end)
-        return [_record(r) for r in self.store.query(stmt)]
+        return [self._item(r) for r in self.store.query(stmt)]
 
     def of_accounts_after(self, since: datetime) -> list[UsageRecord]:
         """Records of any account (not internal ops) completed after `since`."""
-        return [_record(r) for r in self.store.query(
+        return [self._item(r) for r in self.store.query(
             select(UsageRow).where(UsageRow.completed_at > since, UsageRow.account_id.is_not(None)))]
 
     def sums_by_target(self, account_id: str, start: datetime, end: datetime,
