@@ -5,12 +5,12 @@ readable by every account."""
 from __future__ import annotations
 
 import logging
-import threading
 from datetime import datetime, timedelta, timezone
 
 from tinkerd.artifacts import ArtifactStore, join, key_of_path
 from tinkerd.control.audit import AuditLog
 from tinkerd.control.ids import CHECKPOINTS, SEGMENT_TYPES, STALE_TEMP_S, TinkerPath, check_ttl
+from tinkerd.control.periodic import Periodic
 from tinkerd.control.sessions import Sessions
 from tinkerd.control.storage import StorageLedger
 from tinkerd.control.store.checkpoints import Checkpoint, CheckpointRepository
@@ -166,7 +166,7 @@ def _expired(row: Checkpoint, now: datetime) -> bool:
     return row.expires_at is not None and row.expires_at <= now
 
 
-class CheckpointSweeper:
+class CheckpointSweeper(Periodic):
     """A daemon thread that removes expired checkpoints every `interval_s`, so their disk space comes
     back even when nobody lists or opens them, and clears temporary debris of crashed saves.
 
@@ -175,27 +175,14 @@ class CheckpointSweeper:
     checkpoint stay on disk, to `interval_s`.
     """
 
+    thread_name, tick_first = "tinkerd-checkpoint-sweeper", True
+
     def __init__(self, checkpoints: Checkpoints, interval_s: float):
+        super().__init__(interval_s)
         self.checkpoints = checkpoints
-        self.interval_s = interval_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="tinkerd-checkpoint-sweeper", daemon=True)
 
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-
-    def _loop(self) -> None:
-        while True:
-            try:
-                removed = self.checkpoints.sweep_expired()
-                if removed:
-                    log.info("removed %d expired checkpoint(s)", removed)
-                self.checkpoints.sweep_stale_temp()
-            except Exception:  # a failed sweep must not end the thread; the next one retries
-                log.exception("checkpoint sweep failed")
-            if self._stop.wait(self.interval_s):
-                return
+    def tick(self) -> None:
+        removed = self.checkpoints.sweep_expired()
+        if removed:
+            log.info("removed %d expired checkpoint(s)", removed)
+        self.checkpoints.sweep_stale_temp()

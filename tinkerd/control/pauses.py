@@ -14,30 +14,25 @@ driver's own. An op that leaves the queue (it starts, or is withdrawn) has its r
 
 from __future__ import annotations
 
-import logging
-import threading
-
+from tinkerd.control.periodic import Periodic
 from tinkerd.control.queue import OpQueue
 from tinkerd.control.scheduler import Scheduler
 from tinkerd.control.store.futures import FutureRepository
-from tinkerd.errors import TinkerdError
-
-log = logging.getLogger(__name__)
 
 INTERVAL_S = 0.5
 
 
-class PauseBoard:
+class PauseBoard(Periodic):
+    thread_name = "tinkerd-pauses"
+
     def __init__(self, futures: FutureRepository, queue: OpQueue, scheduler: Scheduler,
                  interval_s: float = INTERVAL_S):
+        super().__init__(interval_s)
         self.futures = futures
         self.queue = queue
         self.scheduler = scheduler
-        self.interval_s = interval_s
         # request_id -> the reason last written for it (only ops posted as paused).
         self._posted: dict[str, str] = {}
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     def post_once(self) -> int:
         """Write the pauses that changed since the last post; how many rows changed."""
@@ -54,20 +49,5 @@ class PauseBoard:
         self._posted = now
         return len(changes)
 
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="tinkerd-pauses", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            try:
-                self.post_once()
-            except TinkerdError as e:  # storage unavailable (PostgreSQL restarting): the next post retries
-                log.warning("posting quota pauses failed: %s; retrying", e.message)
-            except Exception:  # noqa: BLE001  the board must outlive any bug
-                log.exception("posting quota pauses failed")
+    def tick(self) -> None:
+        self.post_once()

@@ -27,10 +27,10 @@ Usage rows (billing) are separate and never touched.
 from __future__ import annotations
 
 import logging
-import threading
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
+from tinkerd.control.periodic import Periodic
 from tinkerd.control.recovery import STATE_CHANGING, Recovery
 from tinkerd.control.store.db import Store, utcnow
 from tinkerd.control.store.futures import FutureRef, FutureRepository
@@ -62,7 +62,9 @@ class SweepReport:
     marks_dropped: int = 0
 
 
-class FutureRetention:
+class FutureRetention(Periodic):
+    thread_name = "tinkerd-future-retention"
+
     def __init__(self, store: Store, recovery: Recovery | None, retrieved_grace_s: float = 600.0,
                  max_age_s: float = 86400.0, tombstone_s: float = 86400.0):
         self.store = store
@@ -74,9 +76,7 @@ class FutureRetention:
         self.tombstone_s = tombstone_s
         # A quarter of the shortest period, within [0.5 s, 60 s]: a future outlives its retention by
         # at most ~25% (60 s against the default 600 s grace), and a sweep is a few indexed queries.
-        self.interval_s = min(60.0, max(0.5, min(retrieved_grace_s, max_age_s, tombstone_s) / 4))
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        super().__init__(min(60.0, max(0.5, min(retrieved_grace_s, max_age_s, tombstone_s) / 4)))
 
     def expired_message(self, request_id: str) -> str:
         return (f"request_id {request_id!r} has expired: a result is kept {self.retrieved_grace_s:g} s after it is "
@@ -85,23 +85,10 @@ class FutureRetention:
 
     # -- the sweeper thread ----------------------------------------------------------------------
 
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="tinkerd-future-retention", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            try:
-                report = self.sweep()
-                if report.expired or report.forgotten:
-                    log.info("future retention: %d expired, %d forgotten", report.expired, report.forgotten)
-            except Exception:  # a failed sweep must not end the thread; the next one retries
-                log.exception("future retention sweep failed")
+    def tick(self) -> None:
+        report = self.sweep()
+        if report.expired or report.forgotten:
+            log.info("future retention: %d expired, %d forgotten", report.expired, report.forgotten)
 
     # -- one sweep -------------------------------------------------------------------------------
 
