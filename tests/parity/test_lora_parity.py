@@ -15,6 +15,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
+from tinkerd.engine import buckets
 from tinkerd.types import CreateModelOp, Datum, ForwardBackwardOp, ForwardBackwardResult, LoraSpec
 
 BASE = "tinkerd/tiny-qwen3"
@@ -96,7 +97,7 @@ def token_batch() -> torch.Tensor:
 
 
 @pytest.mark.parametrize("which", sorted(SPECS))
-def test_logits_and_grads_equal_peft(engine, tiny_model_dir, token_batch, which):
+def test_logits_and_grads_equal_peft(engine, tiny_model_dir, token_batch, which, monkeypatch):
     rt = engine.runtime(BASE)
     adapter = randomized_adapter(engine, f"parity-{which}", SPECS[which], seed=100)
     reference = peft_reference(tiny_model_dir, adapter)
@@ -108,30 +109,37 @@ def test_logits_and_grads_equal_peft(engine, tiny_model_dir, token_batch, which)
     # And the adapter really moves the logits (B was randomised), so the check above is not vacuous.
     assert (ours - tinkerd_logits(rt, token_batch, None)).abs().max() > 1e-2
 
-    # Two datums of different lengths (one padded row) with any-sign weights through the engine.
-    rng = np.random.default_rng(1)
-    seqs = [rng.integers(0, 151_000, n + 1) for n in (9, 5)]
-    weights = [rng.normal(size=n).astype(np.float32) for n in (9, 5)]
-    data = [Datum(tokens=s[:-1], loss_fn_inputs={"target_tokens": s[1:], "weights": w}) for s, w in zip(seqs, weights)]
-    for t in adapter.parameters():
-        t.grad = None
-    result = run(engine, ForwardBackwardOp(adapter.key, data, "cross_entropy"))
-    assert isinstance(result, ForwardBackwardResult)
+    # Two datums of different lengths with any-sign weights through the engine: as one padded batch,
+    # and run in length buckets (engine/buckets.py; forced here, as the batch is small).
+    for lengths, min_padding in (((9, 5), buckets.MIN_PADDING), ((12, 3), 0)):
+        monkeypatch.setattr(buckets, "MIN_PADDING", min_padding)
+        assert (buckets.plan(list(lengths)) is not None) == (min_padding == 0)
+        reference.zero_grad(set_to_none=True)
+        rng = np.random.default_rng(1)
+        seqs = [rng.integers(0, 151_000, n + 1) for n in lengths]
+        weights = [rng.normal(size=n).astype(np.float32) for n in lengths]
+        data = [Datum(tokens=s[:-1], loss_fn_inputs={"target_tokens": s[1:], "weights": w}) for s, w in zip(seqs, weights)]
+        for t in adapter.parameters():
+            t.grad = None
+        result = run(engine, ForwardBackwardOp(adapter.key, data, "cross_entropy"))
+        assert isinstance(result, ForwardBackwardResult)
 
-    total = torch.zeros((), dtype=torch.float64)
-    for i, (s, w) in enumerate(zip(seqs, weights)):
-        logits = reference(input_ids=torch.from_numpy(s[:-1])[None]).logits[0]  # [N, V]
-        lp = torch.log_softmax(logits, -1).gather(-1, torch.from_numpy(s[1:])[:, None])[:, 0]
-        np.testing.assert_allclose(result.loss_fn_outputs[i]["logprobs"], lp.detach().numpy(), **TOL)
-        total = total - (lp * torch.from_numpy(w).double()).sum()
-    total.backward()
-    assert result.metrics["loss:sum"] == pytest.approx(total.item(), rel=1e-5)
+        total, magnitude = torch.zeros((), dtype=torch.float64), 0.0
+        for i, (s, w) in enumerate(zip(seqs, weights)):
+            logits = reference(input_ids=torch.from_numpy(s[:-1])[None]).logits[0]  # [N, V]
+            lp = torch.log_softmax(logits, -1).gather(-1, torch.from_numpy(s[1:])[:, None])[:, 0]
+            np.testing.assert_allclose(result.loss_fn_outputs[i]["logprobs"], lp.detach().numpy(), **TOL)
+            total = total - (lp * torch.from_numpy(w).double()).sum()
+            magnitude += (lp * torch.from_numpy(w).double()).abs().sum().item()
+        total.backward()
+        # Any-sign weights can cancel the sum down to a small total: fp32's tolerance is the terms'.
+        assert result.metrics["loss:sum"] == pytest.approx(total.item(), abs=1e-5 * magnitude)
 
-    inner = reference.base_model.model
-    for name, (a, b) in adapter.weights.items():
-        module = inner.get_submodule(name)
-        assert_close_scaled(a.grad, module.lora_A["default"].weight.grad, f"lora_A grad of {name}")
-        assert_close_scaled(b.grad, module.lora_B["default"].weight.grad, f"lora_B grad of {name}")
+        inner = reference.base_model.model
+        for name, (a, b) in adapter.weights.items():
+            module = inner.get_submodule(name)
+            assert_close_scaled(a.grad, module.lora_A["default"].weight.grad, f"lora_A grad of {name}")
+            assert_close_scaled(b.grad, module.lora_B["default"].weight.grad, f"lora_B grad of {name}")
     assert all(a.grad.abs().max() > 0 for a, _ in adapter.weights.values())
 
 

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 import torch
 
-from tinkerd.engine import training
+from tinkerd.engine import buckets, training
 from tinkerd.engine.lora.layers import SlotGroup
 from tinkerd.errors import TinkerdError
 from tinkerd.types import ForwardBackwardOp
@@ -134,6 +134,8 @@ def pass_key(engine: "Engine", op: object) -> tuple[str, bool] | None:
     if base is None or not fusable(engine.runtimes[base]) or sum(len(d.tokens) for d in op.data) < MIN_TOKENS:
         return None
     if any(d.images for d in op.data):  # the vision-language body runs per op (training._hidden)
+        return None
+    if buckets.plan([len(d.tokens) for d in op.data]) is not None:  # runs in length buckets, alone
         return None
     return base, op.forward_only
 

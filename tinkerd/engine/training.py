@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from tinkerd.engine import adam, checkpoints, datums, finite
+from tinkerd.engine import adam, buckets, checkpoints, datums, finite
 from tinkerd.engine.losses import DATUM_INDEX, LossFn, custom, get_loss
 from tinkerd.engine.sharding import DataParallel
 from tinkerd.errors import UserError
@@ -153,7 +153,7 @@ def _chunks(rt: "ModelRuntime", m: int) -> list[slice]:
 
 
 def _logprobs_and_grads(rt, input_ids, mask, inputs, loss: LossFn, config, params, forward_only: bool, ranks=None,
-                        images=None):
+                        images=None, body=None):
     """Target logprobs, the loss, its metrics, and d loss / d params (None when forward_only).
 
     Every Tinker loss is a function of the target logprobs alone, so the backward splits at them:
@@ -170,7 +170,8 @@ def _logprobs_and_grads(rt, input_ids, mask, inputs, loss: LossFn, config, param
     """
     targets = inputs["target_tokens"] if ranks is None else ranks.local(inputs["target_tokens"])
     with torch.set_grad_enabled(not forward_only):
-        hidden = _hidden(rt, input_ids, mask, images)  # [M, H]
+        # `body`: the hidden states some other way (engine/buckets.py: the datums in length buckets).
+        hidden = _hidden(rt, input_ids, mask, images) if body is None else body()  # [M, H]
     m = hidden.shape[0] if ranks is None else ranks.count  # a rank without datums runs one dummy token
     chunks = _chunks(rt, m)
     # Kept graphs are the same kernels on the same inputs as a recompute, so the same bits.
@@ -279,20 +280,32 @@ def forward_backward(engine: "Engine", op: ForwardBackwardOp) -> ForwardBackward
     # With several ranks (engine/sharding.py) this rank's block of datums; the loss sees them all.
     ranks = None if engine.group is None else DataParallel(engine.group, p.lengths)
     mine = op.data if ranks is None else op.data[slice(*ranks.block)]
-    input_ids, mask = padded_tokens(rt, mine)
+    groups = buckets.plan(p.lengths) if ranks is None and buckets.eligible(rt, mine) else None
+    input_ids, mask = padded_tokens(rt, mine) if groups is None else (None, None)
+    body = None if groups is None else lambda: _bucketed_hidden(rt, mine, groups)
     rt.ctx.set_single(p.adapter.slot)
     try:
         # Into fresh tensors first: .grad is touched only after the whole batch succeeded.
         # MoE layers count their routing of the real tokens meanwhile (none for a dense model).
-        with rt.routing.counting(mask.flatten().bool()) as routing:
+        with rt.routing.counting(None if mask is None else mask.flatten().bool()) as routing:
             target_logprobs, loss_sum, metrics, grads = _logprobs_and_grads(
                 rt, input_ids, mask, p.inputs, p.loss, p.config, p.adapter.parameters(), op.forward_only, ranks,
-                [d.images for d in mine],
+                [d.images for d in mine], body,
             )
         metrics = {**metrics, **routing.metrics()}  # the SDK's e_frac_with_tokens:mean etc.
     finally:
         rt.ctx.clear()
     return finish_forward_backward(p, target_logprobs, loss_sum, metrics, grads)
+
+
+def _bucketed_hidden(rt: "ModelRuntime", data: list[Datum], groups: list[list[int]]) -> torch.Tensor:
+    """[M, H] in datum order, the decoder run once per bucket of datums (engine/buckets.py)."""
+    pieces: list[torch.Tensor | None] = [None] * len(data)
+    for group in groups:
+        hidden = _hidden(rt, *padded_tokens(rt, [data[i] for i in group]))  # [M_g, H], the bucket's order
+        for i, piece in zip(group, torch.split(hidden, [len(data[i].tokens) for i in group])):
+            pieces[i] = piece
+    return torch.cat(pieces)
 
 
 def finish_forward_backward(p: Prepared, target_logprobs, loss_sum, metrics, grads) -> ForwardBackwardResult:
