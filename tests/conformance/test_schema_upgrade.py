@@ -14,7 +14,7 @@ from alembic.script import ScriptDirectory
 from tests.conformance.conftest import TINY
 from tests.conformance.test_op_log import ARGS, _client, _kill, _port
 from tests.conformance.test_retention import ADAM, _batch, _train
-from tests.history import checkout_of
+from tests.history import assert_continues, checkout_of
 from tests.serverproc import start_server
 from tinkerd.config import ServerConfig
 from tinkerd.control.store.db import Store
@@ -54,6 +54,6 @@ def test_a_data_dir_from_before_migrations_upgrades_and_recovers_exactly(tmp_pat
         assert saved in [c.tinker_path for c in listing.list_checkpoints(tc.model_id).result().checkpoints]
     finally:
         new.stop()
-    assert first + rest == reference
+    assert_continues(first, rest, reference)
     assert current(Store.open(ServerConfig(data_dir=tmp_path, db_url=None)).engine) == \
         ScriptDirectory(str(SCRIPTS)).get_current_head()

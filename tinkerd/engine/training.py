@@ -105,6 +105,10 @@ def release_adapters(engine: "Engine", op: ReleaseAdaptersOp) -> dict[str, list[
 # cache-sized pieces. Materialising all [M, V] logits instead made the 151k-vocab tiny model spend
 # 80% of a step in elementwise passes over 1 GB tensors (measured: 7-9 s vs about 1 s per 1.6k tokens).
 _HEAD_CHUNK_CELLS = 1 << 22
+# But never fewer rows than this: the head's GEMMs run far below the machine's rate on a few rows
+# (1 thread, 512 rows through the head and back: at 49k vocab 633 ms in 85-row chunks, 514 in 128;
+# at 152k, 27-row chunks took 6.0 s against 3.4 s in 128). A 152k-vocab chunk is then 78 MB.
+_HEAD_CHUNK_MIN_ROWS = 128
 # Up to this many [M, V] cells (256 MB fp32) the head's graphs are kept rather than recomputed: the
 # second head forward was 6% of a SmolLM2 step (2 x 256 tokens: 29 of ~330 GFLOP).
 _HEAD_KEEP_CELLS = 1 << 26
@@ -148,7 +152,7 @@ def _head_graph(rt: "ModelRuntime", hidden: torch.Tensor, targets: torch.Tensor,
 
 
 def _chunks(rt: "ModelRuntime", m: int) -> list[slice]:
-    rows = max(1, _HEAD_CHUNK_CELLS // rt.vocab_size)
+    rows = max(_HEAD_CHUNK_MIN_ROWS, _HEAD_CHUNK_CELLS // rt.vocab_size)
     return [slice(i, min(i + rows, m)) for i in range(0, m, rows)]
 
 

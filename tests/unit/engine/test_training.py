@@ -153,6 +153,7 @@ def test_kept_head_graphs_give_the_bits_of_a_recomputed_head(engine, monkeypatch
                                                            **(extra if loss_fn != "cross_entropy" else {})}))
     rt = engine.runtime(BASE)
     monkeypatch.setattr(training, "_HEAD_CHUNK_CELLS", rt.vocab_size * 8)  # 39 positions: 5 chunks
+    monkeypatch.setattr(training, "_HEAD_CHUNK_MIN_ROWS", 8)
     head_calls = []
     hook = rt.model.get_output_embeddings().register_forward_hook(lambda *_: head_calls.append(1))
     got = {}
