@@ -13,11 +13,13 @@ PEFT's B for it has rows g0, u0, g1, u1, ... where tinkerd keeps gate rows first
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from tinkerd.engine.engine import Engine
+from tinkerd.engine.model.registry import cache_dir_for
 from tinkerd.types import CreateModelOp, Datum, ForwardBackwardOp, ForwardBackwardResult, LoraSpec
 
 EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -27,6 +29,22 @@ def loaded_engine(models_dir, base: str) -> Engine:
     engine = Engine(models_dir)
     engine.load_base_model(base)
     return engine
+
+
+def family_fixtures(base: str, engine_name: str, dir_name: str):
+    """A family's parity module's two fixtures: an engine serving `base` (`engine_name`) and the
+    directory its converted checkpoint is in, for PEFT to load (`dir_name`). Assign both to those names."""
+
+    @pytest.fixture(scope="module", name=engine_name)
+    def engine(models_dir) -> Engine:
+        return loaded_engine(models_dir, base)
+
+    @pytest.fixture(scope="module", name=dir_name)
+    def model_dir(request, models_dir):
+        request.getfixturevalue(engine_name)  # loading converts the checkpoint into models_dir
+        return cache_dir_for(base, models_dir)
+
+    return engine, model_dir
 
 
 def run(engine, op):

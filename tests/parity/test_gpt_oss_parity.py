@@ -14,14 +14,12 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-import pytest
 import torch
 
-from tests.parity.peft_oracle import (assert_forward_backward_matches, logits, loaded_engine, merged_generate,
+from tests.parity.peft_oracle import (assert_forward_backward_matches, family_fixtures, logits, merged_generate,
                                       peft_reference, random_adapter, run)
 from tests.parity.test_lora_parity import assert_close_scaled
 from tinkerd.engine.engine import Engine
-from tinkerd.engine.model.registry import cache_dir_for
 from tinkerd.engine.sampler import sample as sample_mod
 from tinkerd.engine.sampler.sample import Sampler
 from tinkerd.types import Datum, ForwardBackwardOp, LoraSpec, SampleOp, SamplingParams
@@ -33,14 +31,7 @@ SECOND = LoraSpec(rank=2, alpha=4.0, seed=32)
 VOCAB = 151_669  # the Qwen3 tokens; the 7 Harmony tokens after them are left out of random ids
 
 
-@pytest.fixture(scope="module")
-def engine(models_dir) -> Engine:
-    return loaded_engine(models_dir, GPT_OSS)
-
-
-@pytest.fixture(scope="module")
-def model_dir(engine, models_dir):
-    return cache_dir_for(GPT_OSS, models_dir)
+engine, model_dir = family_fixtures(GPT_OSS, "engine", "model_dir")
 
 
 def test_lora_lands_on_attention_every_expert_and_lm_head_not_sinks_or_router(engine):

@@ -15,14 +15,11 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-import pytest
 import torch
 
-from tests.parity.peft_oracle import (assert_forward_backward_matches, logits, loaded_engine, merged_generate,
+from tests.parity.peft_oracle import (assert_forward_backward_matches, family_fixtures, logits, merged_generate,
                                       peft_reference, random_adapter)
 from tests.parity.test_lora_parity import assert_close_scaled
-from tinkerd.engine.engine import Engine
-from tinkerd.engine.model.registry import cache_dir_for
 from tinkerd.engine.sampler import sample as sample_mod
 from tinkerd.engine.sampler.hybrid import HybridBatchCache
 from tinkerd.engine.sampler.sample import Sampler, SamplerConfig
@@ -34,14 +31,7 @@ SECOND = LoraSpec(rank=2, alpha=4.0, seed=42)
 adapter = functools.partial(random_adapter, base=HMOE)
 
 
-@pytest.fixture(scope="module")
-def hmoe_engine(models_dir) -> Engine:
-    return loaded_engine(models_dir, HMOE)
-
-
-@pytest.fixture(scope="module")
-def hmoe_dir(hmoe_engine, models_dir):
-    return cache_dir_for(HMOE, models_dir)
+hmoe_engine, hmoe_dir = family_fixtures(HMOE, "hmoe_engine", "hmoe_dir")
 
 
 def test_logits_logprobs_and_grads_equal_peft(hmoe_engine, hmoe_dir):

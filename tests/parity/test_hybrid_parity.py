@@ -18,11 +18,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.parity.peft_oracle import (assert_forward_backward_matches, logits, loaded_engine, merged_generate,
+from tests.parity.peft_oracle import (assert_forward_backward_matches, family_fixtures, logits, merged_generate,
                                       peft_reference, random_adapter)
 from tests.parity.test_lora_parity import assert_close_scaled
-from tinkerd.engine.engine import Engine
-from tinkerd.engine.model.registry import cache_dir_for
 from tinkerd.engine.sampler import sample as sample_mod
 from tinkerd.engine.sampler.hybrid import HybridBatchCache, state_bytes_per_row
 from tinkerd.engine.sampler.sample import Sampler, SamplerConfig
@@ -35,14 +33,7 @@ SECOND = LoraSpec(rank=2, alpha=4.0, seed=32, train_mlp=False)
 adapter = functools.partial(random_adapter, base=HYBRID)
 
 
-@pytest.fixture(scope="module")
-def hybrid_engine(models_dir) -> Engine:
-    return loaded_engine(models_dir, HYBRID)
-
-
-@pytest.fixture(scope="module")
-def hybrid_dir(hybrid_engine, models_dir):
-    return cache_dir_for(HYBRID, models_dir)
+hybrid_engine, hybrid_dir = family_fixtures(HYBRID, "hybrid_engine", "hybrid_dir")
 
 
 def test_lora_lands_on_the_deltanet_and_gated_attention_projections(hybrid_engine):

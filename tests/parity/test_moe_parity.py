@@ -16,11 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from tests.parity.peft_oracle import (assert_forward_backward_matches, logits, loaded_engine, merged_generate,
+from tests.parity.peft_oracle import (assert_forward_backward_matches, family_fixtures, logits, merged_generate,
                                       peft_reference, random_adapter, run)
 from tests.parity.test_lora_parity import assert_close_scaled
-from tinkerd.engine.engine import Engine
-from tinkerd.engine.model.registry import cache_dir_for
 from tinkerd.engine.sampler import sample as sample_mod
 from tinkerd.engine.sampler.sample import Sampler
 from tinkerd.types import Datum, ForwardBackwardOp, LoraSpec, SampleOp, SamplingParams
@@ -29,14 +27,7 @@ MOE = "tinkerd/tiny-qwen3-moe"
 adapter = functools.partial(random_adapter, base=MOE)
 
 
-@pytest.fixture(scope="module")
-def moe_engine(models_dir) -> Engine:
-    return loaded_engine(models_dir, MOE)
-
-
-@pytest.fixture(scope="module")
-def moe_dir(moe_engine, models_dir):
-    return cache_dir_for(MOE, models_dir)
+moe_engine, moe_dir = family_fixtures(MOE, "moe_engine", "moe_dir")
 
 
 FULL = LoraSpec(rank=4, alpha=8.0, seed=21)
