@@ -114,7 +114,8 @@ def main() -> None:
             for fn in runs.values():  # warm-up: packing, allocator, first-call paths
                 fn()
             load0 = load_average()
-            run = interleave(runs, args.rounds, 1, [s.proc.pid for s in servers.values()])
+            # Each run is charged its own server's CPU (interleave waits for it to go quiet).
+            run = interleave(runs, args.rounds, 1, {name: servers[name.split()[0]].proc.pid for name in runs})
             load1 = load_average()
     finally:
         for path in _made:  # models/ stays for the next run
