@@ -10,6 +10,8 @@ counts such passes on /metrics (tinkerd_shared_pass_runs); without the shared pa
 
 from __future__ import annotations
 
+import time
+
 import tinker
 from tinker import types
 
@@ -33,11 +35,21 @@ def datums(tenant: int, round_: int) -> list[types.Datum]:
 
 
 def blocker_datums() -> list[types.Datum]:
-    # 16 x 511 tokens: CI on a quiet machine once finished a 2 x 511 forward before the third
-    # tenant's op arrived (two passes of two, none of three); this holds the engine ~8x longer.
+    # 48 x 511 tokens: CI on a quiet machine once finished a 2 x 511 forward before the third
+    # tenant's op arrived (two passes of two, none of three), and again with 16 x 511 once the head
+    # ran in 128-row chunks (about twice as fast on this model's 152k vocab).
     tokens = list(range(1, 513))
     return [types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                        loss_fn_inputs={"target_tokens": tokens[1:]})] * 16
+                        loss_fn_inputs={"target_tokens": tokens[1:]})] * 48
+
+
+def _running(url: str) -> None:
+    """Wait until the engine runs an op (the blocker's forward, whose large request a tenant's small
+    one could otherwise overtake, then run alone)."""
+    deadline = time.monotonic() + 60
+    while _scrape(url).get(("tinkerd_ops_in_flight", ()), 0) < 1:
+        assert time.monotonic() < deadline, "the blocker's forward never started"
+        time.sleep(0.01)
 
 
 def outcome(result) -> tuple[float, list[list[float]]]:
@@ -53,6 +65,7 @@ def test_concurrent_clients_share_a_pass_and_each_equals_its_run_alone(server):
     together: list[list] = [[] for _ in RANKS]
     for round_ in range(ROUNDS):
         hold = blocker.forward(blocker_datums(), "cross_entropy")
+        _running(server.url)  # the forward holds the engine before the tenants send theirs
         fbs = [tc.forward_backward(datums(k, round_), "cross_entropy") for k, tc in enumerate(tenants)]
         steps = [tc.optim_step(ADAM) for tc in tenants]
         hold.result()
