@@ -38,10 +38,14 @@ MIN_PADDING = 1024
 MIN_SHARE = 0.25
 
 
-def eligible(rt: "ModelRuntime", data) -> bool:
+def dense_full_attention(rt: "ModelRuntime") -> bool:
+    """No routed experts and no linear-attention layers (also what a shared pass needs: engine/cotrain.py)."""
     family = rt.loaded.family
-    return (family.experts_class is None and family.layer_types == frozenset({"full_attention"})
-            and not any(d.images for d in data))
+    return family.experts_class is None and family.layer_types == frozenset({"full_attention"})
+
+
+def eligible(rt: "ModelRuntime", data) -> bool:
+    return dense_full_attention(rt) and not any(d.images for d in data)
 
 
 def plan(lengths: list[int]) -> list[list[int]] | None:

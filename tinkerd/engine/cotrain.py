@@ -119,9 +119,7 @@ def _use_grouped_attention(rt: "ModelRuntime") -> None:
 
 def fusable(rt: "ModelRuntime") -> bool:
     """Whether `rt`'s model can run several adapters' training rows in one pass (module docstring)."""
-    family = rt.loaded.family
-    return (family.experts_class is None and family.layer_types == frozenset({"full_attention"})
-            and rt.model.config._attn_implementation in ("sdpa", ATTENTION))
+    return buckets.dense_full_attention(rt) and rt.model.config._attn_implementation in ("sdpa", ATTENTION)
 
 
 def pass_key(engine: "Engine", op: object) -> tuple[str, bool] | None:
