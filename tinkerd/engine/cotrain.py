@@ -12,7 +12,8 @@ reduces over stays its own:
   test_cotrain, but a BLAS that blocks a reduction by its length would; the cut also spares the
   LoRA matmuls the padding);
 - the head, the log-softmax and the loss run per run, on its slice of the hidden states, in its own
-  chunks (training._chunks), and its loss's gradient flows back into its slice only;
+  blocks (engine/head.py: they depend only on its number of rows), and its loss's gradient flows
+  back into its slice only;
 - one backward runs through the body for all runs at once: the base weights are frozen, so nothing
   sums across rows there, and each adapter's grads come only from its own rows.
 
@@ -51,6 +52,7 @@ import numpy as np
 import torch
 
 from tinkerd.engine import buckets, training
+from tinkerd.engine.head import HeadPass
 from tinkerd.engine.lora.layers import SlotGroup
 from tinkerd.errors import TinkerdError
 from tinkerd.types import ForwardBackwardOp
@@ -230,10 +232,10 @@ def _shared_pass(rt: "ModelRuntime", parts: list[training.Prepared]):
         mine = hidden[span].detach()  # [M_k, H]
         targets = p.inputs["target_tokens"]
         params = p.adapter.parameters()
-        rt.ctx.set_single(p.adapter.slot)  # the head runs per run: its LoRA, its chunks
+        rt.ctx.set_single(p.adapter.slot)  # the head runs per run: its LoRA, its blocks (engine/head.py)
         try:
-            with torch.no_grad():
-                lp = torch.cat([training._head_logprobs(rt, mine[c], targets[c]) for c in training._chunks(rt, mine.shape[0])])
+            unembed = HeadPass(rt, mine, targets, keep=not forward_only)
+            lp = unembed.logprobs
             if forward_only:
                 loss_sum, metrics = p.loss(lp, p.inputs, p.config)
                 out.append((lp, loss_sum, metrics, None))
@@ -241,17 +243,8 @@ def _shared_pass(rt: "ModelRuntime", parts: list[training.Prepared]):
             lp_leaf = lp.clone().requires_grad_(True)
             loss_sum, metrics = p.loss(lp_leaf, p.inputs, p.config)
             (g_lp,) = torch.autograd.grad(loss_sum, lp_leaf)
-            head_params = [t for t in params if any(t is h for h in training._head_lora(rt, params))]
-            head_grads: list[torch.Tensor | None] = [None] * len(head_params)
-            for c in training._chunks(rt, mine.shape[0]):
-                h_c = mine[c].detach().requires_grad_(True)
-                with torch.enable_grad():
-                    lp_c = training._head_logprobs(rt, h_c, targets[c])
-                got = torch.autograd.grad(lp_c, [h_c, *head_params], grad_outputs=g_lp[c], allow_unused=True)
-                g_hidden[span][c] = got[0]
-                for i, g in enumerate(got[1:]):
-                    if g is not None:
-                        head_grads[i] = g if head_grads[i] is None else head_grads[i] + g
+            head_params = [t for t in params if any(t is h for h in training._head_lora(rt))]
+            g_hidden[span], head_grads = unembed.backward(g_lp, head_params)
         finally:
             rt.ctx.clear()
         body_params = [t for t in params if not any(t is h for h in head_params)]

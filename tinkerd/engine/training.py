@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from tinkerd.engine import adam, buckets, checkpoints, datums, finite
+from tinkerd.engine.head import HeadPass, head_lora
 from tinkerd.engine.losses import DATUM_INDEX, LossFn, custom, get_loss
 from tinkerd.engine.sharding import DataParallel
 from tinkerd.errors import UserError
@@ -100,20 +101,6 @@ def release_adapters(engine: "Engine", op: ReleaseAdaptersOp) -> dict[str, list[
 # forward_backward
 
 
-
-# Rows of the [*, V] logits computed at once: 2^22 fp32 cells is 16 MB, small enough to stay in
-# cache-sized pieces. Materialising all [M, V] logits instead made the 151k-vocab tiny model spend
-# 80% of a step in elementwise passes over 1 GB tensors (measured: 7-9 s vs about 1 s per 1.6k tokens).
-_HEAD_CHUNK_CELLS = 1 << 22
-# But never fewer rows than this: the head's GEMMs run far below the machine's rate on a few rows
-# (1 thread, 512 rows through the head and back: at 49k vocab 633 ms in 85-row chunks, 514 in 128;
-# at 152k, 27-row chunks took 6.0 s against 3.4 s in 128). A 152k-vocab chunk is then 78 MB.
-_HEAD_CHUNK_MIN_ROWS = 128
-# Up to this many [M, V] cells (256 MB fp32) the head's graphs are kept rather than recomputed: the
-# second head forward was 6% of a SmolLM2 step (2 x 256 tokens: 29 of ~330 GFLOP).
-_HEAD_KEEP_CELLS = 1 << 26
-
-
 def _hidden(rt: "ModelRuntime", input_ids: torch.Tensor, mask: torch.Tensor, images=None, **attention) -> torch.Tensor:
     """The decoder's last hidden state at the M real positions of a right-padded batch: [M, H].
     `images`: each row's ImageInputs (a vision-language model), run through the VLM body, which
@@ -129,44 +116,15 @@ def _hidden(rt: "ModelRuntime", input_ids: torch.Tensor, mask: torch.Tensor, ima
     return hidden[mask.bool()]  # datum 0's positions first
 
 
-def _head_logprobs(rt: "ModelRuntime", hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """logit[target] - logsumexp(logits) for one chunk of rows: [C] or [C, K]."""
-    logits = rt.model.get_output_embeddings()(hidden)  # [C, V]
-    softcap = getattr(rt.model.config, "final_logit_softcapping", None)
-    if softcap:  # Gemma-style models cap logits in their forward; keep parity with it
-        logits = torch.tanh(logits / softcap) * softcap
-    # bf16 logits are upcast before the logsumexp, as HF's causal-LM loss does (engine/precision.py):
-    # summed in bf16 over a 49k vocab it is off by up to ~0.03. A no-op in fp32.
-    logits = logits.float()
-    lse = torch.logsumexp(logits, dim=-1)  # [C]
-    if targets.dim() == 1:
-        return logits.gather(-1, targets[:, None])[:, 0] - lse
-    return logits.gather(-1, targets) - lse[:, None]
-
-
-def _head_graph(rt: "ModelRuntime", hidden: torch.Tensor, targets: torch.Tensor, c: slice):
-    """(the chunk's hidden as a leaf, its logprobs with their graph back to it and the head's LoRA)."""
-    h_c = hidden[c].detach().requires_grad_(True)
-    with torch.enable_grad():
-        return h_c, _head_logprobs(rt, h_c, targets[c])
-
-
-def _chunks(rt: "ModelRuntime", m: int) -> list[slice]:
-    rows = max(_HEAD_CHUNK_MIN_ROWS, _HEAD_CHUNK_CELLS // rt.vocab_size)
-    return [slice(i, min(i + rows, m)) for i in range(0, m, rows)]
-
-
 def _logprobs_and_grads(rt, input_ids, mask, inputs, loss: LossFn, config, params, forward_only: bool, ranks=None,
                         images=None, body=None):
     """Target logprobs, the loss, its metrics, and d loss / d params (None when forward_only).
 
     Every Tinker loss is a function of the target logprobs alone, so the backward splits at them:
-    (1) the head runs chunk by chunk to get logprobs [M]; (2) the loss and its gradient
-    g = d loss / d logprobs; (3) each head chunk's graph is back-propagated with g, collecting
-    d loss / d hidden and the head's own LoRA grads; (4) one backward through the decoder from
-    d loss / d hidden. Beyond _HEAD_KEEP_CELLS logits, (1) runs without a graph and (3) recomputes
-    each chunk with one: peak memory then holds one [C, V] chunk instead of the [M, V] logits and
-    their gradient, for the price of a second head forward.
+    (1) the head gives the logprobs [M] (engine/head.py: in blocks and tiles, its logits kept or
+    recomputed); (2) the loss and its gradient g = d loss / d logprobs; (3) the head's backward
+    from g gives d loss / d hidden and the head's own LoRA grads; (4) one backward through the
+    decoder from d loss / d hidden.
 
     With `ranks` (engine/sharding.py: DataParallel) input_ids and mask hold this rank's datums only:
     the logprobs of every rank are gathered before (2), which then runs on the whole batch on every
@@ -177,14 +135,8 @@ def _logprobs_and_grads(rt, input_ids, mask, inputs, loss: LossFn, config, param
         # `body`: the hidden states some other way (engine/buckets.py: the datums in length buckets).
         hidden = _hidden(rt, input_ids, mask, images) if body is None else body()  # [M, H]
     m = hidden.shape[0] if ranks is None else ranks.count  # a rank without datums runs one dummy token
-    chunks = _chunks(rt, m)
-    # Kept graphs are the same kernels on the same inputs as a recompute, so the same bits.
-    keep = not forward_only and m * rt.vocab_size <= _HEAD_KEEP_CELLS
-    kept = [_head_graph(rt, hidden, targets, c) for c in chunks] if keep else None
-    with torch.no_grad():
-        target_logprobs = torch.cat([lp.detach() for _, lp in kept] if kept else
-                                    [_head_logprobs(rt, hidden[c], targets[c]) for c in chunks] +
-                                    [hidden.new_zeros((0, *targets.shape[1:]), dtype=torch.float32)])
+    unembed = HeadPass(rt, hidden[:m].detach(), targets, keep=not forward_only)
+    target_logprobs = unembed.logprobs
     if ranks is not None:
         target_logprobs = ranks.gather(target_logprobs)
     if forward_only:
@@ -195,16 +147,9 @@ def _logprobs_and_grads(rt, input_ids, mask, inputs, loss: LossFn, config, param
     (g_lp,) = torch.autograd.grad(loss_sum, lp_leaf)
     if ranks is not None:
         g_lp = ranks.local(g_lp)
-    head_params = [p for p in params if any(p is t for t in _head_lora(rt, params))]
-    head_grads: list[torch.Tensor | None] = [None] * len(head_params)
-    g_hidden = torch.empty_like(hidden) if m == hidden.shape[0] else torch.zeros_like(hidden)
-    for k, c in enumerate(chunks):
-        h_c, lp_c = kept[k] if kept else _head_graph(rt, hidden, targets, c)
-        got = torch.autograd.grad(lp_c, [h_c, *head_params], grad_outputs=g_lp[c], allow_unused=True)
-        g_hidden[c] = got[0]
-        for i, g in enumerate(got[1:]):
-            if g is not None:
-                head_grads[i] = g if head_grads[i] is None else head_grads[i] + g
+    head_params = [p for p in params if any(p is t for t in _head_lora(rt))]
+    g_head, head_grads = unembed.backward(g_lp, head_params)
+    g_hidden = g_head if m == hidden.shape[0] else torch.cat([g_head, hidden.new_zeros((hidden.shape[0] - m, hidden.shape[1]))])
     body_params = [p for p in params if not any(p is h for h in head_params)]
     body_grads = torch.autograd.grad(hidden, body_params, grad_outputs=g_hidden, allow_unused=True)
     by_id = {id(p): g for p, g in zip(head_params, head_grads)} | {id(p): g for p, g in zip(body_params, body_grads)}
@@ -214,11 +159,10 @@ def _logprobs_and_grads(rt, input_ids, mask, inputs, loss: LossFn, config, param
     return target_logprobs, loss_sum.detach(), metrics, grads
 
 
-def _head_lora(rt: "ModelRuntime", params: list[torch.Tensor]) -> list[torch.Tensor]:
+def _head_lora(rt: "ModelRuntime") -> list[torch.Tensor]:
     """This adapter's LoRA tensors on the unembedding, if it trains it."""
-    head = rt.model.get_output_embeddings()
-    lw = getattr(head, "adapters", {}).get(rt.ctx.groups[0].slot) if rt.ctx.groups else None
-    return [lw.a, lw.b] if lw is not None else []
+    lora = head_lora(rt)
+    return [] if lora is None else [lora[0], lora[1]]
 
 
 @dataclass

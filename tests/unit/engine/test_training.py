@@ -138,46 +138,6 @@ def test_two_half_batches_equal_one_full_batch(engine):
     assert all(b.abs().max() > 1e-3 for _, b in h.weights.values())  # training really moved every B
 
 
-@pytest.mark.parametrize("loss_fn", ["cross_entropy", "importance_sampling"])
-def test_kept_head_graphs_give_the_bits_of_a_recomputed_head(engine, monkeypatch, loss_fn):
-    """Logits under _HEAD_KEEP_CELLS keep their chunks' graphs, one head forward per chunk instead of
-    two; logprobs, loss and every LoRA grad (the head's own included) equal the recomputing path."""
-    from tinkerd.engine import training
-
-    rng = np.random.default_rng(7)
-    data = []
-    for n in (9, 13, 6, 11):
-        seq = rng.integers(0, 150_000, n + 1)
-        extra = {"logprobs": -rng.random(n).astype(np.float32), "advantages": rng.standard_normal(n).astype(np.float32)}
-        data.append(Datum(tokens=seq[:-1], loss_fn_inputs={"target_tokens": seq[1:],
-                                                           **(extra if loss_fn != "cross_entropy" else {})}))
-    rt = engine.runtime(BASE)
-    monkeypatch.setattr(training, "_HEAD_CHUNK_CELLS", rt.vocab_size * 8)  # 39 positions: 5 chunks
-    monkeypatch.setattr(training, "_HEAD_CHUNK_MIN_ROWS", 8)
-    head_calls = []
-    hook = rt.model.get_output_embeddings().register_forward_hook(lambda *_: head_calls.append(1))
-    got = {}
-    try:
-        for keep_cells in (training._HEAD_KEEP_CELLS, 0):
-            monkeypatch.setattr(training, "_HEAD_KEEP_CELLS", keep_cells)
-            model_id = f"head-keep-{loss_fn}-{keep_cells}"
-            create(engine, model_id, seed=3)
-            head_calls.clear()
-            result = run(engine, ForwardBackwardOp(model_id, data, loss_fn))
-            got[keep_cells] = (len(head_calls), result.metrics["loss:sum"],
-                               [o["logprobs"] for o in result.loss_fn_outputs],
-                               [t.grad for t in adapter_of(engine, model_id).parameters()])
-    finally:
-        hook.remove()
-    kept, recomputed = got.values()
-    assert (kept[0], recomputed[0]) == (5, 10)
-    assert kept[1] == recomputed[1]
-    for a, b in zip(kept[2], recomputed[2]):
-        assert np.array_equal(a, b)
-    assert any(name.endswith("lm_head") for name in adapter_of(engine, model_id).weights)  # the head's own LoRA
-    assert_identical(kept[3], recomputed[3])
-
-
 def test_forward_only_changes_nothing(engine):
     busy(engine, "fwd-only", seed=3)
     adapter = adapter_of(engine, "fwd-only")

@@ -1,0 +1,140 @@
+"""The LM head's pass (engine/head.py): the tiled path against a float64 reference and against
+the autograd path, and kept logits against recomputed ones, to the bit."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from tests.unit.engine.test_training import BASE, adapter_of, assert_identical, create, run
+from tinkerd.engine import head
+from tinkerd.engine.head import HeadPass
+from tinkerd.engine.lora.layers import LoraContext, LoraWeights, MultiLoraLinear
+from tinkerd.types import Datum, ForwardBackwardOp
+
+
+def _runtime(vocab: int, hidden: int, lora: LoraWeights | None):
+    """A runtime holding only a head: a MultiLoraLinear with (or without) one adapter in slot 0."""
+    torch.manual_seed(0)
+    base = torch.nn.Linear(hidden, vocab, bias=False)
+    with torch.no_grad():
+        base.weight.normal_(0, 0.05)
+    ctx = LoraContext()
+    layer = MultiLoraLinear(base, ctx)
+    if lora is not None:
+        layer.adapters[0] = lora
+    ctx.set_single(0)
+    model = SimpleNamespace(get_output_embeddings=lambda: layer, config=SimpleNamespace())
+    return SimpleNamespace(model=model, vocab_size=vocab, ctx=ctx)
+
+
+@pytest.mark.parametrize("soft", [False, True])
+@pytest.mark.parametrize("scaling", [None, 1.0, 0.75])
+def test_tiled_head_equals_a_float64_reference(monkeypatch, soft, scaling):
+    """Logprobs, d hidden and the head LoRA's grads of the written-out backward, over several row
+    blocks and vocabulary tiles (targets in every tile), against autograd in float64."""
+    monkeypatch.setattr(head, "ROW_BLOCK", 16)
+    monkeypatch.setattr(head, "TILE_CELLS", 16 * 700)
+    monkeypatch.setattr(head, "MIN_TILE", 1)
+    vocab, hidden, m, rank = 3000, 24, 40, 4  # 3 blocks (16, 16, 8 rows); tiles of 700 and 1400 columns
+    gen = torch.Generator().manual_seed(1)
+    lora = None if scaling is None else LoraWeights(torch.randn(rank, hidden, generator=gen) * 0.1,
+                                                    torch.randn(vocab, rank, generator=gen) * 0.1, scaling)
+    rt = _runtime(vocab, hidden, lora)
+    x = torch.randn(m, hidden, generator=gen)
+    targets = torch.randint(0, vocab, (m, 3) if soft else (m,), generator=gen)
+    g = torch.randn(targets.shape, generator=gen)
+
+    got = HeadPass(rt, x, targets, keep=True)
+    assert got.tiled and len(got.blocks) == 3 and len(got.tiles) >= 3
+    params = [] if lora is None else [lora.a, lora.b]
+    g_x, g_params = got.backward(g, params)
+
+    w = rt.model.get_output_embeddings().weight.double().requires_grad_(True)
+    x64 = x.double().requires_grad_(True)
+    p64 = [t.double().requires_grad_(True) for t in params]
+    logits = x64 @ w.t()
+    if lora is not None:
+        logits = logits + (x64 @ p64[0].t()) @ p64[1].t() * scaling
+    lse = torch.logsumexp(logits, -1)
+    lp = logits.gather(-1, targets if soft else targets[:, None]) - lse[:, None]
+    lp = lp if soft else lp[:, 0]
+    want = torch.autograd.grad((lp * g.double()).sum(), [x64, *p64])
+
+    torch.testing.assert_close(got.logprobs.double(), lp.detach(), rtol=0, atol=2e-5)
+    for ours, ref in zip([g_x, *g_params], want):
+        assert ours.dtype == torch.float32
+        assert (ours.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+def _data(loss_fn: str, soft: bool = False) -> list[Datum]:
+    rng = np.random.default_rng(7)
+    data = []
+    for n in (9, 13, 6, 11):
+        seq = rng.integers(0, 150_000, n + 1)
+        targets = np.stack([seq[1:], rng.integers(0, 150_000, n)], 1) if soft else seq[1:]
+        extra = {"logprobs": -rng.random(n).astype(np.float32), "advantages": rng.standard_normal(n).astype(np.float32)}
+        if soft:
+            extra = {"weights": rng.random((n, 2)).astype(np.float32)}
+        data.append(Datum(tokens=seq[:-1], loss_fn_inputs={"target_tokens": targets,
+                                                           **(extra if loss_fn != "cross_entropy" or soft else {})}))
+    return data
+
+
+def _pass(engine, model_id: str, data, loss_fn: str):
+    create(engine, model_id, seed=3)
+    result = run(engine, ForwardBackwardOp(model_id, data, loss_fn))
+    return (result.metrics["loss:sum"], [o["logprobs"] for o in result.loss_fn_outputs],
+            [t.grad for t in adapter_of(engine, model_id).parameters()])
+
+
+@pytest.mark.parametrize("path", ["tiled", "autograd"])
+@pytest.mark.parametrize("loss_fn", ["cross_entropy", "importance_sampling"])
+def test_kept_logits_give_the_bits_of_a_recomputed_head(engine, monkeypatch, path, loss_fn):
+    """Logits under KEEP_CELLS are kept from the forward to the backward instead of computed twice;
+    logprobs, loss and every LoRA grad (the head's own included) equal the recomputing path's."""
+    rt = engine.runtime(BASE)
+    monkeypatch.setattr(head, "ROW_BLOCK", 16)  # 39 positions: 3 blocks
+    monkeypatch.setattr(head, "TILE_CELLS", 16 * 40_000 if path == "tiled" else rt.vocab_size * 8)  # 4 tiles; 5 chunks
+    monkeypatch.setattr(head, "CHUNK_MIN_ROWS", 8)
+    computed = []  # head GEMMs of the whole vocabulary: tiles of a block, or autograd chunks
+    if path == "tiled":
+        logits = HeadPass._logits
+        monkeypatch.setattr(HeadPass, "_logits", lambda self, *a: computed.append(1) or logits(self, *a))
+    else:
+        monkeypatch.setattr(head, "_tiled", lambda rt: False)
+        logprobs = head._logprobs
+        monkeypatch.setattr(head, "_logprobs", lambda *a: computed.append(1) or logprobs(*a))
+    got = {}
+    for keep_cells in (head.KEEP_CELLS, 0):
+        monkeypatch.setattr(head, "KEEP_CELLS", keep_cells)
+        computed.clear()
+        numbers = _pass(engine, f"head-keep-{path}-{loss_fn}-{keep_cells}", _data(loss_fn), loss_fn)
+        got[keep_cells] = (len(computed), *numbers)
+    kept, recomputed = got.values()
+    expected = 3 * 4 if path == "tiled" else 5
+    assert (kept[0], recomputed[0]) == (expected, 2 * expected)
+    assert kept[1] == recomputed[1]
+    for a, b in zip(kept[2], recomputed[2]):
+        assert np.array_equal(a, b)
+    assert any(name.endswith("lm_head") for name in adapter_of(engine, f"head-keep-{path}-{loss_fn}-0").weights)
+    assert_identical(kept[3], recomputed[3])
+
+
+@pytest.mark.parametrize("soft", [False, True])
+def test_tiled_and_autograd_heads_agree_through_the_engine(engine, monkeypatch, soft):
+    """The two paths on the tiny model with its head's LoRA, several blocks and tiles: the same
+    numbers to fp32 rounding."""
+    monkeypatch.setattr(head, "ROW_BLOCK", 16)
+    monkeypatch.setattr(head, "TILE_CELLS", 16 * 40_000)
+    tiled = _pass(engine, f"head-tiled-{soft}", _data("cross_entropy", soft), "cross_entropy")
+    monkeypatch.setattr(head, "_tiled", lambda rt: False)
+    autograd = _pass(engine, f"head-autograd-{soft}", _data("cross_entropy", soft), "cross_entropy")
+    assert tiled[0] == pytest.approx(autograd[0], rel=1e-6)
+    for a, b in zip(tiled[1], autograd[1]):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+    for a, b in zip(tiled[2], autograd[2]):
+        assert (a - b).abs().max() <= 1e-4 * b.abs().max()
