@@ -278,6 +278,25 @@ def test_bad_paths_and_values_are_clear_4xx_and_change_nothing(service_client, r
     assert sorted(os.listdir(server.data_dir / "checkpoints" / mid / "external_weights")) == ["x"]
 
 
+def test_a_resent_save_answers_its_own_future_once_its_name_is_taken(service_client, server):
+    """The SDK re-sends a save whose answer a restart cut off (same seq_id): by then the save may have
+    run and taken its name. The re-send gets the accepted op's future, not "already exists"; a new
+    save (a new seq_id) under a taken name is still refused. (test_chaos shows it across a restart.)"""
+    tc = service_client.create_lora_training_client(base_model=TINY, rank=2, seed=3).result()
+    api = f"{server.url}/api/v1"
+    sends = [(tc.save_weights_external, "save_weights_external", "external_weights"),
+             (tc.save_state, "save_weights", "weights")]
+    for save, route, kind in sends:
+        path = save("again").result().path
+        body = {"model_id": tc.model_id, "path": "again", "seq_id": tc._request_id_counter, "type": route}
+        r = httpx.post(f"{api}/{route}", json=body, headers=HEADERS)
+        assert r.status_code == 200, r.text
+        done = httpx.post(f"{api}/retrieve_future", json={"request_id": r.json()["request_id"]}, headers=HEADERS)
+        assert done.status_code == 200 and done.json()["path"] == path == f"tinker://{tc.model_id}/{kind}/again", done.text
+        with pytest.raises(tinker.BadRequestError, match="already exist"):
+            save("again").result()
+
+
 def test_expired_checkpoints_leave_listings_and_disk(timers_server):
     # On the shared timers server (conftest.py), whose sweeper runs every 0.2 s instead of every
     # minute; an account of its own, so the user's listing holds only this test's checkpoints.

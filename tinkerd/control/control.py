@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from anyio import to_thread
 
-from tinkerd.control import oplog
+from tinkerd.control import oplog, retention
 from tinkerd.control.bookkeeping import Bookkeeper
 from tinkerd.control.backpressure import QueueBudget
 from tinkerd.control.claims import Claimer
@@ -233,9 +233,7 @@ class Control:
         record, in the pre-v1 form a start converts through the API (api/legacy.py): the path of an
         op kind not yet given a record; every op of tinkerd's own carries one."""
         # The account is part of the key: an idempotent re-send is one client's, never another's.
-        dedupe_key = f"{request_type}|{account_id}|{target}|{seq_id}" if seq_id is not None else None
-        if seq_id is None and idempotency_key:
-            dedupe_key = f"{request_type}|{account_id}|{target}|key:{idempotency_key}"
+        dedupe_key = retention.dedupe_key(request_type, account_id, target, seq_id, idempotency_key)
         if dedupe_key is not None:
             existing = self.store.future_by_dedupe_key(dedupe_key)
             if existing is not None:
@@ -282,6 +280,12 @@ class Control:
             self.queue.put(request_id, target, seq_id, request_type, work)
         self.metrics.accepted(request_type, Scheduler.lane_of(work.op), request_id)
         return Accepted(request_id, new=True)
+
+    def accepted_before(self, request_type: str, target: str, seq_id: int | None, account_id: str | None) -> bool:
+        """Whether this (target, seq_id) was accepted already: a preparer skips checks against what
+        the op itself may since have done (an export's name now taken by its own files)."""
+        key = retention.dedupe_key(request_type, account_id, target, seq_id)
+        return key is not None and self.store.future_by_dedupe_key(key) is not None
 
     def release_run(self, model_id: str | None = None) -> None:
         """Release a run's adapter as soon as it is idle (hpcai's unload_model), or with None look for

@@ -49,6 +49,17 @@ def dedupe_prefix(request_type: str, account_id: str | None, target: str) -> str
     return f"{request_type}|{account_id}|{target}"
 
 
+def dedupe_key(request_type: str, account_id: str | None, target: str, seq_id: int | None,
+               idempotency_key: str | None = None) -> str | None:
+    """What makes a re-send the same request: (target, seq_id) when the op has a seq_id, else the
+    client's idempotency key (hpcai's X-Idempotency-Key); None when it has neither."""
+    if seq_id is not None:
+        return f"{dedupe_prefix(request_type, account_id, target)}|{seq_id}"
+    if idempotency_key:
+        return f"{dedupe_prefix(request_type, account_id, target)}|key:{idempotency_key}"
+    return None
+
+
 def forgotten(store: Store, request_type: str, account_id: str | None, target: str, seq_id: int) -> bool:
     """Whether a request with this (target, seq_id) was accepted once and its future since deleted."""
     mark = FutureRepository(store).watermark(dedupe_prefix(request_type, account_id, target))

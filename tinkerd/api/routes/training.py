@@ -188,7 +188,8 @@ def prepare_save_weights(st: AppState, body: bytes, account_id: str | None = Non
     name = check_name(req.path, "path") if req.path is not None else f"step-{req.seq_id}"
     path = TinkerPath(req.model_id, "weights", name)
     ttl = check_ttl(req.ttl_seconds)  # before the op is queued: a bad TTL writes nothing
-    if not req.overwrite and st.runs.checkpoints.checkpoint_exists(path):
+    if (not req.overwrite and st.runs.checkpoints.checkpoint_exists(path)
+            and not st.control.accepted_before("SaveWeights", req.model_id, req.seq_id, account_id)):
         raise UserError(f"checkpoint {path} already exists; pass overwrite=True to replace it")
     op = SaveWeightsOp(req.model_id, st.runs.checkpoints.checkpoint_key(path), with_optimizer=True)
     work = _accepted(OpType.SAVE_WEIGHTS, op, st, run, account_id, reply={"path": str(path)},
