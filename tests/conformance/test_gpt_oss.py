@@ -23,7 +23,7 @@ from tests.conformance.sft import assert_loss_falls_and_resumes_exactly, losses
 from tests.serverproc import API_KEY, start_server
 
 GPT_OSS = "tinkerd/tiny-gpt-oss"
-LR = 2e-2
+LR = 5e-3  # 2e-2 oscillates on this tiny MoE (42.8 -> 21.3 -> 46.4 -> 21.8 in 8 steps); 5e-3 falls smoothly to 0.27
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"},
      {"role": "assistant", "content": "The capital of France is Paris."}],
