@@ -30,6 +30,7 @@ engine included) / the GEMM's FLOP per CPU-second.
     python benchmarks/training.py                                  # SmolLM2-135M, 2 x 256, 1 thread, fp32
     python benchmarks/training.py --threads 1,2 --dtypes float32,bfloat16 --rounds 3
     python benchmarks/training.py --baseline-tree /work/main       # + the same server from main
+    python benchmarks/training.py --train-unembed                  # LoRA on lm_head too, both sides
 
 Concurrent tenants on one base model: benchmarks/training_tenants.py.
 """
@@ -169,8 +170,8 @@ def make_batch(vocab: int, rows: int, tokens: int, seed: int = 0) -> np.ndarray:
     return rng.integers(0, vocab, size=(rows, tokens + 1))
 
 
-def step_flops(config, rank: int, rows: int, tokens: int) -> float:
-    """F of the module docstring for a Llama-shaped config (SmolLM2, Qwen3)."""
+def step_flops(config, rank: int, rows: int, tokens: int, unembed: bool = False) -> float:
+    """F of the module docstring for a Llama-shaped config (SmolLM2, Qwen3); `unembed`: a LoRA on the head too."""
     h, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or h // heads
@@ -179,7 +180,7 @@ def step_flops(config, rank: int, rows: int, tokens: int) -> float:
     # (in, out) of each adapted linear in one layer: q, k, v, o, gate, up, down.
     shapes = [(h, q), (h, kv), (h, kv), (q, h), (h, inter), (h, inter), (inter, h)]
     p_mm = layers * sum(i * o for i, o in shapes) + h * config.vocab_size
-    p_lora = layers * sum(rank * (i + o) for i, o in shapes)
+    p_lora = layers * sum(rank * (i + o) for i, o in shapes) + (rank * (h + config.vocab_size) if unembed else 0)
     n = rows * tokens
     return n * (4 * p_mm + 6 * p_lora) + 3 * layers * 4 * rows * tokens**2 * heads * head_dim
 
@@ -199,13 +200,14 @@ def gemm_rate(n: int, h: int, dtype: torch.dtype, repeats: int = 5) -> tuple[flo
 
 
 class HFPeft:
-    def __init__(self, model_dir: str, rank: int, batch: np.ndarray, dtype: str, adamw: str):
+    def __init__(self, model_dir: str, rank: int, batch: np.ndarray, dtype: str, adamw: str, unembed: bool = False):
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype])
         # PEFT keeps the adapter fp32 on a bf16 model (autocast_adapter_dtype), as tinkerd does.
-        self.model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=32, target_modules=TARGETS, lora_dropout=0.0))
+        targets = TARGETS + ["lm_head"] if unembed else TARGETS
+        self.model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=32, target_modules=targets, lora_dropout=0.0))
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0,
                                      **{adamw: True})
@@ -224,13 +226,13 @@ class HFPeft:
 
 
 class TinkerdSDK:
-    def __init__(self, url: str, model: str, rank: int, batch: np.ndarray):
+    def __init__(self, url: str, model: str, rank: int, batch: np.ndarray, unembed: bool = False):
         import tinker
         from tinker import types
 
         self.types = types
         sc = tinker.ServiceClient(base_url=url, api_key=API_KEY)
-        self.tc = sc.create_lora_training_client(base_model=model, rank=rank, train_unembed=False, seed=0).result()
+        self.tc = sc.create_lora_training_client(base_model=model, rank=rank, train_unembed=unembed, seed=0).result()
         self.data = [
             types.Datum(model_input=types.ModelInput.from_ints(row[:-1].tolist()), loss_fn_inputs={"target_tokens": row[1:].tolist()})
             for row in batch
@@ -271,10 +273,11 @@ def run_config(args, base: Path, dtype: str, threads: int) -> dict:
         model_dir = str(model_dir) if model_dir.exists() else args.model
         config = AutoConfig.from_pretrained(model_dir)
         batch = make_batch(config.vocab_size, args.rows, args.tokens)
-        sides = {"tinkerd (SDK->HTTP->engine)": TinkerdSDK(servers["tinkerd"].url, args.model, args.rank, batch)}
+        sides = {"tinkerd (SDK->HTTP->engine)": TinkerdSDK(servers["tinkerd"].url, args.model, args.rank, batch, args.train_unembed)}
         if "baseline" in servers:
-            sides[f"tinkerd @ {args.baseline_tree}"] = TinkerdSDK(servers["baseline"].url, args.model, args.rank, batch)
-        sides["HF+PEFT in-process, tuned"] = HFPeft(model_dir, args.rank, batch, dtype, args.hf_adamw)
+            sides[f"tinkerd @ {args.baseline_tree}"] = TinkerdSDK(servers["baseline"].url, args.model, args.rank, batch,
+                                                                         args.train_unembed)
+        sides["HF+PEFT in-process, tuned"] = HFPeft(model_dir, args.rank, batch, dtype, args.hf_adamw, args.train_unembed)
         load_before = load_average()
         probes = [gemm_rate(args.rows * args.tokens, config.hidden_size, DTYPES[dtype])]
         for side in sides.values():  # one warm-up step each: first-step allocations, lazy inits
@@ -285,10 +288,10 @@ def run_config(args, base: Path, dtype: str, threads: int) -> dict:
         engine1 = {k: engine_seconds(srv.url) for k, srv in servers.items()}
         probes.append(gemm_rate(args.rows * args.tokens, config.hidden_size, DTYPES[dtype]))
     ceiling, cpu_ceiling = (max(p[i] for p in probes) for i in (0, 1))
-    flops = step_flops(config, args.rank, args.rows, args.tokens)
+    flops = step_flops(config, args.rank, args.rows, args.tokens, args.train_unembed)
     tokens = args.rows * args.tokens
     print(f"\n== dtype={dtype} threads={threads} model={args.model} engine={args.engine} batch={args.rows}x{args.tokens} "
-          f"rank={args.rank} steps/side={args.rounds * args.steps} cpus={os.cpu_count()}")
+          f"rank={args.rank}{' +lm_head' if args.train_unembed else ''} steps/side={args.rounds * args.steps} cpus={os.cpu_count()}")
     print(f"load average before: {load_before}, after: {load_average()}; CPU used by other processes during the "
           f"run: {run.other_cpu_s:.1f} s over {run.wall_s:.1f} s wall")
     print(f"F = {flops / 1e9:.1f} GFLOP per step; ceiling ({dtype} GEMM, {threads} threads) {ceiling / 1e9:.1f} GFLOP "
@@ -330,6 +333,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4, help="A B rounds; each side runs --steps steps per round")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--engine", choices=["process", "thread"], default="process")
+    ap.add_argument("--train-unembed", action="store_true",
+                    help="LoRA on the LM head too (the SDK's default; off by default here, as before)")
     ap.add_argument("--hf-adamw", choices=["foreach", "fused"], default="foreach")
     ap.add_argument("--baseline-tree", default=None, help="also run a server from this checkout (e.g. /work/main)")
     args = ap.parse_args()
