@@ -237,6 +237,15 @@ class Prepared:
     response: dict | None = None  # extra fields of the future response (e.g. sample_sequence_ids)
 
 
+def name_taken(st: AppState, path, request_type: str, model_id: str, seq_id: int | None,
+               account_id: str | None) -> bool:
+    """Whether a save to the checkpoint `path` would overwrite another one: it exists and this is not
+    a re-send of the save that wrote it (the SDK re-sends when a restart cut its first answer off;
+    Control.submit then answers the accepted op's future)."""
+    return (st.runs.checkpoints.checkpoint_exists(path)
+            and not st.control.accepted_before(request_type, model_id, seq_id, account_id))
+
+
 def submit(st: AppState, prepared: Prepared, body: bytes, account_id: str,
            idempotency_key: str | None = None) -> JSONResponse:
     accepted = st.control.submit(prepared.request_type, prepared.target, prepared.seq_id, body, prepared.work,

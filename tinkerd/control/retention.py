@@ -45,7 +45,7 @@ _BATCH = 500
 
 
 def dedupe_prefix(request_type: str, account_id: str | None, target: str) -> str:
-    """The dedupe key without its seq_id (control.Control.submit builds the key as prefix|seq_id)."""
+    """The dedupe key without its seq_id (dedupe_key below builds the key as prefix|seq_id)."""
     return f"{request_type}|{account_id}|{target}"
 
 

@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from tinker import types as t
 
 from tinkerd.api import limits
-from tinkerd.api.deps import AppState, Prepared, account, authenticate, parse, read_body, state, submit
+from tinkerd.api.deps import AppState, Prepared, account, authenticate, name_taken, parse, read_body, state, submit
 from tinkerd.artifacts import CHUNK
 from tinkerd.control.control import Work
 from tinkerd.control.oplog import OpRecord, OpType, Payer, RegisterCheckpoint
@@ -95,12 +95,9 @@ def prepare_save_weights_external(st: AppState, body: bytes, account_id: str | N
     limits.seq_id(req.seq_id)
     path = TinkerPath(req.model_id, "external_weights", check_name(req.path, "path"))
     ttl = check_ttl(req.ttl_seconds)
-    # The request has no overwrite flag; like save_weights' default, an existing name is refused —
-    # unless this is a re-send of the accepted export (the SDK re-sends when a restart cut its first
-    # answer off), whose own files may hold the name by now: Control.submit answers its future.
+    # The request has no overwrite flag; like save_weights' default, an existing name is refused.
     # (Re-queued after a restart, an export that was written but not registered is written again.)
-    if (st.runs.checkpoints.checkpoint_exists(path)
-            and not st.control.accepted_before("SaveWeightsExternal", req.model_id, req.seq_id, account_id)):
+    if name_taken(st, path, "SaveWeightsExternal", req.model_id, req.seq_id, account_id):
         raise UserError(f"external weights {path} already exist; delete them or choose another name")
     op = ExportWeightsOp(req.model_id, st.runs.checkpoints.checkpoint_key(path), req.age_encryption_recipients,
                          base_model=base_model_of(run.base_model))

@@ -10,8 +10,8 @@ from fastapi.responses import JSONResponse
 from tinker import types as t
 
 from tinkerd.api import codec, hpcai, limits
-from tinkerd.api.deps import (AppState, Prepared, account, authenticate, future_response, load_json, parse, read_body,
-                              state, submit)
+from tinkerd.api.deps import (AppState, Prepared, account, authenticate, future_response, load_json, name_taken, parse,
+                              read_body, state, submit)
 from tinkerd.control.control import Work
 from tinkerd.control.copies import is_copy_run, trainable_config
 from tinkerd.control.custom_losses import CustomLosses
@@ -188,8 +188,7 @@ def prepare_save_weights(st: AppState, body: bytes, account_id: str | None = Non
     name = check_name(req.path, "path") if req.path is not None else f"step-{req.seq_id}"
     path = TinkerPath(req.model_id, "weights", name)
     ttl = check_ttl(req.ttl_seconds)  # before the op is queued: a bad TTL writes nothing
-    if (not req.overwrite and st.runs.checkpoints.checkpoint_exists(path)
-            and not st.control.accepted_before("SaveWeights", req.model_id, req.seq_id, account_id)):
+    if not req.overwrite and name_taken(st, path, "SaveWeights", req.model_id, req.seq_id, account_id):
         raise UserError(f"checkpoint {path} already exists; pass overwrite=True to replace it")
     op = SaveWeightsOp(req.model_id, st.runs.checkpoints.checkpoint_key(path), with_optimizer=True)
     work = _accepted(OpType.SAVE_WEIGHTS, op, st, run, account_id, reply={"path": str(path)},
