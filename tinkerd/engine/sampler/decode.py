@@ -92,7 +92,11 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
 
 
 class FusedDecode:
-    """Callable (tokens [B], positions [B, 1], mask [B, 1, 1, W + 1], cache) -> hidden [B, H]."""
+    """Callable (tokens [B], positions [B, 1], mask [B, 1, 1, W + 1], cache) -> hidden [B, H].
+
+    The cache may keep prompts that several rows share once (kv.BatchCache(shared=True)); their
+    rows' attention then reads those columns through shared.SharedPrefixes.attend.
+    """
 
     def __init__(self, body: nn.Module):
         self.body = body
@@ -149,9 +153,10 @@ class FusedDecode:
         # The additive mask, built once per step for every (row, kv head): [B * Hk, 1, W + 1].
         bias = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~mask, float("-inf"))
         bias = bias.view(b, 1, w + 1).repeat_interleave(hk, dim=0)
-        for cache_layer, (n1, qkv, q_norm, k_norm, o_proj, n2, gate_up, inner, down) in zip(
+        shared = cache.shared if cache.shared is not None and cache.shared.plan() is not None else None
+        for i, (cache_layer, (n1, qkv, q_norm, k_norm, o_proj, n2, gate_up, inner, down)) in enumerate(zip(
             cache.layers, self.layers if adapters else self.plain_layers
-        ):
+        )):
             # narrow/select/view rather than tensor[...] indexing: right after a GEMM, with the
             # interpreter's code evicted, Python indexing costs a few us more per call.
             h = F.rms_norm(x, (hidden_size,), n1[0], n1[1])
@@ -169,7 +174,10 @@ class FusedDecode:
             values = cache_layer.values.reshape(b * hk, -1, d).narrow(1, 0, w + 1)
             q = qk.narrow(1, 0, hq).reshape(b * hk, groups, d)
             scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=self.scaling)  # [B * Hk, G, W + 1]
-            attn = torch.bmm(torch.softmax(scores, dim=-1), values)  # [B * Hk, G, D] = [B, Hq * D]
+            if shared is None:
+                attn = torch.bmm(torch.softmax(scores, dim=-1), values)  # [B * Hk, G, D] = [B, Hq * D]
+            else:  # rows of a shared prompt read its columns first (shared.py)
+                attn = shared.attend(i, q, scores, values, self.scaling)
             x.add_(o_proj(attn.view(b, hq * d)))  # x is this step's own tensor
             h = F.rms_norm(x, (hidden_size,), n2[0], n2[1])
             g = gate_up(h)  # [B, 2 I]: gate | up

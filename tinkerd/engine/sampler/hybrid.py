@@ -53,11 +53,12 @@ def state_bytes_per_row(config, dtype: torch.dtype) -> int:
     return linear * (conv + recurrent) * dtype.itemsize
 
 
-def new_batch_cache(config, num_layers: int) -> BatchCache:
-    """An empty decode-batch cache for this model: HybridBatchCache where it has linear layers."""
+def new_batch_cache(config, num_layers: int, shared: bool = False) -> BatchCache:
+    """An empty decode-batch cache for this model: HybridBatchCache where it has linear layers;
+    `shared`: rows of one prompt read it once (shared.py; the fused decode step only)."""
     if is_hybrid(config):
         return HybridBatchCache(layer_types(config)[:num_layers])
-    return BatchCache(num_layers)
+    return BatchCache(num_layers, shared=shared)
 
 
 def _states(layer: LinearAttentionCacheLayerMixin) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,6 +70,8 @@ class HybridBatchCache(BatchCache):
         Cache.__init__(self, layers=[LinearAttentionLayer() if t == LINEAR else _Layer(self) for t in types])
         self.width = 0
         self.lengths = torch.zeros(0, dtype=torch.long)
+        self.shared = None  # a linear-attention state is per row: no shared prompts (shared.py)
+        self.prefix_lengths = torch.zeros(0, dtype=torch.long)
 
     def _linear(self) -> list[tuple[int, LinearAttentionLayer]]:
         return [(i, layer) for i, layer in enumerate(self.layers) if isinstance(layer, LinearAttentionLayer)]

@@ -20,6 +20,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin
 
+from tinkerd.engine.sampler.shared import SharedPrefixes
+
 # Spare columns allocated on each rebuild: max(64, W / 2), so growth copies are amortised O(1)
 # per step while an idle batch does not hold much more than it uses.
 _MIN_SPARE_COLUMNS = 64
@@ -99,6 +101,8 @@ class _Layer(CacheLayerMixin):
         pass
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.owner.shared is not None and self.owner.shared.count:
+            raise RuntimeError("a batch cache with shared prompts is read by the fused decode step only")
         w, q = self.owner.width, key_states.shape[2]  # key_states [B, KV, q, D]
         self.keys[:, :, w : w + q] = key_states
         self.values[:, :, w : w + q] = value_states
@@ -121,10 +125,14 @@ def kv_layers(cache: Cache) -> list:
 
 
 class BatchCache(Cache):
-    def __init__(self, num_layers: int):
+    def __init__(self, num_layers: int, shared: bool = False):
         super().__init__(layers=[_Layer(self) for _ in range(num_layers)])
         self.width = 0  # W: columns in use
         self.lengths = torch.zeros(0, dtype=torch.long)  # [B] cached positions per row
+        # Prompts several rows share, stored once (shared.py); their rows' own columns then hold
+        # only what they generate. Only the fused decode step reads them (decode.py).
+        self.shared = SharedPrefixes(num_layers) if shared else None
+        self.prefix_lengths = torch.zeros(0, dtype=torch.long)  # [B] positions a row reads from its segment
 
     def kv_layers(self) -> list[_Layer]:
         return kv_layers(self)
@@ -145,7 +153,9 @@ class BatchCache(Cache):
         and 8 requests joining one by one made 8 copies of the growing cache.
         """
         parts = [([layer.keys for layer in kv_layers(c)], [layer.values for layer in kv_layers(c)], n) for c, n in prefilled]
-        lengths = [int(keys[0].shape[2]) for keys, _, _ in parts]  # P of each part
+        prompts = [int(keys[0].shape[2]) for keys, _, _ in parts]  # P of each part
+        shared = SharedPrefixes.shared_parts(prefilled) if self.shared is not None else [False] * len(parts)
+        lengths = [0 if s else p for s, p in zip(shared, prompts)]  # own columns of each part's rows
         old_rows, old_width = self.rows, self.width
         width = max([old_width, *lengths])
 
@@ -158,21 +168,26 @@ class BatchCache(Cache):
             row = old_rows
             for (keys, values, n), p in zip(parts, lengths):
                 out[row : row + n, :, : width - p].zero_()
-                out[row : row + n, :, width - p : width] = (keys if name == "keys" else values)[i]  # [1, KV, P, D]
+                if p:
+                    out[row : row + n, :, width - p : width] = (keys if name == "keys" else values)[i]  # [1, KV, P, D]
                 row += n
 
         self._rebuild(old_rows + sum(n for _, _, n in parts), width, fill, like=parts[0][:2])
-        new_lengths = [torch.full((n,), p, dtype=torch.long) for (_, _, n), p in zip(parts, lengths)]
-        self.lengths = torch.cat([self.lengths, *new_lengths])
+        self.lengths = torch.cat([self.lengths, *(torch.full((n,), p, dtype=torch.long) for (_, _, n), p in zip(parts, prompts))])
+        self.prefix_lengths = torch.cat([self.prefix_lengths, *(torch.full((n,), p - own, dtype=torch.long)
+                                                                for (_, _, n), p, own in zip(parts, prompts, lengths))])
         self.width = width
+        if self.shared is not None:
+            layers = [[(keys[i], values[i]) for keys, values, _ in parts] for i in range(len(parts[0][0]))]
+            self.shared.join(prefilled, shared, layers)
 
     def keep(self, rows: list[int]) -> None:
         """Keep only these rows (indices into the batch, in order); drops now-unused leading columns."""
         if len(rows) == self.rows:
             return
         idx = torch.tensor(rows, dtype=torch.long)
-        lengths = self.lengths[idx]
-        width = int(lengths.max()) if rows else 0
+        lengths, prefix_lengths = self.lengths[idx], self.prefix_lengths[idx]
+        width = int((lengths - prefix_lengths).max()) if rows else 0  # the longest own columns
         start = self.width - width
 
         def fill(old: torch.Tensor, out: torch.Tensor, i: int, name: str) -> None:
@@ -180,14 +195,17 @@ class BatchCache(Cache):
             out[:, :, :width] = old[idx.to(old.device), :, start : self.width]
 
         self._rebuild(len(rows), width, fill)
-        self.lengths = lengths
+        self.lengths, self.prefix_lengths = lengths, prefix_lengths
         self.width = width
+        if self.shared is not None:
+            self.shared.keep(idx)
 
     def step_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Position ids [B, 1] and the attention mask [B, 1, 1, W + 1] for one new token per row.
 
         Row r's new token sits at position len_r (its own count, not the padded column), and it
-        may attend to its len_r cached columns and itself: columns >= W - len_r.
+        may attend to its cached columns and itself: columns >= W - len_r, or with a shared prompt
+        of p_r positions (shared.py) its len_r - p_r own columns, W - (len_r - p_r) on.
         """
         if self.width + 1 > self.capacity:
             width = self.width
@@ -198,7 +216,7 @@ class BatchCache(Cache):
             self._rebuild(self.rows, width, fill)
         device = self.kv_layers()[0].keys.device
         columns = torch.arange(self.width + 1, device=device)  # [W + 1]
-        first = (self.width - self.lengths).to(device)  # [B] first real column of each row
+        first = (self.width - self.lengths + self.prefix_lengths).to(device)  # [B] first own column of each row
         mask = columns[None, :] >= first[:, None]  # [B, W + 1] bool, True = attend
         return self.lengths[:, None].to(device), mask[:, None, None, :]
 
