@@ -353,6 +353,26 @@ def test_inverse_cdf_never_picks_a_zero_probability_cell_at_the_extremes():
     assert _inverse_cdf(probs, u).tolist() == [3, 1]
 
 
+@pytest.mark.parametrize("width", [49152, 5000, 2048])
+def test_inverse_cdf_by_blocks_picks_what_one_cumulative_sum_picks(width):
+    """The two-level search (block sums, then one block) against one long cumsum: peaked and flat
+    rows, runs of zero-probability cells across whole blocks, a ragged last block, and the
+    uniforms' extremes, where a zero cell must never come out."""
+    gen = torch.Generator().manual_seed(width)
+    logits = torch.randn(64, width, generator=gen, dtype=torch.float64) * torch.tensor([0.1, 3.0, 12.0, 30.0]).repeat(16)[:, None]
+    probs = torch.exp(logits - logits.amax(-1, keepdim=True))
+    probs[::3, : width // 2] = 0.0  # zero blocks before the mass
+    probs[1::3, width // 3 :] = 0.0  # and after it
+    probs[2::3, 1000:1100] = 0.0  # inside a block and across a block boundary
+    u = torch.rand(64, generator=gen, dtype=torch.float64)
+    u[:4] = torch.tensor([0.0, 1.0 - 2.0**-53, 0.0, 1.0 - 2.0**-53], dtype=torch.float64)
+    cdf = probs.cumsum(-1)
+    want = torch.searchsorted(cdf, ((1.0 - u) * cdf[:, -1])[:, None]).squeeze(1)
+    got = _inverse_cdf(probs, u)
+    assert torch.equal(got, want)
+    assert (probs.gather(1, got[:, None]) > 0).all()
+
+
 def test_mixed_rows_in_one_batch():
     """Rows with different rules in one call each follow their own rule (the fused-batch case)."""
     n = 3000

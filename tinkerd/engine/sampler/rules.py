@@ -151,9 +151,14 @@ def choose_tokens(logits: torch.Tensor, rules: RowRules) -> torch.Tensor:
     u = {i: torch.rand((), generator=rules.generators[i], dtype=torch.float64).item() for i in sampled}
     if plain:
         idx = torch.tensor(plain)
-        scaled = logits[idx].double() / rules.temperature[idx, None]  # [b, V]
-        probs = torch.softmax(scaled, dim=-1)
-        chosen[idx] = _inverse_cdf(probs, torch.tensor([u[i] for i in plain], dtype=torch.float64))
+        scaled = (logits if len(plain) == logits.shape[0] else logits[idx]).to(torch.float64, copy=True)  # [b, V]
+        temperature = rules.temperature[idx]
+        if not bool((temperature == 1.0).all()):  # x / 1.0 is x: skip the pass (~5 ms at 32 x 49k)
+            scaled.div_(temperature[:, None])
+        # Unnormalised exp(x - max): the inverse CDF scales its target by the row's total, so the
+        # softmax's division would be one more pass over [b, V] for nothing.
+        weights = scaled.sub_(scaled.amax(dim=-1, keepdim=True)).exp_()
+        chosen[idx] = _inverse_cdf(weights, torch.tensor([u[i] for i in plain], dtype=torch.float64))
     if truncated:
         idx = torch.tensor(truncated)
         cand_ids, probs = _truncated_probs(logits[idx], rules.temperature[idx], top_k[idx], rules.top_p[idx])
@@ -185,15 +190,39 @@ def greedy_tokens(logits: torch.Tensor, block: int = 1024) -> torch.Tensor:
     return starts + inside.argmax(dim=-1)
 
 
-def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor, block: int = 1024) -> torch.Tensor:
     """Sample column indices of probs [b, K] (rows need not sum to 1) with uniforms u [b] in [0, 1).
 
     The target is (1 - u) * total, which lies in (0, total]; searching for the first cdf >= target
     then can never land on a zero-probability cell, at the start, middle or end of the row.
+
+    Over a vocabulary, in two levels: the block of `block` columns where the cdf of block sums
+    reaches the target, then the column inside it. A cumsum is sequential per row (~7 ms at 32 x
+    49k float64 on one core); the block sums are one vectorised pass, and only one block per row is
+    then summed in order. The two levels round differently from one long cumsum, which moves a
+    choice only for a target within ~1e-16 of the total from a cell boundary.
     """
-    cdf = probs.cumsum(dim=-1)  # [b, K] float64: 151k summands keep ~1e-12 accuracy
-    target = (1.0 - u) * cdf[:, -1]
-    return torch.searchsorted(cdf, target[:, None], right=False).squeeze(1).clamp(max=probs.shape[-1] - 1)
+    rows, width = probs.shape
+    whole = width // block
+    if whole < 2:
+        cdf = probs.cumsum(dim=-1)  # [b, K] float64: 151k summands keep ~1e-12 accuracy
+        target = (1.0 - u) * cdf[:, -1]
+        return torch.searchsorted(cdf, target[:, None], right=False).squeeze(1).clamp(max=width - 1)
+    sums = probs[:, : whole * block].view(rows, whole, block).sum(dim=-1)  # [b, n]
+    if whole * block < width:  # the ragged end as one more (shorter) block
+        sums = torch.cat((sums, probs[:, whole * block :].sum(dim=-1, keepdim=True)), dim=1)
+    block_cdf = sums.cumsum(dim=-1)  # [b, n]
+    target = (1.0 - u) * block_cdf[:, -1]  # [b]
+    k = torch.searchsorted(block_cdf, target[:, None]).squeeze(1).clamp(max=block_cdf.shape[1] - 1)  # [b]
+    before = torch.where(k > 0, block_cdf.gather(1, (k - 1).clamp(min=0)[:, None]).squeeze(1), 0.0)  # [b]
+    starts = k * block
+    span = torch.arange(block)[None, :] + starts[:, None]  # [b, block]
+    inside = probs.gather(1, span.clamp(max=width - 1)).masked_fill_(span >= width, 0.0).cumsum(dim=-1)
+    # The rest of the target inside the block: > 0 (the block before ends below the target), and at
+    # most what the block holds in this order of summation, so the search lands on a non-zero cell.
+    rest = torch.minimum(target - before, inside[:, -1])
+    j = torch.searchsorted(inside, rest[:, None]).squeeze(1).clamp(max=block - 1)
+    return starts + j
 
 
 def _truncated_probs(
