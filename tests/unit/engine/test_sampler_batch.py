@@ -211,7 +211,9 @@ def test_a_prompt_that_fits_one_step_is_never_split(eng):
 def test_a_request_whose_kv_cache_alone_is_over_the_budget_is_refused_at_admission(eng):
     rt = eng.runtime(TINY)
     per_row = (len(PROMPT) + 20) * kv_bytes_per_token(rt.model.config, torch.float32)
-    sampler = Sampler(rt, SamplerConfig(kv_cache_bytes=3 * per_row))
+    # Copied prompts (share_prompts=False): every sample's row counts its prompt; a prompt held
+    # once is counted in test_sampler_shared.py.
+    sampler = Sampler(rt, SamplerConfig(kv_cache_bytes=3 * per_row, share_prompts=False))
     with pytest.raises(UserError, match=r"KV cache would take .*\(4 samples x 33 .*lower num_samples or max_tokens"):
         sampler.admit("big", op(PROMPT, 20, num_samples=4))
     assert sampler.active_rows == 0 and not sampler.joining
@@ -225,7 +227,8 @@ def test_requests_wait_in_order_for_kv_room_and_compute_what_they_compute_alone(
     b = op(PROMPT[:4], 6, temperature=1.0, seed=3)  # up to 10
     c = op(PROMPT[:2], 3, temperature=0.0)  # up to 5: it would fit beside a, but was admitted after b
     per_token = kv_bytes_per_token(rt.model.config, torch.float32)
-    sampler = Sampler(rt, SamplerConfig(kv_cache_bytes=2 * 21 * per_token + per_token))  # a, not a third row
+    # a, not a third row (a's prompt copied into both its rows: share_prompts=False)
+    sampler = Sampler(rt, SamplerConfig(kv_cache_bytes=2 * 21 * per_token + per_token, share_prompts=False))
     steps_with_rows: dict[str, list[int]] = {}
 
     def on_step(step, s):

@@ -154,8 +154,9 @@ def test_entries_give_way_to_rows_within_the_kv_budget(eng):
     from tinkerd.engine.sampler.kv import kv_bytes_per_token
 
     per_token = kv_bytes_per_token(rt.model.config, torch.float32)
-    # Room for 8 rows of PROMPT + 10 tokens: "wide" takes all of it, so the kept prompt must go.
-    sampler = Sampler(rt, SamplerConfig(kv_cache_bytes=8 * (len(PROMPT) + 10) * per_token))
+    # Room for 8 rows of PROMPT + 10 tokens: "wide" takes all of it (its prompt copied into each
+    # row: share_prompts=False), so the kept prompt must go.
+    sampler = Sampler(rt, SamplerConfig(kv_cache_bytes=8 * (len(PROMPT) + 10) * per_token, share_prompts=False))
     drive(sampler, {0: [("a", op(PROMPT, 4))]})
     assert len(sampler.prefix) == 1 and sampler.prefix.nbytes == len(PROMPT) * per_token
     got = drive(sampler, {0: [("wide", op(SYSTEM + [1, 2, 3], 10, num_samples=8))]})

@@ -19,6 +19,7 @@ from tinkerd.engine.sampler.decode import FusedDecode
 from tinkerd.engine.sampler.kv import BatchCache
 from tinkerd.engine.sampler.prefill import Prefill
 from tinkerd.engine.sampler.sample import Sampler, SamplerConfig
+from tinkerd.errors import UserError
 from tinkerd.types import LoraSpec, SampleOp, SamplingParams
 from tests.unit.engine.test_sampler_batch import assert_same, drive
 
@@ -147,3 +148,28 @@ def test_a_long_prompt_with_many_samples_is_held_once(eng, name):
     token_bytes = sampler.kv_token_bytes
     assert max(peak[False]) >= 8 * 200 * token_bytes  # each row its own copy
     assert max(peak[True]) < 200 * token_bytes + 8 * 100 * token_bytes  # one copy + rows' own columns
+
+
+def test_the_kv_budget_counts_a_prompt_held_once_once(eng):
+    """A request of 8 samples of a 200-token prompt needs 8 x 204 positions as copies, 200 + 8 x 4
+    held once: under a budget of 400 positions it is refused without sharing and runs with it (and
+    samples what the copies sample); two such requests run side by side under 500, in turn under 400."""
+    name = MODELS[0]
+    rt = eng.runtime(name)
+    per_token = Sampler(rt).kv_token_bytes
+
+    def op(seed):
+        prompt = np.random.default_rng(seed).integers(100, 500, size=200)
+        return SampleOp(name, None, prompt, SamplingParams(max_tokens=4, temperature=1.0, seed=seed, stop_at_eos=False),
+                        num_samples=8)
+
+    with pytest.raises(UserError, match="8 samples x 204 prompt"):
+        Sampler(rt, SamplerConfig(share_prompts=False, kv_cache_bytes=400 * per_token)).admit("a", op(1))
+    want = drive(Sampler(rt, SamplerConfig(share_prompts=False)), {0: [("a", op(1)), ("b", op(2))]})
+    for positions, together in ((400, False), (500, True)):
+        rows = []
+        sampler = Sampler(rt, SamplerConfig(kv_cache_bytes=positions * per_token))
+        got = drive(sampler, {0: [("a", op(1)), ("b", op(2))]}, lambda t, s: rows.append(len(s.rows)))
+        assert max(rows) == (16 if together else 8)
+        for ticket in "ab":
+            assert_same(got[ticket], want[ticket], atol=1e-5)

@@ -77,11 +77,6 @@ class Request:
     def slot(self) -> int:
         return self.adapter.slot if self.adapter is not None else BASE_SLOT
 
-    @property
-    def final_len(self) -> int:
-        """The most positions any of its rows can cache: the KV cache width it may need."""
-        return int(self.op.prompt.shape[0]) + self.op.params.max_tokens
-
     def result(self) -> SampleResult:
         pf = self.prefill
         return SampleResult(

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -107,6 +107,7 @@ class Sampler:
         # (The fused step builds a full-attention mask only: a model with a window keeps the HF path.)
         self.fused = FusedDecode.build(self.body) if config.fused_decode and self.window is None else None
         self.cache = self._new_cache()
+        self.kv = replace(self.kv, shared=self.cache.shared is not None)
         # Finished prefills kept for later requests with the same weights and prompt (prefix.py).
         self.prefix = PrefixCache(self.kv.token_bytes, self.kv.state_bytes, partial=self.pack_prompts) \
             if config.prefix_cache else None
