@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import errno
 import logging
+import mmap
 import os
 import re
 import shutil
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterable, Mapping, Protocol
@@ -128,6 +130,10 @@ class LocalArtifactStore:
         written = 0
         try:
             for name, data in files.items():
+                if isinstance(data, (bytes, bytearray, memoryview)) and len(data) >= DIRECT_MIN_BYTES:
+                    if _write_direct(tmp / name, memoryview(data).cast("B")):
+                        written += len(data)
+                        continue
                 with open(tmp / name, "wb") as f:
                     for chunk in ([data] if isinstance(data, (bytes, bytearray, memoryview)) else data):
                         f.write(chunk)
@@ -233,6 +239,46 @@ class LocalArtifactStore:
                 except FileNotFoundError:  # swept meanwhile by another sweep
                     pass
         return swept
+
+
+# Files at least this big are written with O_DIRECT (module _write_direct).
+DIRECT_MIN_BYTES = 4 << 20
+_BOUNCE_BYTES = 8 << 20
+_ALIGN = 4096
+_bounce = threading.local()
+
+
+def _write_direct(path: Path, data: memoryview) -> bool:
+    """Write `data` to the new file `path` past the page cache; False where the filesystem refuses
+    O_DIRECT (tmpfs), and the caller writes it buffered. Why: a snapshot's ~140 MB written buffered
+    takes that much fresh page cache each time, and on a VM that hands freed pages back to its host
+    that cost 0.25 s of system time per 111 MB against 0.03 s direct. The data goes through one
+    page-aligned 8 MB buffer per thread, kept (so touched once); the last piece is padded to the
+    block size and the file cut back to its length."""
+    buf = getattr(_bounce, "buf", None)
+    if buf is None:
+        buf = _bounce.buf = mmap.mmap(-1, _BOUNCE_BYTES)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            return False
+        raise
+    try:
+        with memoryview(buf) as view:
+            for start in range(0, len(data), _BOUNCE_BYTES):
+                piece = data[start:start + _BOUNCE_BYTES]
+                n = len(piece)
+                view[:n] = piece
+                padded = -(-n // _ALIGN) * _ALIGN
+                if padded > n:
+                    view[n:padded] = bytes(padded - n)
+                os.write(fd, view[:padded])
+        os.ftruncate(fd, len(data))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return True
 
 
 def _is_temp(name: str) -> bool:

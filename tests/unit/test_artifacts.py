@@ -102,3 +102,81 @@ def test_a_v1_path_names_its_key_by_tinkerds_layout(path, key):
 def test_a_path_outside_the_layout_is_no_key(path):
     with pytest.raises(ValueError):
         key_of_path(path)
+
+
+# -- big files past the page cache (artifacts._write_direct) ----------------------------------------
+
+
+def _spy_direct(monkeypatch) -> list[str]:
+    """Record the files opened with O_DIRECT (the direct path taken), passing every call through."""
+    import os
+
+    from tinkerd import artifacts
+
+    opened, real = [], os.open
+
+    def spy(path, flags, *args, **kwargs):  # (shutil.rmtree passes dir_fd=)
+        if flags & os.O_DIRECT:
+            opened.append(os.path.basename(path))
+        return real(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(artifacts.os, "open", spy)
+    return opened
+
+
+def test_big_files_are_written_direct_and_read_back_exactly(tmp_path, monkeypatch):
+    """Files of DIRECT_MIN_BYTES or more go through the aligned bounce buffer: lengths that are not
+    a multiple of the block or of the buffer, as bytes, bytearray and memoryview, come back byte for
+    byte at their own length; small files are written as before."""
+    import os
+
+    from tinkerd.artifacts import DIRECT_MIN_BYTES, _BOUNCE_BYTES
+
+    opened = _spy_direct(monkeypatch)
+    rng = __import__("numpy").random.default_rng(0)
+    big = rng.integers(0, 256, size=2 * _BOUNCE_BYTES + 4099, dtype="uint8").tobytes()
+    files = {"exact.bin": big[:DIRECT_MIN_BYTES], "ragged.bin": bytearray(big[:DIRECT_MIN_BYTES + 123]),
+             "two-buffers.bin": memoryview(big), "small.json": b"{}"}
+    store = LocalArtifactStore(tmp_path)
+    assert store.put(KEY, files) == sum(len(v) for v in files.values())
+    assert sorted(opened) == ["exact.bin", "ragged.bin", "two-buffers.bin"]
+    for name, data in files.items():
+        assert store.read(KEY, name) == bytes(data)
+        assert os.path.getsize(tmp_path / KEY / name) == len(data)
+
+
+def test_where_o_direct_is_refused_big_files_are_written_buffered(tmp_path, monkeypatch):
+    """A filesystem that refuses O_DIRECT answers EINVAL at open: the file is written buffered."""
+    import os
+
+    from tinkerd import artifacts
+
+    real = os.open
+
+    def refusing(path, flags, *args, **kwargs):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(artifacts.os, "open", refusing)
+    data = bytes(range(256)) * (artifacts.DIRECT_MIN_BYTES // 256 + 7)
+    store = LocalArtifactStore(tmp_path)
+    store.put(KEY, {"big.bin": data})
+    assert store.read(KEY, "big.bin") == data
+
+
+def test_a_direct_write_that_fills_the_disk_leaves_the_artifact_as_it_was(tmp_path, monkeypatch):
+    """On a real full filesystem (an 8 MiB tmpfs, which takes O_DIRECT) a 12 MB direct write gets
+    ENOSPC: the error names the disk, the old artifact stays whole, no temporary directory is left."""
+    from tests.tmpfs import small_tmpfs
+
+    with small_tmpfs(tmp_path / "disk", "8m") as disk:
+        opened = _spy_direct(monkeypatch)
+        store = LocalArtifactStore(disk)
+        store.put(KEY, {"a.bin": b"old"})
+        with pytest.raises(ServerError) as err:
+            store.put(KEY, {"a.bin": bytes(12 << 20)})
+        assert opened == ["a.bin"]  # the direct path was the one that failed
+        assert "disk is full" in err.value.message
+        assert store.read(KEY, "a.bin") == b"old"
+        assert [p.name for p in (disk / KEY).parent.iterdir()] == ["step-2"]

@@ -41,9 +41,10 @@ log = logging.getLogger(__name__)
 KEEP = 2
 
 
-def write(store: ArtifactStore, key: str, captured: checkpoints.Captured) -> None:
+def write(store: ArtifactStore, key: str, captured: checkpoints.Captured,
+          staging: checkpoints.Staging | None = None) -> None:
     """Write one snapshot (artifact `key`, `.../<model_id>/seq-<n>`) and drop all but the KEEP newest."""
-    store.put(key, captured.files())
+    store.put(key, captured.files(staging))
     run = key.rsplit("/", 1)[0]
     for old in [k for k in store.list(run) if k.rsplit("/", 1)[1].startswith("seq-")][:-KEEP]:
         store.delete(old)
@@ -56,6 +57,8 @@ class SnapshotWriter:
         self.store = store
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinkerd-snapshot")
         self._pending: Future | None = None
+        # One serialisation buffer for every write: they never overlap (`wait` before each).
+        self._staging = checkpoints.Staging()
 
     def write_later(self, key: str, adapter: Adapter, base_model: str) -> None:
         """Copy `adapter`'s weights and AdamW state now; write them as the snapshot `key` in the
@@ -67,7 +70,7 @@ class SnapshotWriter:
     def write_now(self, key: str, adapter: Adapter, base_model: str) -> None:
         """Write the snapshot `key` before returning; raises what the write raised."""
         self.wait()
-        write(self.store, key, checkpoints.capture(adapter, base_model, with_optimizer=True))
+        write(self.store, key, checkpoints.capture(adapter, base_model, with_optimizer=True), self._staging)
 
     def wait(self) -> None:
         """Return once the write in flight, if any, is done (or failed, and was logged)."""
@@ -81,6 +84,6 @@ class SnapshotWriter:
 
     def _write_logged(self, key: str, captured: checkpoints.Captured) -> None:
         try:
-            write(self.store, key, captured)
+            write(self.store, key, captured, self._staging)
         except Exception:
             log.exception("recovery snapshot %s failed", key)

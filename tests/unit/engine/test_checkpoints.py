@@ -119,3 +119,22 @@ def test_a_save_that_runs_out_of_disk_names_the_disk_and_leaves_no_files(engine,
         (disk / "ballast").unlink()
         (again,) = engine.run_ops([SaveWeightsOp(trained, str(disk / "ckpts" / "new"), with_optimizer=True)])
         assert not isinstance(again, Exception), again
+
+
+def test_a_snapshot_serialised_into_the_reused_staging_buffer_is_the_same_bytes(engine, trained):
+    """SnapshotWriter serialises optimizer.pt into one kept buffer (checkpoints.Staging): each use
+    gives exactly the bytes torch.save into a fresh BytesIO gives, also after a bigger one left
+    more bytes in the buffer, and every other file is unchanged."""
+    adapter = engine.runtime(BASE).pool.get(trained)
+    staging = checkpoints.Staging()
+    with_opt = checkpoints.capture(adapter, BASE, with_optimizer=True)
+    want = with_opt.files()
+    small = checkpoints.Captured(with_opt.tensors, with_opt.config, with_opt.meta,
+                                 {"state": {}, "param_groups": with_opt.optimizer_state["param_groups"]})
+    for captured in (with_opt, small, with_opt):
+        got = captured.files(staging)
+        expected = want if captured is with_opt else captured.files()
+        assert set(got) == set(expected)
+        for name in expected:
+            assert bytes(got[name]) == bytes(expected[name]), name
+    assert len(bytes(small.files(staging)[checkpoints.OPTIMIZER_FILE])) < len(want[checkpoints.OPTIMIZER_FILE])
