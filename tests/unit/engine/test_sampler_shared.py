@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-from tinkerd.engine.engine import Engine
 from tinkerd.engine.sampler import sample as sample_mod
 from tinkerd.engine.sampler.adapters import split_model
 from tinkerd.engine.sampler.decode import FusedDecode
@@ -20,23 +19,10 @@ from tinkerd.engine.sampler.kv import BatchCache
 from tinkerd.engine.sampler.prefill import Prefill
 from tinkerd.engine.sampler.sample import Sampler, SamplerConfig
 from tinkerd.errors import UserError
-from tinkerd.types import LoraSpec, SampleOp, SamplingParams
+from tinkerd.types import SampleOp, SamplingParams
 from tests.unit.engine.test_sampler_batch import assert_same, drive
-
-MODELS = ["tinkerd/tiny-qwen3", "tinkerd/tiny-llama"]
-PROMPTS = [[9707, 11, 1879, 0, 220, 3555, 13], [1416, 2585, 525], [498, 30, 11454, 9707, 11, 1879, 0, 220, 3555, 13, 1416]]
-
-
-@pytest.fixture(scope="module")
-def eng(models_dir) -> Engine:
-    e = Engine(models_dir)
-    gen = torch.Generator().manual_seed(5)
-    for name in MODELS:
-        a = e.load_base_model(name).pool.create(f"{name}-s0", LoraSpec(rank=4, alpha=8, seed=3), trainable=True)
-        with torch.no_grad():
-            for _, b in a.weights.values():
-                b.copy_(torch.randn(b.shape, generator=gen) * 0.5)
-    return e
+# The fast paths' engine: both test architectures, each with adapters -a0 and -a1 of random B.
+from tests.unit.engine.test_sampler_fast_paths import MODELS, PROMPTS, eng  # noqa: F401 (a fixture)
 
 
 def prefilled(rt, body, prompt) -> Prefill:
@@ -111,7 +97,7 @@ def test_num_samples_and_followed_groups_sample_what_copied_prompts_sample(eng, 
     seen before (a prefix-cache hit, copied again), with rows leaving at different steps and one
     request cancelled mid-decode: the same tokens and logprobs as with every prompt copied."""
     monkeypatch.setattr(sample_mod, "acquire_adapter", lambda rt, path, max_idle: rt.pool.acquire(path) if path else None)
-    schedule = group_schedule(name, f"{name}-s0" if adapter else None)
+    schedule = group_schedule(name, f"{name}-a0" if adapter else None)
     seen = {True: [], False: []}
 
     def run(share: bool):
