@@ -1,7 +1,7 @@
 """A request too big for memory, through the SDK, with the kernel's OOM killer for real: the server
 runs in a 5 GiB memory cgroup and the sampler's KV budget and sample cap are lifted, so a 4096-sample
 request gets the engine process OOM-killed when its rows join the decode batch (each row's own
-columns start at 64 positions: ~11 GiB of SmolLM2 KV cache). The samples share their 2000-token
+columns are allocated up to its max_tokens, 64 positions: ~11 GiB of SmolLM2 KV cache). The samples share their 2000-token
 prompt's keys and values (engine/sampler/shared.py), so it is the row count, not the prompt, that
 does not fit. It must fail
 alone, with a `user` error, once it has killed the engine running alone (two or three kills), while
@@ -70,7 +70,7 @@ def test_a_request_that_gets_the_engine_oom_killed_fails_alone(tmp_path, cgroup)
         want = victim.sample(prompt, 1, greedy).result().sequences[0].tokens
 
         huge = types.ModelInput.from_ints([(i * 7) % 40000 + 100 for i in range(2000)])
-        big = attacker.sample(huge, 4096, types.SamplingParams(max_tokens=10, stop=[]))
+        big = attacker.sample(huge, 4096, types.SamplingParams(max_tokens=64, stop=[]))
         victims = [victim.sample(prompt, 1, greedy) for _ in range(4)]
         with pytest.raises(tinker.RequestFailedError) as info:
             big.result(timeout=300)  # without the poison rule it is re-queued after every kill, forever

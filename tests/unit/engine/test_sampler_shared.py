@@ -152,10 +152,18 @@ def test_the_kv_budget_counts_a_prompt_held_once_once(eng):
     with pytest.raises(UserError, match="8 samples x 204 prompt"):
         Sampler(rt, SamplerConfig(share_prompts=False, kv_cache_bytes=400 * per_token)).admit("a", op(1))
     want = drive(Sampler(rt, SamplerConfig(share_prompts=False)), {0: [("a", op(1)), ("b", op(2))]})
-    for positions, together in ((400, False), (500, True)):
-        rows = []
-        sampler = Sampler(rt, SamplerConfig(kv_cache_bytes=positions * per_token))
-        got = drive(sampler, {0: [("a", op(1)), ("b", op(2))]}, lambda t, s: rows.append(len(s.rows)))
+    for share, positions, together in ((True, 400, False), (True, 500, True), (False, 8 * 204, False)):
+        rows, held = [], []
+
+        def seen(t, s):
+            rows.append(len(s.rows))
+            held.append(s.kv_cache_bytes())
+
+        sampler = Sampler(rt, SamplerConfig(share_prompts=share, kv_cache_bytes=positions * per_token))
+        got = drive(sampler, {0: [("a", op(1)), ("b", op(2))]}, seen)
         assert max(rows) == (16 if together else 8)
+        # What the cache allocates stays inside what the budget counted: a rebuild's spare columns
+        # stop at the rows' max_tokens (not 64 or W / 2 more columns per row).
+        assert 0 < max(held) <= positions * per_token
         for ticket in "ab":
             assert_same(got[ticket], want[ticket], atol=1e-5)

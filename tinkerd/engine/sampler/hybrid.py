@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import Cache, LinearAttentionCacheLayerMixin, LinearAttentionLayer
+from transformers.cache_utils import LinearAttentionCacheLayerMixin, LinearAttentionLayer
 
 from tinkerd.engine.sampler.kv import BatchCache, _Layer
 
@@ -67,18 +67,16 @@ def _states(layer: LinearAttentionCacheLayerMixin) -> tuple[torch.Tensor, torch.
 
 class HybridBatchCache(BatchCache):
     def __init__(self, types: list[str]):
-        Cache.__init__(self, layers=[LinearAttentionLayer() if t == LINEAR else _Layer(self) for t in types])
-        self.width = 0
-        self.lengths = torch.zeros(0, dtype=torch.long)
-        self.shared = None  # a linear-attention state is per row: no shared prompts (shared.py)
-        self.prefix_lengths = torch.zeros(0, dtype=torch.long)
+        # A linear-attention state is per row: no shared prompts (shared.py).
+        super().__init__(len(types), shared=False,
+                         layers=[LinearAttentionLayer() if t == LINEAR else _Layer(self) for t in types])
 
     def _linear(self) -> list[tuple[int, LinearAttentionLayer]]:
         return [(i, layer) for i, layer in enumerate(self.layers) if isinstance(layer, LinearAttentionLayer)]
 
-    def join(self, prefilled: list[tuple[DynamicCache, int]]) -> None:
+    def join(self, prefilled: list[tuple[DynamicCache, int]], max_tokens: list[int] | None = None) -> None:
         old_rows = self.rows
-        super().join(prefilled)  # the full-attention layers' KV columns
+        super().join(prefilled, max_tokens)  # the full-attention layers' KV columns
         for i, layer in self._linear():
             convs, recurrents = [], []
             if old_rows:

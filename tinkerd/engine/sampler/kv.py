@@ -23,7 +23,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCach
 from tinkerd.engine.sampler.shared import SharedPrefixes
 
 # Spare columns allocated on each rebuild: max(64, W / 2), so growth copies are amortised O(1)
-# per step while an idle batch does not hold much more than it uses.
+# per step while an idle batch does not hold much more than it uses; never more than the rows can
+# still fill (their max_tokens), which is what the KV budget (budget.py) counted for them.
 _MIN_SPARE_COLUMNS = 64
 
 
@@ -125,14 +126,23 @@ def kv_layers(cache: Cache) -> list:
 
 
 class BatchCache(Cache):
-    def __init__(self, num_layers: int, shared: bool = False):
-        super().__init__(layers=[_Layer(self) for _ in range(num_layers)])
+    def __init__(self, num_layers: int, shared: bool = False, layers: list | None = None):
+        super().__init__(layers=layers or [_Layer(self) for _ in range(num_layers)])
         self.width = 0  # W: columns in use
         self.lengths = torch.zeros(0, dtype=torch.long)  # [B] cached positions per row
+        # [B] own columns each row may reach (prompt held in its row + max_tokens); the spare
+        # columns of a rebuild stop there. A large value where the caller gave no max_tokens.
+        self.reach = torch.zeros(0, dtype=torch.long)
         # Prompts several rows share, stored once (shared.py); their rows' own columns then hold
         # only what they generate. Only the fused decode step reads them (decode.py).
         self.shared = SharedPrefixes(num_layers) if shared else None
-        self.prefix_lengths = torch.zeros(0, dtype=torch.long)  # [B] positions a row reads from its segment
+
+    @property
+    def prefix_lengths(self) -> torch.Tensor:
+        """[B] positions each row reads from its shared segment (0 for a row without one)."""
+        if self.shared is None:
+            return torch.zeros_like(self.lengths)
+        return self.shared.prefix_lengths()
 
     def kv_layers(self) -> list[_Layer]:
         return kv_layers(self)
@@ -146,8 +156,9 @@ class BatchCache(Cache):
         first = self.kv_layers()[0]
         return 0 if first.keys is None else int(first.keys.shape[2])
 
-    def join(self, prefilled: list[tuple[DynamicCache, int]]) -> None:
-        """Append, for each (one-row prefilled cache, n), n copies of that row to the batch.
+    def join(self, prefilled: list[tuple[DynamicCache, int]], max_tokens: list[int] | None = None) -> None:
+        """Append, for each (one-row prefilled cache, n), n copies of that row to the batch; each
+        part's rows generate at most its `max_tokens` (None: unbounded, spare columns as usual).
 
         All requests whose prefill finished in a step join in one rebuild: the copy is per join,
         and 8 requests joining one by one made 8 copies of the growing cache.
@@ -156,6 +167,8 @@ class BatchCache(Cache):
         prompts = [int(keys[0].shape[2]) for keys, _, _ in parts]  # P of each part
         shared = SharedPrefixes.shared_parts(prefilled) if self.shared is not None else [False] * len(parts)
         lengths = [0 if s else p for s, p in zip(shared, prompts)]  # own columns of each part's rows
+        unbounded = torch.iinfo(torch.long).max // 2
+        reach = [own + m for own, m in zip(lengths, max_tokens)] if max_tokens is not None else [unbounded] * len(parts)
         old_rows, old_width = self.rows, self.width
         width = max([old_width, *lengths])
 
@@ -172,10 +185,10 @@ class BatchCache(Cache):
                     out[row : row + n, :, width - p : width] = (keys if name == "keys" else values)[i]  # [1, KV, P, D]
                 row += n
 
-        self._rebuild(old_rows + sum(n for _, _, n in parts), width, fill, like=parts[0][:2])
+        own = torch.cat([self.lengths - self.prefix_lengths, *(torch.full((n,), p) for (_, _, n), p in zip(parts, lengths))])
+        self.reach = torch.cat([self.reach, *(torch.full((n,), r) for (_, _, n), r in zip(parts, reach))])
+        self._rebuild(old_rows + sum(n for _, _, n in parts), width, fill, like=parts[0][:2], own=own)
         self.lengths = torch.cat([self.lengths, *(torch.full((n,), p, dtype=torch.long) for (_, _, n), p in zip(parts, prompts))])
-        self.prefix_lengths = torch.cat([self.prefix_lengths, *(torch.full((n,), p - own, dtype=torch.long)
-                                                                for (_, _, n), p, own in zip(parts, prompts, lengths))])
         self.width = width
         if self.shared is not None:
             layers = [[(keys[i], values[i]) for keys, values, _ in parts] for i in range(len(parts[0][0]))]
@@ -186,19 +199,20 @@ class BatchCache(Cache):
         if len(rows) == self.rows:
             return
         idx = torch.tensor(rows, dtype=torch.long)
-        lengths, prefix_lengths = self.lengths[idx], self.prefix_lengths[idx]
-        width = int((lengths - prefix_lengths).max()) if rows else 0  # the longest own columns
+        own = (self.lengths - self.prefix_lengths)[idx]
+        if self.shared is not None:
+            self.shared.keep(idx)
+        width = int(own.max()) if rows else 0  # the longest own columns
         start = self.width - width
 
         def fill(old: torch.Tensor, out: torch.Tensor, i: int, name: str) -> None:
             # The old padding comes along (zeros), so no column of the new buffer is left unset.
             out[:, :, :width] = old[idx.to(old.device), :, start : self.width]
 
-        self._rebuild(len(rows), width, fill)
-        self.lengths, self.prefix_lengths = lengths, prefix_lengths
+        self.reach = self.reach[idx]
+        self._rebuild(len(rows), width, fill, own=own)
+        self.lengths = self.lengths[idx]
         self.width = width
-        if self.shared is not None:
-            self.shared.keep(idx)
 
     def step_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Position ids [B, 1] and the attention mask [B, 1, 1, W + 1] for one new token per row.
@@ -213,7 +227,7 @@ class BatchCache(Cache):
             def fill(old: torch.Tensor, out: torch.Tensor, i: int, name: str) -> None:
                 out[:, :, :width] = old[:, :, :width]
 
-            self._rebuild(self.rows, width, fill)
+            self._rebuild(self.rows, width, fill, own=self.lengths - self.prefix_lengths)
         device = self.kv_layers()[0].keys.device
         columns = torch.arange(self.width + 1, device=device)  # [W + 1]
         first = (self.width - self.lengths + self.prefix_lengths).to(device)  # [B] first own column of each row
@@ -225,14 +239,17 @@ class BatchCache(Cache):
         self.width += 1
         self.lengths += 1
 
-    def _rebuild(self, rows: int, width: int, fill, like: tuple[list, list] | None = None) -> None:
+    def _rebuild(self, rows: int, width: int, fill, own: torch.Tensor, like: tuple[list, list] | None = None) -> None:
         """New buffers [rows, KV, C, D] per layer with spare columns; `fill` sets columns [0, width).
+        `own` [rows]: each row's own columns now; all rows advance together, so the widest the
+        batch can get is W + the most columns any row has left before its `reach`.
 
         torch.empty, not zeros: a fresh 500 KB buffer's memset cost ~0.36 ms (page faults) per
         layer tensor, 60 per rebuild on SmolLM2; `fill` writes every used column once anyway
         (padding as zeros), and columns past `width` are written by a step before any read.
         """
-        capacity = width + max(_MIN_SPARE_COLUMNS, width // 2)
+        left = int((self.reach - own).max()) if rows else 0
+        capacity = width + max(1, min(max(_MIN_SPARE_COLUMNS, width // 2), left))
         for i, layer in enumerate(self.kv_layers()):
             for j, name in enumerate(("keys", "values")):
                 old = getattr(layer, name)

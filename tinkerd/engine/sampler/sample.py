@@ -274,7 +274,7 @@ class Sampler:
 
     def _join(self, ready: list[Request]) -> None:
         """Move prefilled requests' rows into the decode batch (cache, hidden, rules, rows) at once."""
-        self.cache.join([(req.prefill.cache, len(req.rows)) for req in ready])
+        self.cache.join([(req.prefill.cache, len(req.rows)) for req in ready], [req.op.params.max_tokens for req in ready])
         hidden = [] if self.hidden is None else [self.hidden]
         rules = [] if self.rules is None else [self.rules]
         for req in ready:

@@ -124,6 +124,10 @@ class SharedPrefixes:
             self.keys[i] = self.keys[i][sel, :, :width].contiguous()
             self.values[i] = self.values[i][sel, :, :width].contiguous()
 
+    def prefix_lengths(self) -> torch.Tensor:
+        """[B] positions each row reads from its segment, 0 for a row without one."""
+        return torch.where(self.of_row >= 0, self.lengths[self.of_row.clamp(min=0)] if self.count else 0, 0)
+
     def plan(self) -> _Plan | None:
         """The step's gather/scatter indices (None when no row has a segment)."""
         if self.count == 0:
@@ -167,8 +171,10 @@ class SharedPrefixes:
         qs = q.view(b, hk, g, d).index_select(0, plan.slot_rows).view(s, n, hk, g, d).transpose(1, 2)
         scores = torch.baddbmm(plan.bias, qs.reshape(s * hk, n * g, d), keys.view(s * hk, p, d).transpose(1, 2),
                                alpha=scaling)  # [S * Hk, N * G, P]
-        by_slot = scores.view(s, hk, n, g, p).transpose(1, 2).reshape(s * n, hk, g, p)
-        by_slot = torch.cat((by_slot, by_slot.new_full((1, hk, g, p), float("-inf"))))  # the sentinel slot
+        # By slot, [S * N + 1, Hk, G, P], in one copy; the last slot, all -inf, is read by rows without a segment.
+        by_slot = scores.new_empty(s * n + 1, hk, g, p)
+        by_slot[: s * n].view(s, n, hk, g, p).copy_(scores.view(s, hk, n, g, p).transpose(1, 2))
+        by_slot[s * n].fill_(float("-inf"))
         both = torch.cat((by_slot.index_select(0, plan.row_slot).view(b * hk, g, p), own_scores), dim=-1)
         probs = torch.softmax(both, dim=-1)  # [B * Hk, G, P + W + 1]
         out = torch.bmm(probs.narrow(-1, p, own_scores.shape[-1]), own_values)  # [B * Hk, G, D]
