@@ -4,8 +4,8 @@ Both sides train the same model with the same LoRA (rank, layers), batch, dtype 
 with AdamW, interleaved A B A B in one run so machine noise hits both alike. The tinkerd side is
 the whole path a user pays for: SDK -> HTTP -> control -> engine. The baseline gets what the engine
 gets: glibc malloc tuned the same way (engine/malloc.py: freed memory kept, huge pages asked for),
-the same torch thread count, a `foreach` AdamW over the adapter only (`--hf-adamw fused` for
-torch's fused CPU kernel), bf16 as PEFT does it (model loaded in bf16, step under autocast, fp32
+the same torch thread count, torch's fused AdamW over the adapter only, as the engine runs it
+(engine/adam.py; `--hf-adamw foreach` for the multi-tensor one), bf16 as PEFT does it (model loaded in bf16, step under autocast, fp32
 adapters, logits upcast before the loss: docs/precision.md).
 
 `--baseline-tree DIR` adds a third side, a server run from another checkout (main, say) with the
@@ -335,7 +335,7 @@ def main() -> None:
     ap.add_argument("--engine", choices=["process", "thread"], default="process")
     ap.add_argument("--train-unembed", action="store_true",
                     help="LoRA on the LM head too (the SDK's default; off by default here, as before)")
-    ap.add_argument("--hf-adamw", choices=["foreach", "fused"], default="foreach")
+    ap.add_argument("--hf-adamw", choices=["foreach", "fused"], default="fused")
     ap.add_argument("--baseline-tree", default=None, help="also run a server from this checkout (e.g. /work/main)")
     args = ap.parse_args()
     if "glibc.malloc.hugetlb" not in os.environ.get("GLIBC_TUNABLES", ""):

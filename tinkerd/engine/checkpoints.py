@@ -41,10 +41,11 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as safetensors_bytes
 
 from tinkerd.artifacts import ArtifactStore, LocalArtifactStore
+from tinkerd.engine import adam
 from tinkerd.engine.lora import deltanet, experts
 from tinkerd.engine.lora.layers import ATTN_TARGETS, MLP_TARGETS, UNEMBED_TARGET
 from tinkerd.engine.lora.pool import Adapter
-from tinkerd.errors import NotFoundError, ServerError, UserError
+from tinkerd.errors import NotFoundError, UserError
 from tinkerd.types import LoraSpec
 
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -87,12 +88,14 @@ def new_optimizer(adapter: Adapter, state: dict | None = None) -> torch.optim.Op
 
     Hyperparameters here are placeholders: optim_step sets lr/betas/eps/weight_decay every step.
     """
-    optimizer = torch.optim.AdamW(canonical_params(adapter), lr=1e-4, foreach=True)
+    optimizer = adam.new_adamw(canonical_params(adapter))
     if state is not None:
+        fresh = dict(optimizer.param_groups[0])
         try:
             optimizer.load_state_dict(state)
         except (ValueError, KeyError) as e:
             raise UserError(f"checkpoint optimizer state does not fit this adapter: {e}") from e
+        adam.keep_kernel(optimizer, fresh)
     return optimizer
 
 

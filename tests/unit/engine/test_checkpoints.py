@@ -13,7 +13,8 @@ from transformers import AutoModelForCausalLM
 
 from tinkerd.engine import checkpoints
 from tinkerd.errors import ServerError
-from tinkerd.types import AdamParams, CreateModelOp, Datum, ForwardBackwardOp, LoraSpec, OptimStepOp, SaveWeightsOp
+from tinkerd.types import (AdamParams, CreateModelOp, Datum, ForwardBackwardOp, LoadWeightsOp, LoraSpec, OptimStepOp,
+                           SaveWeightsOp)
 
 BASE = "tinkerd/tiny-qwen3"
 
@@ -52,6 +53,35 @@ def test_files_use_peft_keys_and_canonical_optimizer_order(engine, trained, tmp_
 
     files = checkpoints.read_adapter(tmp_path / "c")
     assert (files.spec, files.step, files.base_model) == (adapter.spec, 1, BASE)
+
+
+def test_a_checkpoint_of_the_foreach_kernel_resumes_on_this_versions_kernel(engine, trained, tmp_path):
+    """Older tinkerd ran AdamW with `foreach` and its optimizer.pt says so; torch's load_state_dict
+    would bring that flag back. A run resumed from such a checkpoint must step exactly as one resumed
+    from this version's own (the fused kernel differs from foreach in the last bit)."""
+    (result,) = engine.run_ops([SaveWeightsOp(trained, str(tmp_path / "new"), with_optimizer=True)])
+    assert not isinstance(result, Exception), result
+    (tmp_path / "old").mkdir()
+    for f in (tmp_path / "new").iterdir():
+        (tmp_path / "old" / f.name).write_bytes(f.read_bytes())
+    state = torch.load(tmp_path / "old" / checkpoints.OPTIMIZER_FILE, weights_only=True)
+    assert state["param_groups"][0]["fused"] is True  # what this version writes
+    state["param_groups"][0].update(fused=None, foreach=True)
+    torch.save(state, tmp_path / "old" / checkpoints.OPTIMIZER_FILE)
+
+    datum = Datum(np.arange(3, 12), {"target_tokens": np.arange(4, 13)})
+    for name in ("new", "old"):
+        ops = [LoadWeightsOp(f"kernel-{name}", BASE, str(tmp_path / name), with_optimizer=True),
+               ForwardBackwardOp(f"kernel-{name}", [datum], "cross_entropy"),
+               OptimStepOp(f"kernel-{name}", AdamParams(learning_rate=1e-2))]
+        for result in engine.run_ops(ops):
+            assert not isinstance(result, Exception), result
+    pool = engine.runtime(BASE).pool
+    new, old = pool.get("kernel-new"), pool.get("kernel-old")
+    assert old.optimizer.param_groups[0]["fused"] is True
+    for name in new.weights:
+        for a, b in zip(new.weights[name], old.weights[name]):
+            assert torch.equal(a, b), name
 
 
 def test_a_failed_save_leaves_the_old_checkpoint_and_no_debris(engine, trained, tmp_path, monkeypatch):

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tinkerd.engine.adam import new_adamw
 from tinkerd.engine.lora.experts import ExpertsParam
 from tinkerd.engine.lora.layers import MultiLoraLinear, LoraWeights, targets_for
 from tinkerd.errors import NotFoundError, UserError
@@ -123,7 +124,7 @@ class AdapterPool:
         adapter = Adapter(key=key, slot=slot, spec=spec, weights=weights, trainable=trainable)
         adapter.splits = {n: s for n in weights if (s := getattr(self.layers[n], "out_split", None))}
         if trainable:
-            adapter.optimizer = torch.optim.AdamW(adapter.parameters(), lr=1e-4, foreach=True)
+            adapter.optimizer = new_adamw(adapter.parameters())
         for name, (a, b) in weights.items():
             self.layers[name].adapters[slot] = LoraWeights(a, b, spec.scaling)
         self.adapters[key] = adapter
