@@ -52,7 +52,7 @@ import numpy as np
 import torch
 
 from tinkerd.engine import buckets, training
-from tinkerd.engine.head import HeadPass, head_lora, share
+from tinkerd.engine.head import HeadPass
 from tinkerd.engine.lora.layers import SlotGroup
 from tinkerd.errors import TinkerdError
 from tinkerd.types import ForwardBackwardOp
@@ -227,23 +227,15 @@ def _shared_pass(rt: "ModelRuntime", parts: list[training.Prepared]):
     offsets = np.cumsum([0] + [sum(p.lengths) for p in parts])
     g_hidden = None if forward_only else torch.empty_like(hidden)
     out, body = [], []  # per part: its body params and where their grads go
-    loras = [head_lora(rt, p.adapter.slot) for p in parts]
-    targets = [p.inputs["target_tokens"] for p in parts]
-    for group in share(rt, [sum(p.lengths) for p in parts], loras, targets):
-        # The head runs per group of runs whose tiling agrees (engine/head.py: share), each run
-        # with its own LoRA on its own rows; every loss per run.
-        span = slice(int(offsets[group[0]]), int(offsets[group[-1] + 1]))
-        runs = [(sum(parts[k].lengths), loras[k]) for k in group]
-        rt.ctx.set_single(parts[group[0]].adapter.slot)  # a head that is not tiled runs through the module
+    for k, p in enumerate(parts):
+        span = slice(int(offsets[k]), int(offsets[k + 1]))
+        mine = hidden[span].detach()  # [M_k, H]
+        targets = p.inputs["target_tokens"]
+        params = p.adapter.parameters()
+        rt.ctx.set_single(p.adapter.slot)  # the head runs per run: its LoRA, its blocks (engine/head.py)
         try:
-            unembed = HeadPass(rt, hidden[span].detach(), torch.cat([targets[k] for k in group]),
-                               keep=not forward_only, runs=runs)
-        finally:
-            rt.ctx.clear()
-        lps = unembed.logprobs.split([n for n, _ in runs])
-        g_lps = []
-        for k, lp in zip(group, lps):
-            p = parts[k]
+            unembed = HeadPass(rt, mine, targets, keep=not forward_only)
+            lp = unembed.logprobs
             if forward_only:
                 loss_sum, metrics = p.loss(lp, p.inputs, p.config)
                 out.append((lp, loss_sum, metrics, None))
@@ -251,26 +243,13 @@ def _shared_pass(rt: "ModelRuntime", parts: list[training.Prepared]):
             lp_leaf = lp.clone().requires_grad_(True)
             loss_sum, metrics = p.loss(lp_leaf, p.inputs, p.config)
             (g_lp,) = torch.autograd.grad(loss_sum, lp_leaf)
-            g_lps.append(g_lp)
-            out.append((lp, loss_sum.detach(), metrics, None))
-        if forward_only:
-            continue
-        if len(group) == 1:
-            params = parts[group[0]].adapter.parameters()
-            head_params = [t for t in params if loras[group[0]] is not None and any(t is h for h in loras[group[0]][:2])]
-            rt.ctx.set_single(parts[group[0]].adapter.slot)
-            try:
-                g_hidden[span], head_grads = unembed.backward(g_lps[0], head_params)
-            finally:
-                rt.ctx.clear()
-            per_run = [(head_params, head_grads)]
-        else:
-            g_hidden[span], grads = unembed.backward_runs(torch.cat(g_lps))
-            per_run = [([], []) if grads[j] is None else (list(loras[k][:2]), list(grads[j])) for j, k in enumerate(group)]
-        for k, (head_params, head_grads) in zip(group, per_run):
-            params = parts[k].adapter.parameters()
-            body_params = [t for t in params if not any(t is h for h in head_params)]
-            body.append((params, head_params, head_grads, body_params))
+            head_params = [t for t in params if any(t is h for h in training._head_lora(rt))]
+            g_hidden[span], head_grads = unembed.backward(g_lp, head_params)
+        finally:
+            rt.ctx.clear()
+        body_params = [t for t in params if not any(t is h for h in head_params)]
+        body.append((params, head_params, head_grads, body_params))
+        out.append((lp, loss_sum.detach(), metrics, None))
     if forward_only:
         return out
     flat = [t for _, _, _, b in body for t in b]

@@ -18,14 +18,6 @@ and 58 of its ~330 GFLOP), so how they are cut matters:
 - Otherwise (a bf16 head, Gemma's logit softcap, a head with a bias): rows in chunks through
   autograd, the path HF's own forward takes, to the bit.
 
-Several runs in one pass (engine/cotrain.py) share the head's GEMMs where their tiling agrees
-(`share`): their rows are one block, each run's LoRA is added on its own rows, and each run's
-d loss / d LoRA sums only its own rows. Every row's logits, logsumexp and d hidden are computed by
-the same kernels on the same row as when its run is alone, so nothing moves by a bit (one thread,
-as cotrain's body), while the [V, H] weight is streamed once per group instead of once per run: 8
-runs of 64 tokens of SmolLM2 through the head and back took 910 ms run by run and 546 ms as one
-block of 512 rows (2 threads).
-
 Up to KEEP_CELLS logits are kept from the forward to the backward; beyond that each block is
 recomputed in the backward, so memory holds one tile (or chunk) at a time. Keeping or recomputing
 gives the same bits: the same kernels on the same inputs. The blocks depend only on the number of
@@ -53,84 +45,45 @@ MIN_TILE = 2048
 # the machine's rate on a few rows (1 thread, 512 rows through the head and back: at 49k vocab
 # 633 ms in 85-row chunks, 514 in 128; at 152k, 27-row chunks took 6.0 s against 3.4 s in 128).
 CHUNK_MIN_ROWS = 128
-# Most logits cells of one tile when several runs share it (`share`): 64 MB fp32.
-GROUP_CELLS = 1 << 24
-
-Lora = tuple[torch.Tensor, torch.Tensor, float]  # (A [r, H], B [V, r], scaling)
 
 
-def head_lora(rt: "ModelRuntime", slot: int | None = None) -> Lora | None:
-    """(A, B, scaling) of the LoRA an adapter slot (default: the routed run's) has on the
-    unembedding, if it trains it."""
+def head_lora(rt: "ModelRuntime") -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    """(A, B, scaling) of the LoRA the routed run has on the unembedding, if it trains it."""
     head = rt.model.get_output_embeddings()
-    if slot is None:
-        slot = rt.ctx.groups[0].slot if rt.ctx.groups else None
-    lw = getattr(head, "adapters", {}).get(slot) if slot is not None else None
+    lw = getattr(head, "adapters", {}).get(rt.ctx.groups[0].slot) if rt.ctx.groups else None
     return (lw.a, lw.b, lw.scaling) if lw is not None else None
 
 
-def _tiled(rt: "ModelRuntime", loras: list[Lora | None]) -> bool:
+def _tiled(rt: "ModelRuntime") -> bool:
     head = rt.model.get_output_embeddings()
     base = getattr(head, "base", head)
+    lora = head_lora(rt)
     return (isinstance(base, torch.nn.Linear) and base.bias is None and base.weight.dtype == torch.float32
             and not getattr(rt.model.config, "final_logit_softcapping", None)
-            and all(lora is None or lora[0].dtype == torch.float32 for lora in loras))
-
-
-def _tile_width(rt: "ModelRuntime", rows: int) -> int:
-    """Vocabulary columns per tile for a block of `rows` rows."""
-    return min(rt.vocab_size, max(MIN_TILE, TILE_CELLS // rows))
-
-
-def share(rt: "ModelRuntime", rows: list[int], loras: list[Lora | None], targets: list[torch.Tensor]) -> list[list[int]]:
-    """Consecutive runs (by index) whose heads can run as one block: tiled, at most ROW_BLOCK rows
-    each (one block alone too), the same tile width and target shape, GROUP_CELLS per tile at most."""
-    groups: list[list[int]] = []
-    key = None
-    for i, (m, lora, t) in enumerate(zip(rows, loras, targets)):
-        mine = (_tile_width(rt, m), tuple(t.shape[1:])) if 0 < m <= ROW_BLOCK and _tiled(rt, [lora]) else None
-        if groups and mine is not None and mine == key and (sum(rows[j] for j in groups[-1]) + m) * mine[0] <= GROUP_CELLS:
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-        key = mine
-    return groups
+            and (lora is None or lora[0].dtype == torch.float32))
 
 
 class HeadPass:
-    """The head over `hidden` [M, H] (detached from the body) for `targets` [M] or [M, K].
+    """The head over `hidden` [M, H] (detached from the body) for `targets` [M] or [M, K]."""
 
-    `runs`: [(rows, LoRA or None)] of consecutive runs sharing the pass (cotrain's `share` groups,
-    tiled only); default one run, the routed one (head_lora)."""
-
-    def __init__(self, rt: "ModelRuntime", hidden: torch.Tensor, targets: torch.Tensor, keep: bool,
-                 runs: list[tuple[int, Lora | None]] | None = None):
+    def __init__(self, rt: "ModelRuntime", hidden: torch.Tensor, targets: torch.Tensor, keep: bool):
         self.rt, self.hidden, self.targets = rt, hidden, targets
         m, vocab = hidden.shape[0], rt.vocab_size
-        self.runs = runs if runs is not None else [(m, head_lora(rt))]
         self.keep = keep and m * vocab <= KEEP_CELLS
-        self.tiled = _tiled(rt, [lora for _, lora in self.runs])
-        self.lora = self.runs[0][1]
+        self.tiled = _tiled(rt)
+        self.lora = head_lora(rt)
         if self.tiled:
             self.weight = rt.model.get_output_embeddings().weight  # [V, H]
-            rows = max(1, min(self.runs[0][0], ROW_BLOCK))  # one run's: its tiling alone
-            if len(self.runs) == 1:  # blocks of ROW_BLOCK rows, all of the one run
-                self.blocks = [(slice(i, min(i + rows, m)), [(slice(0, min(rows, m - i)), self.lora, 0)])
-                               for i in range(0, m, rows)]
-            else:  # one block, each run's rows a segment of it
-                ends = [int(e) for e in torch.tensor([n for n, _ in self.runs]).cumsum(0)]
-                self.blocks = [(slice(0, m), [(slice(e - n, e), lora, j)
-                                              for j, ((n, lora), e) in enumerate(zip(self.runs, ends))])]
-            width = _tile_width(rt, rows)
+            rows = max(1, min(m, ROW_BLOCK))
+            self.blocks = [slice(i, min(i + rows, m)) for i in range(0, m, rows)]
+            width = min(vocab, max(MIN_TILE, TILE_CELLS // rows))
             self.tiles = [slice(j, min(j + width, vocab)) for j in range(0, vocab, width)]
             with torch.no_grad():
-                done = [self._block_forward(b, segs) for b, segs in self.blocks]
+                done = [self._block_forward(b) for b in self.blocks]
             self.kept = [tiles for _, _, tiles in done] if self.keep else None
             self.lse = [lse for _, lse, _ in done]
             self.logprobs = torch.cat([lp for lp, _, _ in done] + [self._empty()])
         else:
-            if len(self.runs) != 1:
-                raise ValueError("runs share only a tiled head")
             rows = max(CHUNK_MIN_ROWS, TILE_CELLS // vocab)
             self.blocks = [slice(i, min(i + rows, m)) for i in range(0, m, rows)]
             self.kept = [self._chunk_graph(c) for c in self.blocks] if self.keep else None
@@ -140,41 +93,34 @@ class HeadPass:
 
     def backward(self, g_lp: torch.Tensor, head_params: list[torch.Tensor]) -> tuple[torch.Tensor, list]:
         """(d loss / d hidden [M, H], the grads of `head_params`: this run's LoRA on the head, or none)."""
-        if not self.tiled:
-            g_hidden = torch.empty_like(self.hidden)
-            return g_hidden, self._autograd_backward(g_lp, head_params, g_hidden)
-        g_hidden, (grads,) = self.backward_runs(g_lp)
-        by_id = {} if grads is None else {id(self.lora[0]): grads[0], id(self.lora[1]): grads[1]}
-        return g_hidden, [by_id.get(id(p)) for p in head_params]
-
-    def backward_runs(self, g_lp: torch.Tensor) -> tuple[torch.Tensor, list]:
-        """Tiled: (d loss / d hidden [M, H], each run's (grad A, grad B) of its head LoRA, or None)."""
         g_hidden = torch.empty_like(self.hidden)
-        grads: list = [None] * len(self.runs)
+        if not self.tiled:
+            return g_hidden, self._autograd_backward(g_lp, head_params, g_hidden)
+        g_a = g_b = None
         with torch.no_grad():
-            for k, (block, segs) in enumerate(self.blocks):
-                for j, g_a, g_b in self._block_backward(k, block, segs, g_lp[block], g_hidden[block]):
-                    if grads[j] is None:
-                        grads[j] = (g_a, g_b)
-                    else:
-                        grads[j][0].add_(g_a)
-                        grads[j][1].add_(g_b)
-        return g_hidden, grads
+            for k, block in enumerate(self.blocks):
+                got = self._block_backward(k, block, g_lp[block], g_hidden[block])
+                if got is not None:
+                    g_a = got[0] if g_a is None else g_a.add_(got[0])
+                    g_b = got[1] if g_b is None else g_b.add_(got[1])
+        grads = {}
+        if self.lora is not None:
+            grads = {id(self.lora[0]): g_a, id(self.lora[1]): g_b}
+        return g_hidden, [grads.get(id(p)) for p in head_params]
 
     def _empty(self) -> torch.Tensor:
         return self.hidden.new_zeros((0, *self.targets.shape[1:]), dtype=torch.float32)
 
     # -- tiled
 
-    def _block_forward(self, block: slice, segs: list):
-        """(logprobs, logsumexp, the block's logit tiles) of one block of rows; `segs`: each run's
-        (rows within the block, LoRA, run index)."""
+    def _block_forward(self, block: slice):
+        """(logprobs, logsumexp, the block's logit tiles) of one block of rows."""
         x, targets = self.hidden[block], self.targets[block]
-        xs = [self._lora_rows(x[rows], lora) for rows, lora, _ in segs]
+        xs = self._lora_rows(x)
         lses, tiles = [], []
         picked = torch.zeros(targets.shape, dtype=torch.float32)
         for tile in self.tiles:
-            z = self._logits(x, xs, segs, tile)
+            z = self._logits(x, xs, tile)
             lses.append(torch.logsumexp(z, dim=-1))
             index, inside = self._local(targets, tile)
             picked = torch.where(inside, z.gather(-1, index), picked)
@@ -183,17 +129,16 @@ class HeadPass:
         lse = lses[0] if len(lses) == 1 else torch.logsumexp(torch.stack(lses), dim=0)
         return (picked if targets.dim() == 2 else picked[:, 0]) - (lse[:, None] if targets.dim() == 2 else lse), lse, tiles
 
-    def _block_backward(self, k: int, block: slice, segs: list, g: torch.Tensor, g_x: torch.Tensor) -> list:
-        """d loss / d logits tile by tile, into d hidden of the block (g_x); returns (run index,
-        grad A, grad B) of each of its runs with a LoRA on the head, from that run's rows only."""
+    def _block_backward(self, k: int, block: slice, g: torch.Tensor, g_x: torch.Tensor):
+        """d loss / d logits tile by tile, into d hidden of the block (g_x) and, with a LoRA on the
+        head, (grad A, grad B) of the block."""
         x, targets, lse = self.hidden[block], self.targets[block], self.lse[k]
-        xs = [self._lora_rows(x[rows], lora) for rows, lora, _ in segs]
+        xs = self._lora_rows(x)
         g2 = g if g.dim() == 2 else g[:, None]
         total = g2.sum(-1, keepdim=True)  # d lse: every target's logprob has -lse
-        q: list = [None] * len(segs)  # d loss / d xs [R_j, r] of each run
-        g_b: list = [None] * len(segs)
+        q = g_b = None
         for t, tile in enumerate(self.tiles):
-            z = self.kept[k][t] if self.kept is not None else self._logits(x, xs, segs, tile)
+            z = self.kept[k][t] if self.kept is not None else self._logits(x, xs, tile)
             d = z.sub_(lse[:, None]).exp_().mul_(total.neg())  # -sum(g) * softmax, in place
             index, inside = self._local(targets, tile)
             d.scatter_add_(-1, index, torch.where(inside, g2, 0.0))
@@ -202,40 +147,31 @@ class HeadPass:
                 torch.mm(d, w, out=g_x)
             else:
                 g_x.addmm_(d, w)
-            for j, ((rows, lora, _), u) in enumerate(zip(segs, xs)):
-                if u is None:
-                    continue
-                b, dr = lora[1], d[rows]
-                q[j] = dr @ b[tile] if q[j] is None else q[j].addmm_(dr, b[tile])
-                g_b[j] = torch.empty_like(b) if g_b[j] is None else g_b[j]
-                torch.mm(dr.t(), u, out=g_b[j][tile])
+            if xs is not None:
+                a, b, _ = self.lora
+                q = d @ b[tile] if q is None else q.addmm_(d, b[tile])  # d loss / d xs [R, r]
+                g_b = torch.empty_like(b) if g_b is None else g_b
+                torch.mm(d.t(), xs, out=g_b[tile])
             if self.kept is not None:
                 self.kept[k][t] = None  # freed as it goes
-        out = []
-        for j, ((rows, lora, run), u) in enumerate(zip(segs, xs)):
-            if u is None:
-                continue
-            a, _, scaling = lora
-            g_u = q[j] if scaling == 1.0 else q[j] * scaling  # xs = (x @ A^T) * scaling
-            g_x[rows].addmm_(g_u, a)
-            out.append((run, g_u.t() @ x[rows], g_b[j]))
-        return out
-
-    @staticmethod
-    def _lora_rows(x: torch.Tensor, lora: Lora | None) -> torch.Tensor | None:
-        """x @ A^T * scaling [R, r] for a head LoRA (None without one)."""
-        if lora is None:
+        if xs is None:
             return None
-        a, _, scaling = lora
+        a, _, scaling = self.lora
+        g_u = q if scaling == 1.0 else q * scaling  # xs = (x @ A^T) * scaling
+        g_x.addmm_(g_u, a)
+        return g_u.t() @ x, g_b
+
+    def _lora_rows(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x @ A^T * scaling [R, r] for the head's LoRA (None without one)."""
+        if self.lora is None:
+            return None
+        a, _, scaling = self.lora
         u = x @ a.t()
         return u if scaling == 1.0 else u * scaling
 
-    def _logits(self, x: torch.Tensor, xs: list, segs: list, tile: slice) -> torch.Tensor:
+    def _logits(self, x: torch.Tensor, xs: torch.Tensor | None, tile: slice) -> torch.Tensor:
         z = x @ self.weight[tile].t()
-        for (rows, lora, _), u in zip(segs, xs):
-            if u is not None:
-                z[rows].addmm_(u, lora[1][tile].t())
-        return z
+        return z if xs is None else z.addmm_(xs, self.lora[1][tile].t())
 
     @staticmethod
     def _local(targets: torch.Tensor, tile: slice) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tinkerd.engine.head import HeadPass
 from tinkerd.errors import UserError
 from tinkerd.types import AdamParams, CreateModelOp, Datum, ForwardBackwardOp, LoraSpec, OptimStepOp, StepBatch
 
@@ -22,13 +21,6 @@ RUNS = (
     ("r4", LoraSpec(rank=4, alpha=16.0, seed=11), (9, 13, 6, 11)),
     ("r8", LoraSpec(rank=8, alpha=32.0, seed=12), (21, 5)),
     ("r16", LoraSpec(rank=16, alpha=8.0, seed=13, train_unembed=False), (3, 17, 8)),
-)
-# The same number of rows in every run (24), so their heads tile alike and share one block of the
-# head's GEMMs (engine/head.py: share): two with a head LoRA of different ranks, one without.
-EVEN = (
-    ("e4", LoraSpec(rank=4, alpha=16.0, seed=21), (10, 14)),
-    ("e8", LoraSpec(rank=8, alpha=32.0, seed=22), (24,)),
-    ("e16", LoraSpec(rank=16, alpha=8.0, seed=23, train_unembed=False), (12, 5, 7)),
 )
 ADAM = AdamParams(learning_rate=1e-2)
 
@@ -60,9 +52,9 @@ def assert_same_result(ours, theirs) -> None:
         assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
 
 
-def twins(engine, tag: str, runs=RUNS) -> tuple[list[str], list[str]]:
+def twins(engine, tag: str) -> tuple[list[str], list[str]]:
     solo, fused = [], []
-    for name, spec, _ in runs:
+    for name, spec, _ in RUNS:
         for ids in (solo, fused):
             model_id = f"{tag}-{name}-{len(ids)}-{'solo' if ids is solo else 'fused'}"
             assert not isinstance(alone(engine, CreateModelOp(model_id, BASE, spec)), Exception)
@@ -70,8 +62,8 @@ def twins(engine, tag: str, runs=RUNS) -> tuple[list[str], list[str]]:
     return solo, fused
 
 
-def data_of(k: int, round_: int, runs=RUNS) -> list[Datum]:
-    return sft_data(100 * round_ + k, lengths=runs[k][2])
+def data_of(k: int, round_: int) -> list[Datum]:
+    return sft_data(100 * round_ + k, lengths=RUNS[k][2])
 
 
 def test_runs_in_one_pass_equal_each_alone_in_loss_logprobs_grads_and_weights(engine):
@@ -147,32 +139,3 @@ def test_an_op_under_min_tokens_runs_alone_and_the_rest_still_share(engine):
     assert_same_result(results[0], alone(engine, ForwardBackwardOp(solo[0], tiny, "cross_entropy")))
     for k in (1, 2):
         assert_same_result(results[k], alone(engine, ForwardBackwardOp(solo[k], data_of(k, 0), "cross_entropy")))
-
-
-def test_runs_that_share_the_heads_gemms_equal_each_alone(engine, monkeypatch):
-    """Runs of equal rows run the head as one block (each its own LoRA on its own rows): loss,
-    logprobs, grads and weights still equal each run alone, training and forward only."""
-    blocks = []  # runs per HeadPass built
-    init = HeadPass.__init__
-    monkeypatch.setattr(HeadPass, "__init__", lambda self, *a, **kw: blocks.append(len(kw.get("runs") or [0]))
-                        or init(self, *a, **kw))
-    solo, fused = twins(engine, "cotrain-head", EVEN)
-    for round_ in range(2):  # round 0: B = 0 on the head; round 1: trained
-        blocks.clear()
-        mine = [ForwardBackwardOp(m, data_of(k, round_, EVEN), "cross_entropy") for k, m in enumerate(fused)]
-        together, shared = step(engine, mine)
-        assert shared == [len(EVEN)] and blocks == [len(EVEN)]  # one head block for all three
-        for k, m in enumerate(solo):
-            assert_same_result(together[k], alone(engine, ForwardBackwardOp(m, data_of(k, round_, EVEN), "cross_entropy")))
-            assert_identical(state(engine, fused[k]), state(engine, m), f"{m} after round {round_}")
-        step(engine, [OptimStepOp(m, ADAM) for m in fused])
-        for k, m in enumerate(solo):
-            alone(engine, OptimStepOp(m, ADAM))
-            assert_identical(state(engine, fused[k]), state(engine, m), f"{m} after optim_step {round_}")
-    ops = [ForwardBackwardOp(m, data_of(k, 5, EVEN), "cross_entropy", forward_only=True) for k, m in enumerate(fused)]
-    blocks.clear()
-    together, shared = step(engine, ops)
-    assert shared == [len(EVEN)] and blocks == [len(EVEN)]
-    for k, m in enumerate(solo):
-        assert_same_result(together[k], alone(engine, ForwardBackwardOp(m, data_of(k, 5, EVEN), "cross_entropy",
-                                                                         forward_only=True)))
