@@ -186,8 +186,9 @@ class BatchCache(Cache):
                 row += n
 
         own = torch.cat([self.lengths - self.prefix_lengths, *(torch.full((n,), p) for (_, _, n), p in zip(parts, lengths))])
-        self.reach = torch.cat([self.reach, *(torch.full((n,), r) for (_, _, n), r in zip(parts, reach))])
-        self._rebuild(old_rows + sum(n for _, _, n in parts), width, fill, like=parts[0][:2], own=own)
+        reach = torch.cat([self.reach, *(torch.full((n,), r) for (_, _, n), r in zip(parts, reach))])
+        self._rebuild(old_rows + sum(n for _, _, n in parts), width, fill, own, reach, like=parts[0][:2])
+        self.reach = reach
         self.lengths = torch.cat([self.lengths, *(torch.full((n,), p, dtype=torch.long) for (_, _, n), p in zip(parts, prompts))])
         self.width = width
         if self.shared is not None:
@@ -200,8 +201,6 @@ class BatchCache(Cache):
             return
         idx = torch.tensor(rows, dtype=torch.long)
         own = (self.lengths - self.prefix_lengths)[idx]
-        if self.shared is not None:
-            self.shared.keep(idx)
         width = int(own.max()) if rows else 0  # the longest own columns
         start = self.width - width
 
@@ -209,10 +208,11 @@ class BatchCache(Cache):
             # The old padding comes along (zeros), so no column of the new buffer is left unset.
             out[:, :, :width] = old[idx.to(old.device), :, start : self.width]
 
-        self.reach = self.reach[idx]
-        self._rebuild(len(rows), width, fill, own=own)
-        self.lengths = self.lengths[idx]
+        self._rebuild(len(rows), width, fill, own, self.reach[idx])
+        self.lengths, self.reach = self.lengths[idx], self.reach[idx]
         self.width = width
+        if self.shared is not None:
+            self.shared.keep(idx)
 
     def step_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Position ids [B, 1] and the attention mask [B, 1, 1, W + 1] for one new token per row.
@@ -227,7 +227,7 @@ class BatchCache(Cache):
             def fill(old: torch.Tensor, out: torch.Tensor, i: int, name: str) -> None:
                 out[:, :, :width] = old[:, :, :width]
 
-            self._rebuild(self.rows, width, fill, own=self.lengths - self.prefix_lengths)
+            self._rebuild(self.rows, width, fill, self.lengths - self.prefix_lengths, self.reach)
         device = self.kv_layers()[0].keys.device
         columns = torch.arange(self.width + 1, device=device)  # [W + 1]
         first = (self.width - self.lengths + self.prefix_lengths).to(device)  # [B] first own column of each row
@@ -239,16 +239,18 @@ class BatchCache(Cache):
         self.width += 1
         self.lengths += 1
 
-    def _rebuild(self, rows: int, width: int, fill, own: torch.Tensor, like: tuple[list, list] | None = None) -> None:
+    def _rebuild(self, rows: int, width: int, fill, own: torch.Tensor, reach: torch.Tensor,
+                 like: tuple[list, list] | None = None) -> None:
         """New buffers [rows, KV, C, D] per layer with spare columns; `fill` sets columns [0, width).
-        `own` [rows]: each row's own columns now; all rows advance together, so the widest the
-        batch can get is W + the most columns any row has left before its `reach`.
+        `own`, `reach` [rows]: each row's own columns now and at most (BatchCache.reach); all rows
+        advance together, so the widest the batch can get is W + the most columns any row has left.
+        The caller updates its row state only after this returned (a failed rebuild changes none).
 
         torch.empty, not zeros: a fresh 500 KB buffer's memset cost ~0.36 ms (page faults) per
         layer tensor, 60 per rebuild on SmolLM2; `fill` writes every used column once anyway
         (padding as zeros), and columns past `width` are written by a step before any read.
         """
-        left = int((self.reach - own).max()) if rows else 0
+        left = int((reach - own).max()) if rows else 0
         capacity = width + max(1, min(max(_MIN_SPARE_COLUMNS, width // 2), left))
         for i, layer in enumerate(self.kv_layers()):
             for j, name in enumerate(("keys", "values")):
