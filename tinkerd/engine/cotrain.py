@@ -71,10 +71,11 @@ ATTENTION = "tinkerd_grouped_sdpa"
 
 @dataclass(frozen=True)
 class AttentionGroup:
-    """One run's rows in a shared pass, for attention: which rows, its own width, and whether any of
-    its datums is shorter than that width (then its op alone gets a padding mask)."""
+    """One run's rows in a shared pass, for attention: how many (the runs' rows are consecutive
+    blocks of the batch, in group order), its own width, and whether any of its datums is shorter
+    than that width (then its op alone gets a padding mask)."""
 
-    rows: torch.Tensor  # [B_k] row indices
+    size: int
     width: int
     padded: bool
 
@@ -84,24 +85,29 @@ def grouped_attention(module, query, key, value, attention_mask, tinkerd_attenti
 
     query/key/value [B, heads, T, d], attention_mask None or bool [B, 1, T, T] (HF's sdpa_mask);
     returns [B, T, heads, d] as sdpa_attention_forward does. A run's rows past its width get zeros:
-    they are padding, and every position that reads them masks them out."""
+    they are padding, and every position that reads them masks them out. The runs' blocks are views
+    (one split each of q, k and v) and their outputs one cat: a gather and an out-of-place
+    index_copy per run made a copy of the whole batch's tensors per run, forward and backward."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if not tinkerd_attention_groups:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    b, heads, t, _ = query.shape
-    out = query.new_zeros(b, t, heads, value.shape[-1])
+    t = query.shape[2]
     window = kwargs.get("sliding_window")
-    for g in tinkerd_attention_groups:
+    sizes = [g.size for g in tinkerd_attention_groups]
+    outs, start = [], 0
+    for g, q, k, v in zip(tinkerd_attention_groups, query.split(sizes), key.split(sizes), value.split(sizes)):
         w = g.width
-        q, k, v = query[g.rows, :, :w], key[g.rows, :, :w], value[g.rows, :, :w]
+        if w < t:
+            q, k, v = q[:, :, :w], k[:, :, :w], v[:, :, :w]
         # The op alone gets no mask when none of its datums is padded and no window bites: HF's
         # sdpa_mask skips it (is_causal instead), and SDPA's causal kernel rounds differently.
         alone_unmasked = attention_mask is None or (not g.padded and (window is None or w < window))
-        mask = None if alone_unmasked else attention_mask[g.rows][:, :, :w, :w]
+        mask = None if alone_unmasked else attention_mask[start : start + g.size, :, :w, :w]
         o, _ = sdpa_attention_forward(module, q, k, v, mask, **kwargs)  # [B_k, w, heads, d]
-        out = out.index_copy(0, g.rows, torch.nn.functional.pad(o, (0, 0, 0, 0, 0, t - w)))
-    return out, None
+        outs.append(o if w == t else torch.nn.functional.pad(o, (0, 0, 0, 0, 0, t - w)))
+        start += g.size
+    return torch.cat(outs), None
 
 
 def _use_grouped_attention(rt: "ModelRuntime") -> None:
@@ -216,7 +222,7 @@ def _shared_pass(rt: "ModelRuntime", parts: list[training.Prepared]):
         rows = torch.arange(row, row + len(p.lengths))
         groups.append(SlotGroup(p.adapter.slot, rows, total=len(data), width=max(p.lengths)))
         row += len(p.lengths)
-    attention = [AttentionGroup(g.rows, g.width, min(p.lengths) < g.width) for g, p in zip(groups, parts)]
+    attention = [AttentionGroup(len(p.lengths), g.width, min(p.lengths) < g.width) for g, p in zip(groups, parts)]
     _use_grouped_attention(rt)
     rt.ctx.groups, rt.ctx.blocks = groups, True  # run by run, consecutive rows
     try:

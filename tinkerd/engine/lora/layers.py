@@ -184,23 +184,26 @@ class MultiLoraLinear(nn.Module):
 
     def _add_blocks(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out [B, T, out] plus each group's delta on its block of rows, at its own width, zeros past
-        it and for a group without this layer (x + 0 is x): per element the one add its op alone does."""
-        if not any(group.slot in self.adapters for group in self.ctx.groups):
+        it and for a group without this layer (x + 0 is x): per element the one add its op alone does.
+        The blocks are views from one split (its backward is one cat, where a slice per group made a
+        zero-filled [B, T, in] gradient per group), and a group at the batch's width is not padded."""
+        groups = self.ctx.groups
+        if not any(group.slot in self.adapters for group in groups):
             return out
-        parts, start = [], 0
-        for group in self.ctx.groups:
-            n = group.rows.shape[0]
+        t = x.shape[1]
+        parts = []
+        for group, xs in zip(groups, x.split([group.rows.shape[0] for group in groups])):  # [B_g, T, in]
             lw = self.adapters.get(group.slot)
             if lw is None:
-                parts.append(out.new_zeros(n, out.shape[1], out.shape[2]))
-            else:
-                w = group.width or x.shape[1]
-                xs = x[start : start + n, :w]  # [B_g, T_g, in]
-                # A bf16 base casts the fp32 master A/B per pass, as lora_delta_add does (engine/precision.py).
-                delta = lora_delta(xs, lw.a.to(xs.dtype), lw.b.to(xs.dtype), lw.scaling)
-                parts.append(torch.nn.functional.pad(delta, (0, 0, 0, x.shape[1] - w)))
-            start += n
-        return out + torch.cat(parts)
+                parts.append(out.new_zeros(xs.shape[0], t, out.shape[2]))
+                continue
+            w = group.width or t
+            if w < t:
+                xs = xs[:, :w]
+            # A bf16 base casts the fp32 master A/B per pass, as lora_delta_add does (engine/precision.py).
+            delta = lora_delta(xs, lw.a.to(xs.dtype), lw.b.to(xs.dtype), lw.scaling)
+            parts.append(delta if w == t else torch.nn.functional.pad(delta, (0, 0, 0, t - w)))
+        return out + (parts[0] if len(parts) == 1 else torch.cat(parts))
 
     def _add_adapters_inplace(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """The same sum without autograd: in place, scaling folded into addmm_ / index_add_.
