@@ -7,7 +7,9 @@ loop does. The phases are interleaved (1 2 4 8 1 2 4 8 ...) over `--rounds`, so 
 every N alike. For each N it prints the aggregate tokens/s (every client's tokens over the phase's
 wall time), the median and worst per-client step latency, and both as ratios to N = 1: with one
 engine running one op at a time the aggregate stays flat and latency grows ~N-fold; batching
-tenants into one pass is what moves these ratios. The issue's targets: at N = 4, aggregate >= 1.5x
+tenants into one pass is what moves these ratios. The last column is the forward_backward passes the
+engine ran per round of client steps (from the server's metrics): 1 when every round's ops of all
+N clients shared one pass, N when each ran alone. The issue's targets: at N = 4, aggregate >= 1.5x
 and no client's latency > 1.5x its solo one.
 
     python benchmarks/training_tenants.py                         # SmolLM2-135M, 2 x 128 per client, 1 thread
@@ -74,6 +76,24 @@ def phase(tenants: list[Tenant], steps: int) -> tuple[float, list[list[float]]]:
     return time.perf_counter() - t0, latencies
 
 
+def pass_counts(url: str) -> tuple[float, float]:
+    """(shared passes, forward_backward ops) the server has run so far: a pass of several runs counts
+    once (tinkerd_shared_pass_runs_count), an op that ran alone is a pass of its own."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    shared = ops = 0.0
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
+        for s in family.samples:
+            if s.name == "tinkerd_shared_pass_runs_count":
+                shared += s.value
+            elif s.name == "tinkerd_shared_pass_runs_sum":
+                ops -= s.value  # counted below among all forward_backward ops; alone = all - shared
+            elif s.name == "tinkerd_op_engine_seconds_count" and s.labels.get("type") == "ForwardBackward":
+                ops += s.value
+    return shared, ops
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
@@ -110,9 +130,13 @@ def main() -> None:
         busy0, total0 = cpu_jiffies()
         walls: dict[int, list[float]] = {n: [] for n in counts}
         lats: dict[int, list[list[float]]] = {n: [] for n in counts}
+        passes: dict[int, float] = {n: 0.0 for n in counts}  # forward_backward passes the engine ran
         for _ in range(args.rounds):
             for n in counts:
+                shared0, alone0 = pass_counts(server.url)
                 wall, lat = phase(tenants[:n], args.steps)
+                shared1, alone1 = pass_counts(server.url)
+                passes[n] += shared1 - shared0 + alone1 - alone0
                 walls[n].append(wall)
                 lats[n].extend(lat)
         busy1, total1 = cpu_jiffies()
@@ -125,8 +149,10 @@ def main() -> None:
           f"{args.rows}x{args.tokens} rank={args.rank} steps/client/phase={args.steps} rounds={args.rounds} cpus={os.cpu_count()}")
     print(f"load average before: {load_before}, after: {load_average()}; machine busy "
           f"{100 * (busy1 - busy0) / max(1, total1 - total0):.0f}% during the run (all processes)")
-    print("| tenants | aggregate tokens/s | x N=1 | median client step ms | worst client median ms | worst / solo |")
-    print("|---|---|---|---|---|---|")
+    # Passes per round: N when every round's forward_backward ops of the N clients share one pass.
+    print("| tenants | aggregate tokens/s | x N=1 | median client step ms | worst client median ms | worst / solo "
+          "| fb passes per round |")
+    print("|---|---|---|---|---|---|---|")
     solo_rate = solo_lat = None
     for n in counts:
         rate = n * args.steps * tokens / float(np.median(walls[n]))
@@ -134,7 +160,8 @@ def main() -> None:
         med, worst = float(np.median(per_client)), max(per_client)
         if solo_rate is None:
             solo_rate, solo_lat = rate, med
-        print(f"| {n} | {rate:.1f} | {rate / solo_rate:.2f} | {med * 1e3:.0f} | {worst * 1e3:.0f} | {worst / solo_lat:.2f} |")
+        print(f"| {n} | {rate:.1f} | {rate / solo_rate:.2f} | {med * 1e3:.0f} | {worst * 1e3:.0f} | {worst / solo_lat:.2f} "
+              f"| {passes[n] / (args.rounds * args.steps):.2f} |")
 
 
 if __name__ == "__main__":

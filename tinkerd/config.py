@@ -145,6 +145,13 @@ class ServerConfig(BaseModel):
     train_batch_tokens: int = Field(default=2048, ge=0,
                                     description="most tokens of one training step whose forward_backward ops of "
                                                 "several runs share a pass over the base model; 0: one op a step")
+    # control/scheduler.py: Scheduler._together. An SDK loop's next forward_backward comes tens of ms
+    # after its optim_step's result; without the wait, the run whose optim_step ran last took a pass
+    # of its own every round (4 tenants of 1 x 32 tokens on SmolLM2).
+    train_batch_wait_ms: float = Field(default=50.0, ge=0,
+                                       description="longest wait of a shared training pass for the next forward_backward "
+                                                   "of a run that was in the last one and has none queued (at most a "
+                                                   "tenth of that pass's time); 0: never wait")
     # A rank-32 SmolLM2 adapter with its AdamW state is ~120 MB: after every 5 s step that cost ~7% of
     # throughput (benchmarks/training.py); every 10 s bounds replay to ~10 s of recompute.
     snapshot_interval_s: float = Field(default=10.0, ge=0, description="least seconds between a run's recovery "

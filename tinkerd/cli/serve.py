@@ -82,6 +82,7 @@ def build_app(config: ServerConfig, client=None):
     control.budget = QueueBudget(config.max_queued_ops_per_model, config.max_queued_ops,
                                  count=control.futures.pending_count if config.role != "all" else None)
     control.scheduler.batch_tokens = config.train_batch_tokens
+    control.scheduler.batch_wait_s = config.train_batch_wait_ms / 1000
     if not config.metrics:
         control.metrics.disable()
     if config.otlp_endpoint:

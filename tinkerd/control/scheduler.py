@@ -24,6 +24,15 @@ if it had been picked); a head that cannot join (an optim_step, a save, an op ov
 its place and goes first in a later step. So no run waits for more than one turn, and each run's
 ops still run one at a time in seq_id order.
 
+A pass also waits a moment for a run of the previous pass whose client has not sent its next op
+yet (`_together`'s wait): an SDK loop sends its forward_backward once its optim_step's result is
+back, so the run whose optim_step ran last in a round is still on its way (tens of ms) when the
+others' forward_backward ops start the next pass, and it then takes a pass of its own (4 tenants of
+1 x 32 tokens on SmolLM2: 6 passes per 4 rounds instead of 4). The wait ends as soon as every such
+run's op is in, and lasts at most `batch_wait_s` and a tenth of the last shared pass; it is skipped
+while sampling rows decode. A run whose client stopped is waited for once: it is not in the pass
+that then runs.
+
 Suspects (control/control.py): ops that were in flight when the engine died of what it was doing
 run apart from everything else: rows in flight decode to their end with nothing admitted beside
 them, then a training suspect runs alone, or the sampling suspects that died only once are admitted
@@ -40,6 +49,7 @@ picks an empty step, so the worker stores their outcome (control.py) with nothin
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -60,13 +70,20 @@ class Picked:
     lane: str
     # Lanes with no work when this step was picked: they bank no credit for its time.
     idle: tuple[str, ...] = ()
+    # A forward_backward step: (base model, the runs whose ops it carries), for the next one's wait.
+    pass_of: tuple[str, frozenset[str]] | None = None
 
 
 class Scheduler:
     def __init__(self, queue: OpQueue, max_rows: int = 64, quotas: Quotas | None = None,
                  suspects: Mapping[str, int] | None = None, engine_of: Callable[[Any], Hashable | None] | None = None,
-                 batch_tokens: int = 0):
+                 batch_tokens: int = 0, batch_wait_s: float = 0.0):
         self.queue = queue
+        # Longest wait for a run of the last shared pass that has nothing queued (module docstring;
+        # ServerConfig.train_batch_wait_ms). 0: never wait.
+        self.batch_wait_s = batch_wait_s
+        # base model -> (the runs of its last training pass, that step's seconds).
+        self._last_pass: dict[str, tuple[frozenset[str], float]] = {}
         # Most tokens (datum tokens of every op) a training step of several runs' forward_backward ops
         # carries (ServerConfig.train_batch_tokens); its first op goes whatever its size. 0: one op.
         self.batch_tokens = batch_tokens
@@ -115,8 +132,12 @@ class Scheduler:
             q = self.queue.pop(LANE_TRAIN, eligible=eligible)
             if q is not None:
                 self._started(q)
-                ops = [q, *self._together(q, eligible), *self._beside(q, eligible)]
-                return Picked(StepBatch(run=[(o.request_id, o.op.op) for o in ops]), ops, LANE_TRAIN, idle)
+                together = self._together(q, eligible, wait=not sample)
+                ops = [q, *together, *self._beside(q, eligible)]
+                pass_of = None
+                if isinstance(q.op.op, ForwardBackwardOp) and q.op.op.base_model:
+                    pass_of = (q.op.op.base_model, frozenset(o.target for o in (q, *together)))
+                return Picked(StepBatch(run=[(o.request_id, o.op.op) for o in ops]), ops, LANE_TRAIN, idle, pass_of)
         admitted = self._admit(active_rows)
         batch = StepBatch(admit=[(q.request_id, q.op.op) for q in admitted], decode=True)
         return Picked(batch, admitted, LANE_SAMPLE, idle)
@@ -144,8 +165,9 @@ class Scheduler:
             return None
         return Picked(StepBatch(admit=[(q.request_id, q.op.op) for q in admitted], decode=True), admitted, LANE_SAMPLE)
 
-    def _together(self, first: QueuedOp, eligible) -> list[QueuedOp]:
-        """Other runs' forward_backward ops to share `first`'s pass (module docstring), in turn order."""
+    def _together(self, first: QueuedOp, eligible, wait: bool = False) -> list[QueuedOp]:
+        """Other runs' forward_backward ops to share `first`'s pass (module docstring), in turn order;
+        `wait`: also those of the last pass's runs that arrive within the wait."""
         op = first.op.op
         if self.batch_tokens <= 0 or not isinstance(op, ForwardBackwardOp) or not op.base_model:
             return []
@@ -160,11 +182,25 @@ class Scheduler:
                     and (eligible is None or eligible(q)))
 
         together = []
-        while (q := self.queue.pop(LANE_TRAIN, eligible=joins)) is not None:
-            self._started(q)
-            taken.add(q.target)
-            tokens += _tokens(q.op.op)
-            together.append(q)
+
+        def join_queued() -> None:
+            nonlocal tokens
+            while (q := self.queue.pop(LANE_TRAIN, eligible=joins)) is not None:
+                self._started(q)
+                taken.add(q.target)
+                tokens += _tokens(q.op.op)
+                together.append(q)
+
+        join_queued()
+        last, last_s = self._last_pass.get(op.base_model, (frozenset(), 0.0))
+        deadline = time.monotonic() + min(self.batch_wait_s, last_s / 10)
+        while wait and tokens < self.batch_tokens and (left := deadline - time.monotonic()) > 0:
+            seen = self.queue.puts  # before the check: a put right after it still ends the wait
+            # Runs of the last pass with nothing queued: their client holds their next op.
+            if self.queue.closed or not any(self.queue.depth(target) == 0 for target in last - taken):
+                break
+            self.queue.wait_for_put(seen, left)
+            join_queued()
         return together
 
     def _beside(self, first: QueuedOp, eligible) -> list[QueuedOp]:
@@ -187,6 +223,8 @@ class Scheduler:
     def charge(self, picked: Picked, seconds: float) -> None:
         """Book a finished step's engine time to its lane; lanes idle meanwhile keep level, not behind."""
         self.used_s[picked.lane] += seconds
+        if picked.pass_of is not None:
+            self._last_pass[picked.pass_of[0]] = (picked.pass_of[1], seconds)
         for lane in picked.idle:
             self.used_s[lane] = max(self.used_s[lane], self.used_s[picked.lane])
 

@@ -4,6 +4,9 @@ their turn; each run's ops stay in seq_id order. No torch, no engine."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 
 from tinkerd.control.queue import OpQueue
@@ -92,3 +95,62 @@ def test_suspects_and_paused_ops_do_not_join():
     assert [o.request_id for o in picked.ops] == ["b0"]
     sched.suspects = {}
     assert [o.request_id for o in sched.next(active_rows=0).ops] == ["a0", "c0"]
+
+
+def _pass_of_three_then(sched: Scheduler, q: OpQueue, c_next=None) -> None:
+    """Runs a, b, c share a pass that took 2 s; then a and b send their next forward_backward (and
+    c `c_next`, if given)."""
+    for run in "abc":
+        put(q, f"{run}0", run, 0, fb(run))
+    picked = sched.next(active_rows=0)
+    assert [o.request_id for o in picked.ops] == ["a0", "b0", "c0"]
+    sched.charge(picked, 2.0)
+    for run in "ab":
+        put(q, f"{run}1", run, 1, fb(run))
+    if c_next is not None:
+        put(q, "c1", "c", 1, c_next)
+
+
+def test_a_pass_waits_for_the_run_of_the_last_pass_whose_next_op_is_on_its_way():
+    q = OpQueue()
+    sched = Scheduler(q, batch_tokens=1000, batch_wait_s=5.0)
+    _pass_of_three_then(sched, q)
+    # c's client sends its forward_backward 50 ms later: it joins the pass instead of taking its own.
+    late = threading.Timer(0.05, lambda: put(q, "c1", "c", 1, fb("c")))
+    late.start()
+    started = time.monotonic()
+    picked = sched.next(active_rows=0)
+    waited = time.monotonic() - started
+    late.join()
+    assert [o.request_id for o in picked.ops] == ["a1", "b1", "c1"]
+    assert 0.04 < waited < 0.2  # as soon as c's op is in, not the whole wait (5 s, and 0.2 s from the pass)
+
+
+def test_the_wait_is_bounded_by_a_tenth_of_the_last_pass_and_skipped_when_nothing_is_missing():
+    q = OpQueue()
+    sched = Scheduler(q, batch_tokens=1000, batch_wait_s=5.0)
+    _pass_of_three_then(sched, q)
+    started = time.monotonic()  # c's client stopped: waited for once, a tenth of the 2 s pass
+    assert [o.request_id for o in sched.next(active_rows=0).ops] == ["a1", "b1"]
+    assert 0.15 < time.monotonic() - started < 1.0
+    # c's next op is queued and cannot join (its optim_step): nothing is on its way, no wait.
+    q = OpQueue()
+    sched = Scheduler(q, batch_tokens=1000, batch_wait_s=5.0)
+    _pass_of_three_then(sched, q, c_next=OptimStepOp("c", AdamParams()))
+    started = time.monotonic()
+    assert [o.request_id for o in sched.next(active_rows=0).ops] == ["a1", "b1"]
+    assert time.monotonic() - started < 0.1
+
+
+def test_no_wait_while_sampling_rows_decode_or_when_it_is_off():
+    for wait_s, rows in ((5.0, 1), (0.0, 0)):
+        q = OpQueue()
+        sched = Scheduler(q, batch_tokens=1000, batch_wait_s=wait_s)
+        _pass_of_three_then(sched, q)
+        started = time.monotonic()
+        picked = sched.next(active_rows=rows)
+        while picked.lane != LANE_TRAIN:  # with rows in flight, lanes alternate
+            sched.charge(picked, 0.0)
+            picked = sched.next(active_rows=rows)
+        assert [o.request_id for o in picked.ops] == ["a1", "b1"]
+        assert time.monotonic() - started < 0.1
