@@ -254,7 +254,7 @@ def test_kv_cache_rows_are_right_aligned_and_masked_per_row():
         return c
 
     cache = BatchCache(2)
-    cache.join([(prefilled(3, 10.0), 2), (prefilled(5, 20.0), 1)])  # rows 0, 1: P = 3; row 2: P = 5
+    cache.join([(prefilled(3, 10.0), 2), (prefilled(5, 20.0), 1)], [8, 8])  # rows 0, 1: P = 3; row 2: P = 5
     assert cache.width == 5 and cache.lengths.tolist() == [3, 3, 5]
     keys = cache.layers[1].keys[:, :, :5]  # [B, KV, W, D]
     assert (keys[:2, :, :2] == 0).all()  # two columns of padding before the short rows
@@ -275,7 +275,7 @@ def test_kv_cache_rows_are_right_aligned_and_masked_per_row():
     assert cache.layers[1].keys[:, 0, :4, 0].tolist() == [[11.0, 12.0, 13.0, 99.0]] * 2
     cache.keep([])
     assert cache.rows == 0 and cache.width == 0
-    cache.join([(prefilled(2, 30.0), 1)])  # an emptied batch takes new rows
+    cache.join([(prefilled(2, 30.0), 1)], [8])  # an emptied batch takes new rows
     assert cache.layers[0].keys[0, 0, :2, 0].tolist() == [30.0, 31.0]
 
 

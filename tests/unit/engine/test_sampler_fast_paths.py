@@ -82,7 +82,7 @@ def test_fused_decode_hidden_states_match_one_hf_step(eng, name, base_only):
         caches = []
         for _ in range(2):
             c = BatchCache(len(body.layers))
-            c.join([(pf.cache, 1) for pf in prefills])
+            c.join([(pf.cache, 1) for pf in prefills], [64] * len(prefills))
             caches.append(c)
         tokens = torch.tensor([5, 17, 2585])
         slots = [-1, rt.pool.get(f"{name}-a0").slot, rt.pool.get(f"{name}-a1").slot]

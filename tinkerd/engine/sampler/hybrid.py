@@ -74,7 +74,7 @@ class HybridBatchCache(BatchCache):
     def _linear(self) -> list[tuple[int, LinearAttentionLayer]]:
         return [(i, layer) for i, layer in enumerate(self.layers) if isinstance(layer, LinearAttentionLayer)]
 
-    def join(self, prefilled: list[tuple[DynamicCache, int]], max_tokens: list[int] | None = None) -> None:
+    def join(self, prefilled: list[tuple[DynamicCache, int]], max_tokens: list[int]) -> None:
         old_rows = self.rows
         super().join(prefilled, max_tokens)  # the full-attention layers' KV columns
         for i, layer in self._linear():

@@ -131,7 +131,7 @@ class BatchCache(Cache):
         self.width = 0  # W: columns in use
         self.lengths = torch.zeros(0, dtype=torch.long)  # [B] cached positions per row
         # [B] own columns each row may reach (prompt held in its row + max_tokens); the spare
-        # columns of a rebuild stop there. A large value where the caller gave no max_tokens.
+        # columns of a rebuild stop there.
         self.reach = torch.zeros(0, dtype=torch.long)
         # Prompts several rows share, stored once (shared.py); their rows' own columns then hold
         # only what they generate. Only the fused decode step reads them (decode.py).
@@ -156,9 +156,9 @@ class BatchCache(Cache):
         first = self.kv_layers()[0]
         return 0 if first.keys is None else int(first.keys.shape[2])
 
-    def join(self, prefilled: list[tuple[DynamicCache, int]], max_tokens: list[int] | None = None) -> None:
+    def join(self, prefilled: list[tuple[DynamicCache, int]], max_tokens: list[int]) -> None:
         """Append, for each (one-row prefilled cache, n), n copies of that row to the batch; each
-        part's rows generate at most its `max_tokens` (None: unbounded, spare columns as usual).
+        part's rows generate at most its `max_tokens`.
 
         All requests whose prefill finished in a step join in one rebuild: the copy is per join,
         and 8 requests joining one by one made 8 copies of the growing cache.
@@ -167,8 +167,7 @@ class BatchCache(Cache):
         prompts = [int(keys[0].shape[2]) for keys, _, _ in parts]  # P of each part
         shared = SharedPrefixes.shared_parts(prefilled) if self.shared is not None else [False] * len(parts)
         lengths = [0 if s else p for s, p in zip(shared, prompts)]  # own columns of each part's rows
-        unbounded = torch.iinfo(torch.long).max // 2
-        reach = [own + m for own, m in zip(lengths, max_tokens)] if max_tokens is not None else [unbounded] * len(parts)
+        reach = [own + m for own, m in zip(lengths, max_tokens)]
         old_rows, old_width = self.rows, self.width
         width = max([old_width, *lengths])
 
