@@ -2,8 +2,11 @@
 
 Starts `tinkerd serve --device cuda --dtype bfloat16` on the largest model this machine has offline
 (the offline sources of engine/model/offline.py whose wheel or HF cache is present, else the tiny
-test model), then through the official SDK: a LoRA SFT loop (forward_backward + optim_step) and a
-batch of sampling. Prints training tokens/s, MFU, sampling tokens/s and peak device memory.
+test model), then through the official SDK: a LoRA SFT loop (forward_backward + optim_step), a batch of
+sampling, and issue 20's multi-tenant case (`--tenants`: 1 and N SDK clients with their own
+adapters training at once, phases alternated as in benchmarks/training_tenants.py). Prints
+training tokens/s, MFU, sampling tokens/s, the tenants' aggregate and worst-latency ratios to one
+client, and peak device memory.
 
 MFU = achieved FLOP/s / the device's dense bf16 peak, with FLOPs per training step (the formula of
 the project's performance notes, counted on the model's own Linear shapes):
@@ -131,6 +134,38 @@ class PeakMemory:
         return self.peak_mib
 
 
+def tenant_phases(url: str, model: str, args, vocab: int) -> str:
+    """Issue 20's multi-tenant line: 1 and `args.tenants` SDK clients training at once, alternated
+    over 2 rounds of 3 steps each (benchmarks/training_tenants.py's phase)."""
+    import numpy as np
+
+    from benchmarks.training import make_batch
+    from benchmarks.training_tenants import Tenant, pass_counts, phase
+
+    n, steps = args.tenants, 3
+    clients = [Tenant(url, model, args.rank, make_batch(vocab, args.tenant_rows, args.tenant_tokens, seed=i), seed=i)
+               for i in range(n)]
+    for c in clients:
+        c.step()  # warm-up
+    walls: dict[int, list[float]] = {1: [], n: []}
+    lats: dict[int, list[float]] = {1: [], n: []}  # per phase: the slowest client's median step
+    passes = 0.0
+    for _ in range(2):
+        for k in (1, n):
+            before = sum(pass_counts(url))
+            wall, lat = phase(clients[:k], steps)
+            if k == n:
+                passes += sum(pass_counts(url)) - before
+            walls[k].append(wall)
+            lats[k].append(max(float(np.median(per)) for per in lat))
+    tokens = args.tenant_rows * args.tenant_tokens * steps
+    solo, many = tokens / float(np.median(walls[1])), n * tokens / float(np.median(walls[n]))
+    return (f"tenants: {args.tenant_rows}x{args.tenant_tokens} per client, 1 client {solo:.1f} tokens/s, {n} clients "
+            f"{many:.1f} tokens/s aggregate = {many / solo:.2f}x (target >= 1.5x); worst client step latency "
+            f"{float(np.median(lats[n])) / float(np.median(lats[1])):.2f}x solo (target <= 1.5x); {passes / (2 * steps):.2f} forward_backward "
+            f"passes per round of {n} (1: all shared)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="default: the largest model available offline here")
@@ -144,12 +179,16 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128, help="new tokens per sampled sequence")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (CPU path; default 1 there)")
     ap.add_argument("--peak-tflops", type=float, default=None, help="the device's bf16 peak, if not in the table")
+    ap.add_argument("--tenants", type=int, default=4, help="concurrent clients of the multi-tenant phase (0: skip it)")
+    ap.add_argument("--tenant-rows", type=int, default=2, help="datums per tenant step")
+    ap.add_argument("--tenant-tokens", type=int, default=256, help="tokens per tenant datum")
     args = ap.parse_args()
     if args.device == "cpu":
         args.threads = args.threads or 1
         args.model = args.model or TINY
         if args.model == TINY:  # the dry path: small enough for 2 shared cores
             args.rows, args.tokens, args.samples, args.max_tokens = min(args.rows, 2), min(args.tokens, 64), 2, 8
+            args.tenant_tokens = min(args.tenant_tokens, 32)
     model = args.model or largest_offline_model()
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     import numpy as np
@@ -200,6 +239,7 @@ def main() -> None:
         res = sampler.sample(prompt, args.samples, params).result()
         sample_s = time.perf_counter() - start
         generated = sum(len(s.tokens) for s in res.sequences)
+        tenants = tenant_phases(server.url, model, args, vocab) if args.tenants > 1 else None
     finally:
         peak_mib = memory.stop()
         server.stop()
@@ -212,6 +252,8 @@ def main() -> None:
           f"MFU {100 * achieved / peak:.1f}% of {peak / 1e12:.3f} TFLOP/s ({peak_what})")
     print(f"sample: {generated} tokens in {sample_s:.2f} s = {generated / sample_s:.1f} tokens/s "
           f"({args.samples} sequences x up to {args.max_tokens} new tokens)")
+    if tenants is not None:
+        print(tenants)
     print(f"peak memory: {peak_mib:.0f} MiB ({'nvidia-smi, server processes' if args.device == 'cuda' else 'engine RSS high-water mark'})")
 
 
