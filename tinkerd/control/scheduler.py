@@ -30,8 +30,8 @@ back, so the run whose optim_step ran last in a round is still on its way (tens 
 others' forward_backward ops start the next pass, and it then takes a pass of its own (4 tenants of
 1 x 32 tokens on SmolLM2: 6 passes per 4 rounds instead of 4). The wait ends as soon as every such
 run's op is in, and lasts at most `batch_wait_s` and a tenth of the last shared pass; it is skipped
-while sampling rows decode. A run whose client stopped is waited for once: it is not in the pass
-that then runs.
+while sampling rows decode, and a sampling request that comes meanwhile ends it. A run whose client
+stopped is waited for once: it is not in the pass that then runs.
 
 Suspects (control/control.py): ops that were in flight when the engine died of what it was doing
 run apart from everything else: rows in flight decode to their end with nothing admitted beside
@@ -196,8 +196,10 @@ class Scheduler:
         deadline = time.monotonic() + min(self.batch_wait_s, last_s / 10)
         while wait and tokens < self.batch_tokens and (left := deadline - time.monotonic()) > 0:
             seen = self.queue.puts  # before the check: a put right after it still ends the wait
-            # Runs of the last pass with nothing queued: their client holds their next op.
-            if self.queue.closed or not any(self.queue.depth(target) == 0 for target in last - taken):
+            # Runs of the last pass with nothing queued: their client holds their next op. A sampling
+            # request that comes meanwhile ends the wait: decode is not held up for a fuller pass.
+            if (self.queue.closed or self.queue.has(LANE_SAMPLE)
+                    or not any(self.queue.depth(target) == 0 for target in last - taken)):
                 break
             self.queue.wait_for_put(seen, left)
             join_queued()

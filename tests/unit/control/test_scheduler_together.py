@@ -13,7 +13,7 @@ from tinkerd.control.queue import OpQueue
 from tinkerd.control.scheduler import LANE_TRAIN, Scheduler
 from tinkerd.types import AdamParams, Datum, ForwardBackwardOp, OptimStepOp
 
-from tests.unit.control.test_scheduler import put
+from tests.unit.control.test_scheduler import put, sample_op
 
 
 def fb(model: str, tokens: int = 100, forward_only: bool = False, base: str = "base-a") -> ForwardBackwardOp:
@@ -97,14 +97,14 @@ def test_suspects_and_paused_ops_do_not_join():
     assert [o.request_id for o in sched.next(active_rows=0).ops] == ["a0", "c0"]
 
 
-def _pass_of_three_then(sched: Scheduler, q: OpQueue, c_next=None) -> None:
-    """Runs a, b, c share a pass that took 2 s; then a and b send their next forward_backward (and
-    c `c_next`, if given)."""
+def _pass_of_three_then(sched: Scheduler, q: OpQueue, c_next=None, pass_s: float = 10.0) -> None:
+    """Runs a, b, c share a pass that took `pass_s` (so the wait is at most a tenth of it); then a and
+    b send their next forward_backward (and c `c_next`, if given)."""
     for run in "abc":
         put(q, f"{run}0", run, 0, fb(run))
     picked = sched.next(active_rows=0)
     assert [o.request_id for o in picked.ops] == ["a0", "b0", "c0"]
-    sched.charge(picked, 2.0)
+    sched.charge(picked, pass_s)
     for run in "ab":
         put(q, f"{run}1", run, 1, fb(run))
     if c_next is not None:
@@ -123,23 +123,23 @@ def test_a_pass_waits_for_the_run_of_the_last_pass_whose_next_op_is_on_its_way()
     waited = time.monotonic() - started
     late.join()
     assert [o.request_id for o in picked.ops] == ["a1", "b1", "c1"]
-    assert 0.04 < waited < 0.2  # as soon as c's op is in, not the whole wait (5 s, and 0.2 s from the pass)
+    assert 0.04 < waited < 0.6  # as soon as c's op is in, not the whole wait (1 s: a tenth of the pass)
 
 
 def test_the_wait_is_bounded_by_a_tenth_of_the_last_pass_and_skipped_when_nothing_is_missing():
     q = OpQueue()
     sched = Scheduler(q, batch_tokens=1000, batch_wait_s=5.0)
-    _pass_of_three_then(sched, q)
+    _pass_of_three_then(sched, q, pass_s=2.0)
     started = time.monotonic()  # c's client stopped: waited for once, a tenth of the 2 s pass
     assert [o.request_id for o in sched.next(active_rows=0).ops] == ["a1", "b1"]
-    assert 0.15 < time.monotonic() - started < 1.0
+    assert 0.19 < time.monotonic() - started < 1.5
     # c's next op is queued and cannot join (its optim_step): nothing is on its way, no wait.
     q = OpQueue()
     sched = Scheduler(q, batch_tokens=1000, batch_wait_s=5.0)
     _pass_of_three_then(sched, q, c_next=OptimStepOp("c", AdamParams()))
     started = time.monotonic()
     assert [o.request_id for o in sched.next(active_rows=0).ops] == ["a1", "b1"]
-    assert time.monotonic() - started < 0.1
+    assert time.monotonic() - started < 0.5  # a wait would have been 1 s
 
 
 def test_no_wait_while_sampling_rows_decode_or_when_it_is_off():
@@ -153,4 +153,15 @@ def test_no_wait_while_sampling_rows_decode_or_when_it_is_off():
             sched.charge(picked, 0.0)
             picked = sched.next(active_rows=rows)
         assert [o.request_id for o in picked.ops] == ["a1", "b1"]
-        assert time.monotonic() - started < 0.1
+        assert time.monotonic() - started < 0.5  # a wait would have been 1 s
+
+
+def test_a_sampling_request_ends_the_wait():
+    q = OpQueue()
+    sched = Scheduler(q, batch_tokens=1000, batch_wait_s=5.0)
+    _pass_of_three_then(sched, q)
+    threading.Timer(0.02, lambda: put(q, "s0", "m", None, sample_op())).start()
+    started = time.monotonic()
+    picked = sched.next(active_rows=0)
+    assert [o.request_id for o in picked.ops] == ["a1", "b1"]
+    assert time.monotonic() - started < 0.5  # not the 1 s the pass allowed
