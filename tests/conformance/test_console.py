@@ -139,7 +139,10 @@ def test_sign_in_sets_an_httponly_session(world, browser, shots):
     _shoot(browser, shots, "signin")
     browser.find_element(By.ID, "api_key").send_keys("tml-not-a-key")
     browser.find_element(By.CSS_SELECTOR, "#signin button").click()
-    assert "not valid" in browser.find_element(By.CSS_SELECTOR, ".error").text
+    # The click starts the form's POST; the page that answers it may not be there yet (CI once looked
+    # for the error on the page before it).
+    errors = WebDriverWait(browser, WAIT_S).until(lambda d: d.find_elements(By.CSS_SELECTOR, ".error"))
+    assert "not valid" in errors[0].text
     _sign_in(browser, url, world["alice"])
     assert browser.find_element(By.ID, "account").text == "alice-console"
     cookie = browser.get_cookie("tinkerd_console")
@@ -157,6 +160,7 @@ def test_live_curve_equals_the_sdk_losses(world, browser, shots):
     world["tc"] = tc
     browser.get(f"{world['url']}/console/runs")
     browser.find_element(By.CSS_SELECTOR, f"tr[data-run='{tc.model_id}'] a").click()
+    WebDriverWait(browser, WAIT_S).until(lambda d: "/console/runs/" in d.current_url)  # the run's page
     assert _points(browser, "loss:sum") == []  # opened before the first step
     losses = []
     for step in range(STEPS):
