@@ -9,10 +9,12 @@ forward returned loss=nan, with no way back short of reloading a checkpoint.
 - forward_backward computes its gradients into fresh tensors (engine/training.py), so checking the
   loss and those tensors before they are added to `.grad` is enough: a refused batch leaves the
   accumulated gradient as it was.
-- optim_step is applied in place by torch.optim.AdamW, so the adapter's tensors, their grads (which
-  clipping scales in place), the AdamW state and the group hyperparameters are copied first and put
-  back when the result is not finite: 4x the adapter's parameters for the step's duration (about
-  160 MB for a rank-32 SmolLM2 adapter's 40 MB), copied in milliseconds beside a step of seconds.
+- optim_step is applied in place by torch.optim.AdamW. A step that bounds on the adapter's weights,
+  moments and gradients prove finite (engine/step_bounds.py: every step of an ordinary run) just
+  runs. Any other is copied first (the adapter's tensors, their grads, which clipping scales in
+  place, the AdamW state and the group hyperparameters: 4x the adapter's parameters for the step's
+  duration, about 180 MB for a rank-32 SmolLM2 adapter), checked after, and put back when the
+  result is not finite.
 
 `allow_non_finite` on the op (`tinkerd serve --allow-non-finite`, and replay of ops logged before
 the guard existed) skips all of it.
@@ -20,16 +22,21 @@ the guard existed) skips all of it.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 
+from tinkerd.engine.step_bounds import StepBounds, magnitude
 from tinkerd.errors import UserError
+from tinkerd.types import AdamParams
 
 if TYPE_CHECKING:
     from tinkerd.engine.lora.pool import Adapter
 
 OPT_OUT = "(tinkerd serve --allow-non-finite applies such steps anyway)"
+# adapter.extra key of the StepBounds its last step left (absent: measure before the next one).
+BOUNDS = "step_bounds"
 
 
 def kind(t: torch.Tensor) -> str:
@@ -110,17 +117,35 @@ class StepUndo:
             group.update(saved)
 
 
-def check_grads_before_step(adapter: "Adapter") -> None:
-    """Accumulated grads are finite whenever every forward_backward was checked; not so if some ran
-    with the guard off, or if finite batches summed past fp32's 3.4e38."""
-    names = tensor_names(adapter)
-    bad = first_non_finite((names[id(p)], p.grad) for p in adapter.parameters())
-    if bad is not None:
+def check_grads_before_step(adapter: "Adapter") -> float:
+    """max |grad| over the accumulated grads. They are finite whenever every forward_backward was
+    checked; not so if some ran with the guard off, or if finite batches summed past fp32's 3.4e38."""
+    grads = magnitude(p.grad for p in adapter.parameters())
+    if not math.isfinite(grads):
+        names = tensor_names(adapter)
+        bad = first_non_finite((names[id(p)], p.grad) for p in adapter.parameters())
         raise UserError(f"accumulated gradient of {bad[0]} is {bad[1]}; the optim_step was not applied {OPT_OUT}")
+    return grads
+
+
+def proven_step(adapter: "Adapter", held: StepBounds | None, grads: float, p: AdamParams) -> StepBounds | None:
+    """The adapter's bounds after a step with gradients |g| <= `grads`, when they prove it finite
+    (engine/step_bounds.py), else None: the step must be copied and checked. `held`: the bounds the
+    last step left, measured afresh when they are missing or belong to another optimizer."""
+    if held is None or not held.holds_for(adapter.optimizer):
+        if not p.eps > 0:  # no bound can prove such a step; spare the measuring pass
+            return None
+        held = StepBounds.measured(adapter.optimizer, adapter.parameters())
+    return None if held is None else held.after_step(grads, p)
 
 
 def check_step_result(adapter: "Adapter") -> tuple[str, str] | None:
-    """The first weight or AdamW state tensor the step left non-finite, as (name, kind)."""
+    """The first weight or AdamW state tensor the step left non-finite, as (name, kind). When all
+    are finite, the exact bounds of the result are kept for the next step (adapter.extra)."""
+    bounds = StepBounds.measured(adapter.optimizer, adapter.parameters())
+    if bounds is not None:
+        adapter.extra[BOUNDS] = bounds
+        return None
     names = tensor_names(adapter)
     state = adapter.optimizer.state
     found = first_non_finite((names[id(p)], p) for p in adapter.parameters())

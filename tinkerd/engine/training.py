@@ -302,10 +302,14 @@ def optim_step(engine: "Engine", op: OptimStepOp) -> dict[str, float]:
     p = op.adam_params
     adam.check_params(p)
     optimizer = adapter.optimizer
-    undo = None
+    # Kept again only by a step that succeeds checked or proven; a refused one measures anew.
+    held = adapter.extra.pop(finite.BOUNDS, None)
+    undo = proven = None
     if not op.allow_non_finite:
-        finite.check_grads_before_step(adapter)
-        undo = finite.StepUndo(adapter)  # before the hyperparameters below are set
+        largest_grad = finite.check_grads_before_step(adapter)
+        proven = finite.proven_step(adapter, held, largest_grad, p)
+        if proven is None:
+            undo = finite.StepUndo(adapter)  # before the hyperparameters below are set
     # The SDK sends AdamParams whole with every step (schedules live client-side), so each step
     # overwrites the group's hyperparameters rather than keeping the ones of creation time.
     for group in optimizer.param_groups:
@@ -338,6 +342,8 @@ def optim_step(engine: "Engine", op: OptimStepOp) -> dict[str, float]:
             f"weight_decay={p.weight_decay:g}); the optim_step was not applied and the adapter's weights, "
             f"gradients and optimizer state are unchanged {finite.OPT_OUT}"
         )
+    if proven is not None:
+        adapter.extra[finite.BOUNDS] = proven
     optimizer.zero_grad(set_to_none=True)
     adapter.step += 1
     adapter.pending_grads = 0

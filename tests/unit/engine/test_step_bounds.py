@@ -1,0 +1,123 @@
+"""engine/step_bounds.py: an optim_step runs without its undo copy and its check only when bounds
+prove it finite, and every step so proven is finite and inside the bounds it carries forward."""
+
+from __future__ import annotations
+
+import math
+import weakref
+
+import numpy as np
+import pytest
+import torch
+
+from tests.unit.engine.test_training import ADAM, adapter_of, create, run, sft_data, train_step
+from tinkerd.engine import finite
+from tinkerd.engine.step_bounds import LIMIT, StepBounds, magnitude
+from tinkerd.types import AdamParams, ForwardBackwardOp, OptimStepOp
+
+
+def _draw(rng: np.random.Generator) -> tuple[AdamParams, float, float]:
+    """Hyperparameters, a weight scale and a gradient scale, log-uniform over ranges that reach both
+    sides of LIMIT and fp32's 3.4e38."""
+    def pick(lo, hi):
+        return float(10 ** rng.uniform(lo, hi))
+
+    adam = AdamParams(
+        learning_rate=pick(-6, 30),
+        beta1=float(rng.choice([0.0, 0.5, 0.9, 0.999999])),
+        beta2=float(rng.choice([0.0, 0.95, 0.999999])),
+        eps=float(rng.choice([0.0, pick(-30, 2), pick(-12, -6)])),
+        weight_decay=float(rng.choice([0.0, pick(-4, 2), pick(-4, 40)])),
+    )
+    return adam, pick(-3, 33), pick(-3, 20)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "foreach"])
+def test_every_proven_step_is_finite_and_inside_its_bounds(fused):
+    rng = np.random.default_rng(0)
+    proven = overflowed = 0
+    for trial in range(400):
+        adam, weight_scale, grad_scale = _draw(rng)
+        params = [(torch.rand(n) * 2 - 1) * weight_scale for n in (7, 33)]
+        for p in params:
+            p.requires_grad_(True)
+        opt = torch.optim.AdamW(params, **({"fused": True} if fused else {"foreach": True}))
+        held = StepBounds.measured(opt, params)
+        for step in range(3):  # bounds carried over steps, as the engine does
+            for p in params:
+                p.grad = (torch.rand(p.shape) * 2 - 1) * grad_scale
+                p.grad[0] = 0.0  # v = 0 there: a zero denominator but for eps
+            grads = magnitude(p.grad for p in params)
+            nxt = held.after_step(grads, adam) if held is not None else None
+            for group in opt.param_groups:
+                group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
+                             weight_decay=adam.weight_decay)
+            try:
+                opt.step()
+            except RuntimeError:  # a scalar that does not fit fp32
+                assert nxt is None, (trial, step, adam)
+                overflowed += 1
+                break
+            state = [opt.state[p] for p in params]
+            finite_now = all(bool(torch.isfinite(t).all()) for t in params + [s["exp_avg"] for s in state]
+                             + [s["exp_avg_sq"] for s in state])
+            if nxt is None:
+                overflowed += not finite_now
+                break
+            proven += 1
+            assert finite_now, (trial, step, adam, weight_scale, grad_scale)
+            assert magnitude(params) <= nxt.weights, (trial, step, adam)
+            assert magnitude(s["exp_avg"] for s in state) <= nxt.exp_avg
+            assert magnitude(s["exp_avg_sq"] for s in state) <= nxt.exp_avg_sq
+            held = nxt
+    # Neither side is empty: many steps are proven, and the unproven include real overflows.
+    assert proven > 150 and overflowed > 20, (proven, overflowed)
+
+
+def test_bounds_hold_only_for_the_optimizer_they_were_measured_on(engine):
+    """A bound left by another optimizer (load_weights gives the adapter a new one) is measured anew:
+    weights of 1e37 that a weight decay of |1 - lr * wd| = 100 takes past fp32 are not 'proven'."""
+    create(engine, "bounds-load", seed=3)
+    train_step(engine, "bounds-load", sft_data(3))
+    adapter = adapter_of(engine, "bounds-load")
+    stale = StepBounds(weakref.ref(torch.optim.SGD([torch.zeros(1, requires_grad=True)])), 1.0, 1.0, 1.0)
+    with torch.no_grad():
+        adapter.parameters()[0].fill_(1e37)
+    growing = AdamParams(learning_rate=1e-2, weight_decay=10100.0)
+    assert stale.after_step(1.0, growing) is not None  # the stale bound alone would let it through
+    assert finite.proven_step(adapter, stale, 1.0, growing) is None
+
+
+def test_an_ordinary_run_steps_without_the_copy_and_a_refused_step_measures_anew(engine, monkeypatch):
+    copies = []
+    real = finite.StepUndo
+    monkeypatch.setattr(finite, "StepUndo", lambda adapter: copies.append(1) or real(adapter))
+    create(engine, "bounds-run", seed=4)
+    for s in range(3):
+        assert math.isfinite(train_step(engine, "bounds-run", sft_data(4 + s)))
+    assert copies == []  # the first step's bounds are measured before it, the others carried
+    held = adapter_of(engine, "bounds-run").extra[finite.BOUNDS]
+    assert 0 < held.weights < LIMIT and held.exp_avg > 0 and held.exp_avg_sq > 0
+
+    # A step the bounds cannot prove (lr 1e39) is copied, refused, and leaves no bound behind ...
+    run(engine, ForwardBackwardOp("bounds-run", sft_data(9), "cross_entropy"))
+    (refused,) = engine.run_ops([OptimStepOp("bounds-run", AdamParams(learning_rate=1e39))])
+    assert refused.category == "user" and copies == [1]
+    assert finite.BOUNDS not in adapter_of(engine, "bounds-run").extra
+    # ... and the next good step measures the adapter again and runs without a copy.
+    run(engine, OptimStepOp("bounds-run", ADAM))
+    assert copies == [1] and finite.BOUNDS in adapter_of(engine, "bounds-run").extra
+
+
+def test_a_finite_step_past_the_bounds_is_checked_and_applied(engine, monkeypatch):
+    """lr 1e25 is beyond what the bounds can prove, but its update (~1e26) fits fp32: the step is
+    copied, checked and applied, and the check leaves exact bounds for the next step."""
+    copies = []
+    real = finite.StepUndo
+    monkeypatch.setattr(finite, "StepUndo", lambda adapter: copies.append(1) or real(adapter))
+    create(engine, "bounds-big", seed=5)
+    train_step(engine, "bounds-big", sft_data(5), AdamParams(learning_rate=1e25))
+    adapter = adapter_of(engine, "bounds-big")
+    assert copies == [1] and adapter.step == 1
+    assert magnitude(adapter.parameters()) > 1e20
+    assert adapter.extra[finite.BOUNDS].weights == magnitude(adapter.parameters())
