@@ -100,8 +100,10 @@ def grouped_attention(module, query, key, value, attention_mask, tinkerd_attenti
         w = g.width
         if w < t:
             q, k, v = q[:, :, :w], k[:, :, :w], v[:, :, :w]
-        # The op alone gets no mask when none of its datums is padded and no window bites: HF's
-        # sdpa_mask skips it (is_causal instead), and SDPA's causal kernel rounds differently.
+        # The op alone gets no mask when none of its datums is padded and no window bites (HF's
+        # sdpa_mask skips it for is_causal), so here neither: the same call takes the same kernel.
+        # The causal and the masked kernel agreed to the bit on this CPU build (T 6-257, head_dim
+        # 16 and 64, 1 thread); nothing promises that of other builds or devices.
         alone_unmasked = attention_mask is None or (not g.padded and (window is None or w < window))
         mask = None if alone_unmasked else attention_mask[start : start + g.size, :, :w, :w]
         o, _ = sdpa_attention_forward(module, q, k, v, mask, **kwargs)  # [B_k, w, heads, d]
