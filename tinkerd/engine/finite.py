@@ -139,17 +139,16 @@ def proven_step(adapter: "Adapter", held: StepBounds | None, grads: float, p: Ad
     return None if held is None else held.after_step(grads, p)
 
 
-def check_step_result(adapter: "Adapter") -> tuple[str, str] | None:
-    """The first weight or AdamW state tensor the step left non-finite, as (name, kind). When all
-    are finite, the exact bounds of the result are kept for the next step (adapter.extra)."""
+def check_step_result(adapter: "Adapter") -> tuple[StepBounds | None, tuple[str, str] | None]:
+    """(the exact bounds of the step's result, for the next step; None when it is not finite, and then
+    the first weight or AdamW state tensor it left non-finite, as (name, kind))."""
     bounds = StepBounds.measured(adapter.optimizer, adapter.parameters())
     if bounds is not None:
-        adapter.extra[BOUNDS] = bounds
-        return None
+        return bounds, None
     names = tensor_names(adapter)
     state = adapter.optimizer.state
     found = first_non_finite((names[id(p)], p) for p in adapter.parameters())
     if found is None:
         found = first_non_finite((f"AdamW {k} of {names[id(p)]}", v) for p in adapter.parameters()
                                  for k, v in state.get(p, {}).items() if torch.is_tensor(v))
-    return found
+    return None, found

@@ -302,13 +302,14 @@ def optim_step(engine: "Engine", op: OptimStepOp) -> dict[str, float]:
     p = op.adam_params
     adam.check_params(p)
     optimizer = adapter.optimizer
-    # Kept again only by a step that succeeds checked or proven; a refused one measures anew.
+    # Bounds are kept again only by a step that succeeds (proven or checked); after a refused one,
+    # the next step measures anew.
     held = adapter.extra.pop(finite.BOUNDS, None)
-    undo = proven = None
+    undo = bounds = None
     if not op.allow_non_finite:
         largest_grad = finite.check_grads_before_step(adapter)
-        proven = finite.proven_step(adapter, held, largest_grad, p)
-        if proven is None:
+        bounds = finite.proven_step(adapter, held, largest_grad, p)
+        if bounds is None:
             undo = finite.StepUndo(adapter)  # before the hyperparameters below are set
     # The SDK sends AdamParams whole with every step (schedules live client-side), so each step
     # overwrites the group's hyperparameters rather than keeping the ones of creation time.
@@ -323,7 +324,9 @@ def optim_step(engine: "Engine", op: OptimStepOp) -> dict[str, float]:
             grads = [t for t in checkpoints.canonical_params(adapter) if t.grad is not None]
             torch.nn.utils.clip_grad_norm_(grads, p.grad_clip_norm, foreach=True)
         optimizer.step()
-        bad = finite.check_step_result(adapter) if undo is not None else None
+        bad = None
+        if undo is not None:
+            bounds, bad = finite.check_step_result(adapter)
     except RuntimeError as e:
         # AdamW fails part-way, after the moments moved, when a scalar does not fit fp32: learning_rate
         # 1e39 as a step size ("value cannot be converted to type float without overflow").
@@ -342,8 +345,8 @@ def optim_step(engine: "Engine", op: OptimStepOp) -> dict[str, float]:
             f"weight_decay={p.weight_decay:g}); the optim_step was not applied and the adapter's weights, "
             f"gradients and optimizer state are unchanged {finite.OPT_OUT}"
         )
-    if proven is not None:
-        adapter.extra[finite.BOUNDS] = proven
+    if bounds is not None:
+        adapter.extra[finite.BOUNDS] = bounds
     optimizer.zero_grad(set_to_none=True)
     adapter.step += 1
     adapter.pending_grads = 0
