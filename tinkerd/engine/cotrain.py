@@ -11,9 +11,11 @@ reduces over stays its own:
   sums would get the padding's zeros interleaved: on MKL's fp32 sgemm that moved no bit in
   test_cotrain, but a BLAS that blocks a reduction by its length would; the cut also spares the
   LoRA matmuls the padding);
-- the head, the log-softmax and the loss run per run, on its slice of the hidden states, in its own
+- the head's log-softmax and the loss run per run, on its slice of the hidden states, in its own
   blocks (engine/head.py: they depend only on its number of rows), and its loss's gradient flows
-  back into its slice only;
+  back into its slice only; only the head's GEMMs span the runs (HeadPass with `parts`: each tile
+  of the [V, H] weight is streamed once for all runs' blocks, not once per run; per extra run of
+  8 tokens on SmolLM2, 1 thread, that was 15-20 ms of the ~80 it added to the pass);
 - one backward runs through the body for all runs at once: the base weights are frozen, so nothing
   sums across rows there, and each adapter's grads come only from its own rows.
 
@@ -51,8 +53,8 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 import torch
 
-from tinkerd.engine import buckets, training
-from tinkerd.engine.head import HeadPass
+from tinkerd.engine import buckets, head, training
+from tinkerd.engine.head import HeadPass, head_lora
 from tinkerd.engine.lora.layers import SlotGroup
 from tinkerd.errors import TinkerdError
 from tinkerd.types import ForwardBackwardOp
@@ -213,6 +215,17 @@ def forward_backward_together(engine: "Engine", ops: list[ForwardBackwardOp], gu
     return results
 
 
+def _shared_head(rt: "ModelRuntime", hidden: torch.Tensor, parts: list[training.Prepared], forward_only: bool):
+    """One HeadPass over every run's rows (engine/head.py: each run's blocks share the head's GEMMs),
+    or None where the runs' heads run one by one: off the tiled path, or targets of different shapes."""
+    loras = [head_lora(rt, p.adapter.slot) for p in parts]
+    targets = [p.inputs["target_tokens"] for p in parts]
+    if len({t.shape[1:] for t in targets}) > 1 or not head.tiled(rt, loras):
+        return None
+    return HeadPass(rt, hidden.detach(), torch.cat(targets), keep=not forward_only,
+                    parts=[(int(t.shape[0]), lora) for t, lora in zip(targets, loras)])
+
+
 def _shared_pass(rt: "ModelRuntime", parts: list[training.Prepared]):
     """(target_logprobs, loss_sum, metrics, grads or None) per part: training._logprobs_and_grads
     with the body shared and everything else per part, in the same order as there."""
@@ -233,40 +246,53 @@ def _shared_pass(rt: "ModelRuntime", parts: list[training.Prepared]):
     finally:
         rt.ctx.clear()
     offsets = np.cumsum([0] + [sum(p.lengths) for p in parts])
-    g_hidden = None if forward_only else torch.empty_like(hidden)
-    out, body = [], []  # per part: its body params and where their grads go
+    spans = [slice(int(offsets[k]), int(offsets[k + 1])) for k in range(len(parts))]
+    shared = _shared_head(rt, hidden, parts, forward_only)
+    out, g_lps = [], []
+    g_hidden = None if forward_only or shared is not None else torch.empty_like(hidden)
+    head_grads: list[dict[int, torch.Tensor]] = []  # per part: its head LoRA's grads, by tensor
     for k, p in enumerate(parts):
-        span = slice(int(offsets[k]), int(offsets[k + 1]))
-        mine = hidden[span].detach()  # [M_k, H]
-        targets = p.inputs["target_tokens"]
-        params = p.adapter.parameters()
-        rt.ctx.set_single(p.adapter.slot)  # the head runs per run: its LoRA, its blocks (engine/head.py)
+        own = None if shared is not None else _own_head(rt, hidden[spans[k]], p, forward_only)
+        lp = shared.logprobs[spans[k]] if own is None else own.logprobs
+        if forward_only:
+            out.append((lp, *p.loss(lp, p.inputs, p.config), None))
+            continue
+        lp_leaf = lp.clone().requires_grad_(True)
+        loss_sum, metrics = p.loss(lp_leaf, p.inputs, p.config)
+        (g_lp,) = torch.autograd.grad(loss_sum, lp_leaf)
+        out.append((lp, loss_sum.detach(), metrics, None))
+        if own is None:
+            g_lps.append(g_lp)
+            continue
+        rt.ctx.set_single(p.adapter.slot)  # its head's backward now: one run's kept logits at a time
         try:
-            unembed = HeadPass(rt, mine, targets, keep=not forward_only)
-            lp = unembed.logprobs
-            if forward_only:
-                loss_sum, metrics = p.loss(lp, p.inputs, p.config)
-                out.append((lp, loss_sum, metrics, None))
-                continue
-            lp_leaf = lp.clone().requires_grad_(True)
-            loss_sum, metrics = p.loss(lp_leaf, p.inputs, p.config)
-            (g_lp,) = torch.autograd.grad(loss_sum, lp_leaf)
-            head_params = [t for t in params if any(t is h for h in training._head_lora(rt))]
-            g_hidden[span], head_grads = unembed.backward(g_lp, head_params)
+            mine = training._head_lora(rt)
+            g_hidden[spans[k]], got = own.backward(g_lp, mine)
         finally:
             rt.ctx.clear()
-        body_params = [t for t in params if not any(t is h for h in head_params)]
-        body.append((params, head_params, head_grads, body_params))
-        out.append((lp, loss_sum.detach(), metrics, None))
+        head_grads.append({id(t): g for t, g in zip(mine, got)})
     if forward_only:
         return out
-    flat = [t for _, _, _, b in body for t in b]
-    flat_grads = torch.autograd.grad(hidden, flat, grad_outputs=g_hidden, allow_unused=True)
+    if shared is not None:
+        g_hidden, per_part = shared.backward_parts(torch.cat(g_lps))
+        for p, got in zip(parts, per_part):
+            lora = head_lora(rt, p.adapter.slot)
+            head_grads.append({} if got is None else {id(lora[0]): got[0], id(lora[1]): got[1]})
+    body = [[t for t in p.adapter.parameters() if id(t) not in grads] for p, grads in zip(parts, head_grads)]
+    flat_grads = torch.autograd.grad(hidden, [t for b in body for t in b], grad_outputs=g_hidden, allow_unused=True)
     at = 0
-    for k, (params, head_params, head_grads, body_params) in enumerate(body):
-        body_grads = flat_grads[at : at + len(body_params)]
-        at += len(body_params)
-        by_id = {id(t): g for t, g in zip(head_params, head_grads)} | {id(t): g for t, g in zip(body_params, body_grads)}
+    for k, p in enumerate(parts):
+        by_id = head_grads[k] | {id(t): g for t, g in zip(body[k], flat_grads[at : at + len(body[k])])}
+        at += len(body[k])
         lp, loss_sum, metrics, _ = out[k]
-        out[k] = (lp, loss_sum, metrics, [by_id[id(t)] for t in params])
+        out[k] = (lp, loss_sum, metrics, [by_id[id(t)] for t in p.adapter.parameters()])
     return out
+
+
+def _own_head(rt: "ModelRuntime", hidden: torch.Tensor, p: training.Prepared, forward_only: bool) -> HeadPass:
+    """One run's head on its own rows: its LoRA, its blocks (engine/head.py)."""
+    rt.ctx.set_single(p.adapter.slot)
+    try:
+        return HeadPass(rt, hidden.detach(), p.inputs["target_tokens"], keep=not forward_only)
+    finally:
+        rt.ctx.clear()

@@ -1,4 +1,5 @@
-"""The unembedding (LM head) of one run's rows: target logprobs, then their backward.
+"""The unembedding (LM head) of one run's rows, or of several runs' (a shared pass): target
+logprobs, then their backward.
 
 Every Tinker loss is a function of the target logprobs alone (engine/training.py), so the head is
 a pass of its own: `HeadPass(rt, hidden, targets)` gives logprob[target] - logsumexp(logits) per
@@ -6,8 +7,9 @@ position, and `backward(g)` turns d loss / d logprobs into d loss / d hidden plu
 head's own LoRA. The [M, V] logits are the biggest tensor of a step (SmolLM2, 512 positions: 100 MB
 and 58 of its ~330 GFLOP), so how they are cut matters:
 
-- Tiled (a plain fp32 head, with or without this run's LoRA on it): rows in blocks of ROW_BLOCK,
-  the vocabulary in tiles of about TILE_CELLS cells per block, the logsumexp combined across tiles,
+- Tiled (a plain fp32 head, with or without this run's LoRA on it): rows in blocks of at most
+  ROW_BLOCK, the vocabulary in tiles of TILE_CELLS / ROW_BLOCK columns whatever the number of rows
+  (so a row's logits are the same bits in any block), the logsumexp combined across tiles,
   and the backward written out (d logits = g * (onehot(target) - softmax), made in place in the
   kept tile, then one GEMM per tile into d hidden and the LoRA's grads). Whole-row GEMMs over a
   vocabulary tile run nearer the machine's rate than a few rows against the whole vocabulary
@@ -20,12 +22,14 @@ and 58 of its ~330 GFLOP), so how they are cut matters:
 
 Up to KEEP_CELLS logits are kept from the forward to the backward; beyond that each block is
 recomputed in the backward, so memory holds one tile (or chunk) at a time. Keeping or recomputing
-gives the same bits: the same kernels on the same inputs. The blocks depend only on the number of
-rows, so a run's head gives the same bits alone and in a shared pass (engine/cotrain.py).
+gives the same bits: the same kernels on the same inputs. A run's blocks depend only on its number
+of rows, so its head gives the same bits alone and in a shared pass (engine/cotrain.py), where the
+runs' blocks share the GEMMs (HeadPass's docstring).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -47,39 +51,72 @@ MIN_TILE = 2048
 CHUNK_MIN_ROWS = 128
 
 
-def head_lora(rt: "ModelRuntime") -> tuple[torch.Tensor, torch.Tensor, float] | None:
-    """(A, B, scaling) of the LoRA the routed run has on the unembedding, if it trains it."""
+def head_lora(rt: "ModelRuntime", slot: int | None = None) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    """(A, B, scaling) of the LoRA the adapter in `slot` (default: the routed run's) has on the
+    unembedding, if it trains it."""
     head = rt.model.get_output_embeddings()
-    lw = getattr(head, "adapters", {}).get(rt.ctx.groups[0].slot) if rt.ctx.groups else None
+    if slot is None:
+        if not rt.ctx.groups:
+            return None
+        slot = rt.ctx.groups[0].slot
+    lw = getattr(head, "adapters", {}).get(slot)
     return (lw.a, lw.b, lw.scaling) if lw is not None else None
 
 
-def _tiled(rt: "ModelRuntime") -> bool:
+def tiled(rt: "ModelRuntime", loras: list) -> bool:
+    """Whether the head of runs with these head LoRAs (None: none) takes the tiled path."""
     head = rt.model.get_output_embeddings()
     base = getattr(head, "base", head)
-    lora = head_lora(rt)
     return (isinstance(base, torch.nn.Linear) and base.bias is None and base.weight.dtype == torch.float32
             and not getattr(rt.model.config, "final_logit_softcapping", None)
-            and (lora is None or lora[0].dtype == torch.float32))
+            and all(lora is None or lora[0].dtype == torch.float32 for lora in loras))
+
+
+def row_blocks(m: int) -> list[int]:
+    """Sizes of the blocks one run's m rows go through the head in: at most ROW_BLOCK each, as even
+    as can be (1025 rows: 342 + 342 + 341), so none is one of the few rows MKL serves with another
+    kernel (engine/cotrain.py: MIN_TOKENS) and a block's rows give the same bits in any GEMM."""
+    n = max(1, -(-m // ROW_BLOCK))
+    return [m // n + (1 if i < m % n else 0) for i in range(n)]
+
+
+@dataclass(frozen=True)
+class _Block:
+    """One run's block of rows inside a GEMM of the head: its rows in that GEMM, its part (run), its LoRA."""
+
+    at: slice
+    part: int
+    lora: tuple[torch.Tensor, torch.Tensor, float] | None
 
 
 class HeadPass:
-    """The head over `hidden` [M, H] (detached from the body) for `targets` [M] or [M, K]."""
+    """The head over `hidden` [M, H] (detached from the body) for `targets` [M] or [M, K].
 
-    def __init__(self, rt: "ModelRuntime", hidden: torch.Tensor, targets: torch.Tensor, keep: bool):
+    `parts` (the tiled path only): [(rows, head LoRA or None)], consecutive spans of `hidden` that
+    belong to different runs of a shared pass (engine/cotrain.py). Each run's rows are cut in the
+    blocks it gets alone (row_blocks), and consecutive blocks of several runs go through one GEMM
+    per tile, up to ROW_BLOCK rows: the tile width is the same for any number of rows, a row's
+    logits do not depend on the other rows of its GEMM, and everything a run sums over (its LoRA's
+    grads) stays within its own blocks, so each run gets the bits it gets alone. Four runs of 8
+    tokens stream the [V, H] head weight twice per pass instead of eight times."""
+
+    def __init__(self, rt: "ModelRuntime", hidden: torch.Tensor, targets: torch.Tensor, keep: bool,
+                 parts: list[tuple[int, tuple | None]] | None = None):
         self.rt, self.hidden, self.targets = rt, hidden, targets
         m, vocab = hidden.shape[0], rt.vocab_size
         self.keep = keep and m * vocab <= KEEP_CELLS
-        self.tiled = _tiled(rt)
-        self.lora = head_lora(rt)
+        self.parts = parts if parts is not None else [(m, head_lora(rt))]
+        self.tiled = tiled(rt, [lora for _, lora in self.parts])
+        if parts is not None and not self.tiled:
+            raise ValueError("several runs share the head only on its tiled path")
+        self.lora = self.parts[0][1]
         if self.tiled:
             self.weight = rt.model.get_output_embeddings().weight  # [V, H]
-            rows = max(1, min(m, ROW_BLOCK))
-            self.blocks = [slice(i, min(i + rows, m)) for i in range(0, m, rows)]
-            width = min(vocab, max(MIN_TILE, TILE_CELLS // rows))
+            self.blocks = self._gemm_blocks()
+            width = min(vocab, max(MIN_TILE, TILE_CELLS // ROW_BLOCK))
             self.tiles = [slice(j, min(j + width, vocab)) for j in range(0, vocab, width)]
             with torch.no_grad():
-                done = [self._block_forward(b) for b in self.blocks]
+                done = [self._block_forward(span, runs) for span, runs in self.blocks]
             self.kept = [tiles for _, _, tiles in done] if self.keep else None
             self.lse = [lse for _, lse, _ in done]
             self.logprobs = torch.cat([lp for lp, _, _ in done] + [self._empty()])
@@ -93,53 +130,89 @@ class HeadPass:
 
     def backward(self, g_lp: torch.Tensor, head_params: list[torch.Tensor]) -> tuple[torch.Tensor, list]:
         """(d loss / d hidden [M, H], the grads of `head_params`: this run's LoRA on the head, or none)."""
-        g_hidden = torch.empty_like(self.hidden)
         if not self.tiled:
+            g_hidden = torch.empty_like(self.hidden)
             return g_hidden, self._autograd_backward(g_lp, head_params, g_hidden)
-        g_a = g_b = None
-        with torch.no_grad():
-            for k, block in enumerate(self.blocks):
-                got = self._block_backward(k, block, g_lp[block], g_hidden[block])
-                if got is not None:
-                    g_a = got[0] if g_a is None else g_a.add_(got[0])
-                    g_b = got[1] if g_b is None else g_b.add_(got[1])
+        g_hidden, (got,) = self.backward_parts(g_lp)
         grads = {}
-        if self.lora is not None:
-            grads = {id(self.lora[0]): g_a, id(self.lora[1]): g_b}
+        if got is not None:
+            grads = {id(self.lora[0]): got[0], id(self.lora[1]): got[1]}
         return g_hidden, [grads.get(id(p)) for p in head_params]
+
+    def backward_parts(self, g_lp: torch.Tensor) -> tuple[torch.Tensor, list]:
+        """(d loss / d hidden [M, H], per part (grad A, grad B) of its head LoRA or None); tiled path."""
+        g_hidden = torch.empty_like(self.hidden)
+        grads: list[list | None] = [None] * len(self.parts)
+        with torch.no_grad():
+            for k, (span, runs) in enumerate(self.blocks):
+                got = self._block_backward(k, span, runs, g_lp[span], g_hidden[span])
+                for blk, pair in zip(runs, got):
+                    if pair is None:
+                        continue
+                    if grads[blk.part] is None:  # a run's blocks summed in order, as alone
+                        grads[blk.part] = list(pair)
+                    else:
+                        grads[blk.part][0].add_(pair[0])
+                        grads[blk.part][1].add_(pair[1])
+        return g_hidden, [None if g is None else tuple(g) for g in grads]
 
     def _empty(self) -> torch.Tensor:
         return self.hidden.new_zeros((0, *self.targets.shape[1:]), dtype=torch.float32)
 
     # -- tiled
 
-    def _block_forward(self, block: slice):
-        """(logprobs, logsumexp, the block's logit tiles) of one block of rows."""
-        x, targets = self.hidden[block], self.targets[block]
-        xs = self._lora_rows(x)
-        lses, tiles = [], []
+    def _gemm_blocks(self) -> list[tuple[slice, list[_Block]]]:
+        """(rows of `hidden`, the runs' blocks in them) per head GEMM: each run's row_blocks, and
+        consecutive ones of several runs together while they fit in ROW_BLOCK rows."""
+        out: list[tuple[slice, list[_Block]]] = []
+        start = 0
+        for k, (m, lora) in enumerate(self.parts):
+            for n in row_blocks(m):
+                if out and out[-1][0].stop - out[-1][0].start + n <= ROW_BLOCK:
+                    span, runs = out[-1]
+                    at = span.stop - span.start
+                    out[-1] = (slice(span.start, span.stop + n), runs + [_Block(slice(at, at + n), k, lora)])
+                else:
+                    out.append((slice(start, start + n), [_Block(slice(0, n), k, lora)]))
+                start += n
+        return out
+
+    def _block_forward(self, span: slice, runs: list[_Block]):
+        """(logprobs, per run block its logsumexp [R_b], the logit tiles) of one GEMM's rows. Only the
+        GEMMs span the runs' blocks: the rest runs block by block, on the shapes the run alone has
+        (a vectorised exp or log rounds a tensor's last few elements another way, so a row's bits
+        would otherwise depend on how many rows share its tensor)."""
+        x, targets = self.hidden[span], self.targets[span]
+        xs = [self._lora_rows(x[blk.at], blk.lora) for blk in runs]
+        lses: list[list[torch.Tensor]] = [[] for _ in runs]
+        tiles = []
         picked = torch.zeros(targets.shape, dtype=torch.float32)
         for tile in self.tiles:
-            z = self._logits(x, xs, tile)
-            lses.append(torch.logsumexp(z, dim=-1))
+            z = self._logits(x, runs, xs, tile)
             index, inside = self._local(targets, tile)
+            for blk, out in zip(runs, lses):
+                out.append(torch.logsumexp(z[blk.at], dim=-1))
             picked = torch.where(inside, z.gather(-1, index), picked)
             if self.keep:
                 tiles.append(z)
-        lse = lses[0] if len(lses) == 1 else torch.logsumexp(torch.stack(lses), dim=0)
-        return (picked if targets.dim() == 2 else picked[:, 0]) - (lse[:, None] if targets.dim() == 2 else lse), lse, tiles
+        lse = [got[0] if len(got) == 1 else torch.logsumexp(torch.stack(got), dim=0) for got in lses]
+        lp = torch.cat([picked[blk.at] - b[:, None] for blk, b in zip(runs, lse)])  # [R, K]
+        return (lp if targets.dim() == 2 else lp[:, 0]), lse, tiles
 
-    def _block_backward(self, k: int, block: slice, g: torch.Tensor, g_x: torch.Tensor):
-        """d loss / d logits tile by tile, into d hidden of the block (g_x) and, with a LoRA on the
-        head, (grad A, grad B) of the block."""
-        x, targets, lse = self.hidden[block], self.targets[block], self.lse[k]
-        xs = self._lora_rows(x)
+    def _block_backward(self, k: int, span: slice, runs: list[_Block], g: torch.Tensor, g_x: torch.Tensor):
+        """d loss / d logits tile by tile, into d hidden of the GEMM's rows (g_x) and, per run block
+        with a LoRA on the head, (grad A, grad B) of that block (None without one)."""
+        x, targets = self.hidden[span], self.targets[span]
+        xs = [self._lora_rows(x[blk.at], blk.lora) for blk in runs]
         g2 = g if g.dim() == 2 else g[:, None]
-        total = g2.sum(-1, keepdim=True)  # d lse: every target's logprob has -lse
-        q = g_b = None
+        totals = [g2[blk.at].sum(-1, keepdim=True).neg() for blk in runs]  # d lse: every target's logprob has -lse
+        q: list = [None] * len(runs)  # per block: d loss / d xs [R, r]
+        g_b: list = [None] * len(runs)
         for t, tile in enumerate(self.tiles):
-            z = self.kept[k][t] if self.kept is not None else self._logits(x, xs, tile)
-            d = z.sub_(lse[:, None]).exp_().mul_(total.neg())  # -sum(g) * softmax, in place
+            z = self.kept[k][t] if self.kept is not None else self._logits(x, runs, xs, tile)
+            d = z
+            for blk, lse, total in zip(runs, self.lse[k], totals):
+                d[blk.at].sub_(lse[:, None]).exp_().mul_(total)  # -sum(g) * softmax, in place
             index, inside = self._local(targets, tile)
             d.scatter_add_(-1, index, torch.where(inside, g2, 0.0))
             w = self.weight[tile]
@@ -147,31 +220,41 @@ class HeadPass:
                 torch.mm(d, w, out=g_x)
             else:
                 g_x.addmm_(d, w)
-            if xs is not None:
-                a, b, _ = self.lora
-                q = d @ b[tile] if q is None else q.addmm_(d, b[tile])  # d loss / d xs [R, r]
-                g_b = torch.empty_like(b) if g_b is None else g_b
-                torch.mm(d.t(), xs, out=g_b[tile])
+            for i, blk in enumerate(runs):
+                if blk.lora is None:
+                    continue
+                b, d_blk = blk.lora[1], d[blk.at]
+                q[i] = d_blk @ b[tile] if q[i] is None else q[i].addmm_(d_blk, b[tile])
+                g_b[i] = torch.empty_like(b) if g_b[i] is None else g_b[i]
+                torch.mm(d_blk.t(), xs[i], out=g_b[i][tile])
             if self.kept is not None:
                 self.kept[k][t] = None  # freed as it goes
-        if xs is None:
-            return None
-        a, _, scaling = self.lora
-        g_u = q if scaling == 1.0 else q * scaling  # xs = (x @ A^T) * scaling
-        g_x.addmm_(g_u, a)
-        return g_u.t() @ x, g_b
+        out = []
+        for i, blk in enumerate(runs):
+            if blk.lora is None:
+                out.append(None)
+                continue
+            a, _, scaling = blk.lora
+            g_u = q[i] if scaling == 1.0 else q[i] * scaling  # xs = (x @ A^T) * scaling
+            g_x[blk.at].addmm_(g_u, a)
+            out.append((g_u.t() @ x[blk.at], g_b[i]))
+        return out
 
-    def _lora_rows(self, x: torch.Tensor) -> torch.Tensor | None:
-        """x @ A^T * scaling [R, r] for the head's LoRA (None without one)."""
-        if self.lora is None:
+    @staticmethod
+    def _lora_rows(x: torch.Tensor, lora) -> torch.Tensor | None:
+        """x @ A^T * scaling [R, r] for a head LoRA (None without one)."""
+        if lora is None:
             return None
-        a, _, scaling = self.lora
+        a, _, scaling = lora
         u = x @ a.t()
         return u if scaling == 1.0 else u * scaling
 
-    def _logits(self, x: torch.Tensor, xs: torch.Tensor | None, tile: slice) -> torch.Tensor:
+    def _logits(self, x: torch.Tensor, runs: list[_Block], xs: list, tile: slice) -> torch.Tensor:
         z = x @ self.weight[tile].t()
-        return z if xs is None else z.addmm_(xs, self.lora[1][tile].t())
+        for blk, u in zip(runs, xs):
+            if u is not None:
+                z[blk.at].addmm_(u, blk.lora[1][tile].t())
+        return z
 
     @staticmethod
     def _local(targets: torch.Tensor, tile: slice) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,8 +9,10 @@ step would run them one by one and that assertion fails). fp32, one torch thread
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
+from tinkerd.engine import head
 from tinkerd.errors import UserError
 from tinkerd.types import AdamParams, CreateModelOp, Datum, ForwardBackwardOp, LoraSpec, OptimStepOp, StepBatch
 
@@ -139,3 +141,29 @@ def test_an_op_under_min_tokens_runs_alone_and_the_rest_still_share(engine):
     assert_same_result(results[0], alone(engine, ForwardBackwardOp(solo[0], tiny, "cross_entropy")))
     for k in (1, 2):
         assert_same_result(results[k], alone(engine, ForwardBackwardOp(solo[k], data_of(k, 0), "cross_entropy")))
+
+
+@pytest.mark.parametrize("row_block, keep", [(512, True), (64, True), (64, False), (16, True)])
+def test_the_runs_share_the_heads_gemms_and_each_gets_its_bits_alone(engine, monkeypatch, row_block, keep):
+    """The head runs once over every run's rows (engine/head.py): each tile's GEMM takes the
+    consecutive blocks of several runs (one with a head LoRA next to one without) while they fit in
+    ROW_BLOCK rows, and each run still gets the bits of its op alone, logits kept or recomputed.
+    The runs have 39, 26 and 28 positions: at 512 rows one GEMM per tile serves all three; at 64
+    the first run fills one alone and the other two share the next; at 16 no two blocks fit one."""
+    monkeypatch.setattr(head, "ROW_BLOCK", row_block)
+    monkeypatch.setattr(head, "TILE_CELLS", row_block * 40_000)  # 4 tiles of the tiny model's 151,669 tokens
+    if not keep:
+        monkeypatch.setattr(head, "KEEP_CELLS", 0)
+    calls = []
+    logits = head.HeadPass._logits
+    monkeypatch.setattr(head.HeadPass, "_logits", lambda self, x, *a: calls.append(x.shape[0]) or logits(self, x, *a))
+    solo, fused = twins(engine, f"cotrain-head-{row_block}-{keep}")
+    mine = [ForwardBackwardOp(m, data_of(k, 0), "cross_entropy") for k, m in enumerate(fused)]
+    calls.clear()
+    together, shared = step(engine, mine)
+    gemms = {512: [93], 64: [39, 54], 16: [13, 13, 13, 13, 13, 14, 14]}[row_block]
+    assert shared == [len(RUNS)]
+    assert calls == [rows for rows in gemms for _ in range(4)] * (1 if keep else 2)
+    for k, m in enumerate(solo):
+        assert_same_result(together[k], alone(engine, ForwardBackwardOp(m, data_of(k, 0), "cross_entropy")))
+        assert_identical(state(engine, fused[k]), state(engine, m), m)

@@ -105,7 +105,7 @@ def test_kept_logits_give_the_bits_of_a_recomputed_head(engine, monkeypatch, pat
         logits = HeadPass._logits
         monkeypatch.setattr(HeadPass, "_logits", lambda self, *a: computed.append(1) or logits(self, *a))
     else:
-        monkeypatch.setattr(head, "_tiled", lambda rt: False)
+        monkeypatch.setattr(head, "tiled", lambda *a: False)
         logprobs = head._logprobs
         monkeypatch.setattr(head, "_logprobs", lambda *a: computed.append(1) or logprobs(*a))
     got = {}
@@ -131,7 +131,7 @@ def test_tiled_and_autograd_heads_agree_through_the_engine(engine, monkeypatch, 
     monkeypatch.setattr(head, "ROW_BLOCK", 16)
     monkeypatch.setattr(head, "TILE_CELLS", 16 * 40_000)
     tiled = _pass(engine, f"head-tiled-{soft}", _data("cross_entropy", soft), "cross_entropy")
-    monkeypatch.setattr(head, "_tiled", lambda rt: False)
+    monkeypatch.setattr(head, "tiled", lambda *a: False)
     autograd = _pass(engine, f"head-autograd-{soft}", _data("cross_entropy", soft), "cross_entropy")
     assert tiled[0] == pytest.approx(autograd[0], rel=1e-6)
     for a, b in zip(tiled[1], autograd[1]):
