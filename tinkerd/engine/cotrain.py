@@ -27,7 +27,10 @@ reduces over stays its own:
 What a run shares is the number of rows of the body's frozen GEMMs, which changes no bit of a row
 there from 4 rows up; MKL's sgemm takes another kernel below 4 rows (measured on SmolLM2's and the
 tiny model's shapes, fp32, one thread: 1-3 rows differ from the same rows inside a bigger batch),
-so an op of fewer than 4 tokens runs alone. On fp32 CPU no bit of any run's logprobs, loss or grads
+so an op of fewer than 4 tokens runs alone. The body's elementwise ops also span the runs; a
+vectorised exp (SiLU's) rounds the last elements of a tensor that fill no whole vector another way,
+but a row of the body is [T, features] with the features a multiple of the vector width, so no row
+of a run lands there in one batch and not in the other. On fp32 CPU no bit of any run's logprobs, loss or grads
 moves (tests/unit/engine/test_cotrain.py pins it against each op run alone, one torch thread);
 another BLAS or a GPU kernel that picks its tiling by the batch may round differently.
 
