@@ -156,6 +156,10 @@ class ServerConfig(BaseModel):
     # throughput (benchmarks/training.py); every 10 s bounds replay to ~10 s of recompute.
     snapshot_interval_s: float = Field(default=10.0, ge=0, description="least seconds between a run's recovery "
                                                                        "snapshots, taken after an optim_step")
+    # control/recovery.py: four tenants on 2 CPU cores ran ~6% slower with a snapshot of each every 10 s.
+    snapshot_budget: float = Field(default=0.05, gt=0, le=1, description="largest share of the engine's time "
+                                   "recovery snapshots may take; beyond it each run's snapshots are spaced further "
+                                   "apart than --snapshot-interval-s (1: no limit)")
     # engine/training.py. For studying divergence. It is server-wide because the SDK's request schemas
     # are fixed and carry no field for it.
     allow_non_finite: bool = Field(default=False,

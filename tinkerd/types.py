@@ -350,6 +350,9 @@ class StepOutput:
     partial: list[tuple[str, list[TokenDelta]]] = field(default_factory=list)
     # Ops per training pass that served several runs at once (engine/cotrain.py), for /metrics.
     shared_passes: list[int] = field(default_factory=list)
+    # Engine seconds its recovery snapshots took since its last step (engine/snapshots.py), which
+    # control keeps within --snapshot-budget (control/recovery.py). Several engines: the busiest's.
+    snapshot_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,8 @@ def _wait(cond, timeout_s: float = 180.0):  # generous: 2 shared cores
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     # A snapshot after every optim_step: recovery then needs only the run's last optim_step.
-    srv = start_server(tmp_path_factory.mktemp("tinkerd-retention"), [TINY], RETENTION + ["--snapshot-interval-s", "0"])
+    srv = start_server(tmp_path_factory.mktemp("tinkerd-retention"), [TINY],
+                       RETENTION + ["--snapshot-interval-s", "0", "--snapshot-budget", "1"])
     yield srv
     srv.stop()
 
@@ -106,7 +107,7 @@ def _free_port() -> int:
 def test_a_restart_after_the_sweep_rebuilds_a_run_exactly(tmp_path):
     port = str(_free_port())
     # Snapshots every 1 s: a run's latest snapshot is a few steps back, so the restart replays ops.
-    args = RETENTION + ["--snapshot-interval-s", "1", "--port", port]
+    args = RETENTION + ["--snapshot-interval-s", "1", "--snapshot-budget", "1", "--port", port]
     srv = start_server(tmp_path, [TINY], args)
     steps = 16
     try:

@@ -28,7 +28,7 @@ from tests.serverproc import API_KEY, start_server
 from tinkerd.engine.checkpoints import read_adapter
 
 # Every optim_step snapshots, so the one before the killed write is the previous step's.
-ARGS = ["--threads", "1", "--snapshot-interval-s", "0"]
+ARGS = ["--threads", "1", "--snapshot-interval-s", "0", "--snapshot-budget", "1"]
 KILLED_AT = 3  # the step whose snapshot write is killed
 FSYNC_DELAY_S = 20
 

@@ -65,7 +65,8 @@ def build_app(config: ServerConfig, client=None):
     worker_id = replicas.worker_id(config.role)
     reserve = DiskReserve(config.data_dir, config.min_free_disk_bytes)
     artifacts = LocalArtifactStore(config.data_dir)  # checkpoints, snapshots, exports (tinkerd/artifacts.py)
-    recovery = Recovery(store, artifacts, snapshot_interval_s=config.snapshot_interval_s)
+    recovery = Recovery(store, artifacts, snapshot_interval_s=config.snapshot_interval_s,
+                        snapshot_budget=config.snapshot_budget)
     # One audit log for the accounts' events and the checkpoints': only one instance folds failed
     # authentications in memory, and the audit route reads through it.
     audit = AuditLog(store)

@@ -443,6 +443,8 @@ class Control:
         now = time.perf_counter()
         self.scheduler.charge(picked, now - t0)
         self.metrics.shared_passes(out.shared_passes)
+        if self.recovery is not None:
+            self.recovery.snapshot_spent(out.snapshot_s)
         if self.residency is not None and out.resident is not None:
             self.residency.resident = out.resident
         for request_id, deltas in out.partial:  # before `done`: a stream's last tokens precede its end

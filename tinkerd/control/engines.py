@@ -91,11 +91,12 @@ class EngineRouter:
                 if i in subs and subs[i].admit or self._rows(i) > 0:
                     subs.setdefault(i, StepBatch()).decode = True
         outputs, crashes = self._step_all(subs)
-        partial, shared = [], []
+        partial, shared, snapshot_s = [], [], 0.0
         for i, out in outputs.items():
             self._outputs[i] = out
             partial.extend(out.partial)
             shared.extend(out.shared_passes)
+            snapshot_s = max(snapshot_s, out.snapshot_s)
             for ticket, result in out.done:
                 self._admitted.pop(ticket, None)
                 if ticket in broadcast:
@@ -110,7 +111,7 @@ class EngineRouter:
         for i in crashes:
             self._forget(i)
         output = StepOutput(done, active_rows=sum(self._rows(i) for i in range(len(self.engines))),
-                            resident=self._resident(), partial=partial, shared_passes=shared)
+                            resident=self._resident(), partial=partial, shared_passes=shared, snapshot_s=snapshot_s)
         if not crashes:
             return output
         first = next(iter(crashes.values()))

@@ -172,7 +172,7 @@ class Engine:
                 done.extend(sampler.step())
         return StepOutput(done, active_rows=sum(s.active_rows for s in self.samplers.values()), resident=self.resident(),
                           partial=[p for s in self.samplers.values() for p in s.take_streamed()],
-                          shared_passes=shared_passes)
+                          shared_passes=shared_passes, snapshot_s=self.snapshots.take_spent())
 
     def close(self) -> None:
         """Finish the snapshot write in flight (a clean stop leaves no temp dir to sweep)."""

@@ -28,6 +28,8 @@ before, so the memory held is one copy of one adapter's state plus its serialise
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from tinkerd.artifacts import ArtifactStore
@@ -59,18 +61,39 @@ class SnapshotWriter:
         self._pending: Future | None = None
         # One serialisation buffer for every write: they never overlap (`wait` before each).
         self._staging = checkpoints.Staging()
+        # Engine seconds the snapshots took since take_spent last ran: the copy in the step (wall),
+        # the background write's CPU (its fsync waits cost the engine nothing), a synchronous write's
+        # wall time. Control keeps it within --snapshot-budget (control/recovery.py).
+        self._spent = 0.0
+        self._lock = threading.Lock()
 
     def write_later(self, key: str, adapter: Adapter, base_model: str) -> None:
         """Copy `adapter`'s weights and AdamW state now; write them as the snapshot `key` in the
         background. A write that fails is logged: recovery then starts from the snapshot before."""
         self.wait()  # before the copy: a step outrunning the writer waits rather than piling up copies
+        started = time.perf_counter()
         captured = checkpoints.capture(adapter, base_model, with_optimizer=True)
+        self._spend(time.perf_counter() - started)
         self._pending = self._thread.submit(self._write_logged, key, captured)
 
     def write_now(self, key: str, adapter: Adapter, base_model: str) -> None:
         """Write the snapshot `key` before returning; raises what the write raised."""
         self.wait()
-        write(self.store, key, checkpoints.capture(adapter, base_model, with_optimizer=True), self._staging)
+        started = time.perf_counter()
+        try:
+            write(self.store, key, checkpoints.capture(adapter, base_model, with_optimizer=True), self._staging)
+        finally:
+            self._spend(time.perf_counter() - started)
+
+    def take_spent(self) -> float:
+        """Engine seconds spent on snapshots since the last call (StepOutput.snapshot_s)."""
+        with self._lock:
+            spent, self._spent = self._spent, 0.0
+        return spent
+
+    def _spend(self, seconds: float) -> None:
+        with self._lock:
+            self._spent += seconds
 
     def wait(self) -> None:
         """Return once the write in flight, if any, is done (or failed, and was logged)."""
@@ -83,7 +106,10 @@ class SnapshotWriter:
         self._thread.shutdown(wait=True)
 
     def _write_logged(self, key: str, captured: checkpoints.Captured) -> None:
+        started = time.thread_time()
         try:
             write(self.store, key, captured, self._staging)
         except Exception:
             log.exception("recovery snapshot %s failed", key)
+        finally:
+            self._spend(time.thread_time() - started)

@@ -15,7 +15,7 @@ from tests.unit.engine.test_training import ADAM, BASE, adapter_of, create, run,
 from tinkerd.artifacts import LocalArtifactStore
 from tinkerd.engine import checkpoints
 from tinkerd.engine.snapshots import SnapshotWriter
-from tinkerd.types import ForwardBackwardOp, OptimStepOp, ReleaseAdaptersOp
+from tinkerd.types import ForwardBackwardOp, OptimStepOp, ReleaseAdaptersOp, StepBatch
 
 # Long enough for a rank-8 tiny-model step on a loaded machine; a synchronous write would hold
 # the op on the gate for all of it.
@@ -87,3 +87,23 @@ def test_a_release_waits_for_the_snapshot_in_flight_and_does_not_write_it_twice(
     assert not release.is_alive() and "snap-b" not in engine.model_of
     assert gated.puts == [key]
     assert checkpoints.read_adapter(key).step == 1
+
+
+def test_the_steps_report_what_the_snapshots_took(engine, gated, tmp_path):
+    """StepOutput.snapshot_s, which control keeps within --snapshot-budget (control/recovery.py):
+    the copy in the optim_step's own step, the background write's CPU in a later one; nothing in a
+    step without snapshots."""
+    create(engine, "snap-c", seed=7)
+    run(engine, ForwardBackwardOp("snap-c", sft_data(6), "cross_entropy"))
+    engine.snapshots.take_spent()
+    quiet = engine.step(StepBatch(run=[("t0", OptimStepOp("snap-c", ADAM))]))
+    assert quiet.snapshot_s == 0.0
+    run(engine, ForwardBackwardOp("snap-c", sft_data(7), "cross_entropy"))
+    key = str(tmp_path / "snap-c" / "seq-000000000004")
+    own = engine.step(StepBatch(run=[("t1", OptimStepOp("snap-c", ADAM, snapshot_dir=key))]))
+    assert own.snapshot_s > 0  # the copy
+    gated.gate.set()
+    engine.snapshots.wait()
+    later = engine.step(StepBatch())
+    assert later.snapshot_s > 0  # the write
+    assert engine.step(StepBatch()).snapshot_s == 0.0
