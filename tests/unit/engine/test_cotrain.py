@@ -167,3 +167,16 @@ def test_the_runs_share_the_heads_gemms_and_each_gets_its_bits_alone(engine, mon
     for k, m in enumerate(solo):
         assert_same_result(together[k], alone(engine, ForwardBackwardOp(m, data_of(k, 0), "cross_entropy")))
         assert_identical(state(engine, fused[k]), state(engine, m), m)
+
+
+def test_off_the_tiled_path_each_run_keeps_its_own_head(engine, monkeypatch):
+    """A head off the tiled path (bf16, a softcap, a bias: engine/head.py) runs run by run in the
+    shared pass, each through autograd on its own rows, and each run still gets its bits alone."""
+    monkeypatch.setattr(head, "tiled", lambda *a: False)
+    solo, fused = twins(engine, "cotrain-own-head")
+    mine = [ForwardBackwardOp(m, data_of(k, 0), "cross_entropy") for k, m in enumerate(fused)]
+    together, shared = step(engine, mine)
+    assert shared == [len(RUNS)]
+    for k, m in enumerate(solo):
+        assert_same_result(together[k], alone(engine, ForwardBackwardOp(m, data_of(k, 0), "cross_entropy")))
+        assert_identical(state(engine, fused[k]), state(engine, m), m)
