@@ -20,7 +20,7 @@ embedding lookup). Frozen, they cost 2 FLOPs per parameter forward and 2 for the
 input (no weight gradient). P_lora: the adapter's parameters, 2 + 2 + 2 (their weight gradient
 too). Attention: Q K^T and A V, 2 * 2 * B * S^2 * n_heads * head_dim per layer forward, twice that
 backward, counted over the full S x S (no causal halving). What either side recomputes (tinkerd's
-second head forward, engine/training.py) is not counted: F is the useful work. The ceiling is this
+head beyond KEEP_CELLS logits, engine/head.py) is not counted: F is the useful work. The ceiling is this
 machine's GEMM rate at the run's dtype and thread count, measured in the same run on a
 transformer-shaped matmul ([N, H] x [H, 4H], best of several) before and after the steps; the
 share is F / median step / ceiling. On a loaded machine wall times inflate, so the same share is
