@@ -103,6 +103,7 @@ class Recovery:
             return
         if isinstance(op, LoadWeightsOp):
             op.snapshot_dir = self.snapshot_key(op.model_id, seq_id)
+            self._taken += 1  # its cost is reported like any other's
             return
         if not isinstance(op, OptimStepOp):
             return
