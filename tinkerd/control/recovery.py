@@ -45,7 +45,7 @@ from tinkerd.control.store.db import Store, utcnow
 from tinkerd.control.store.futures import FutureRepository
 from tinkerd.control.store.runs import RunRepository, TrainingRun
 from tinkerd.control.store.tables import FutureRow, UnrecoverableRunRow
-from tinkerd.errors import TinkerdError, UnrecoverableRun
+from tinkerd.errors import TinkerdError
 from tinkerd.types import LoadWeightsOp, OptimStepOp, base_model_of
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,6 @@ last_request_time, TrainingRunsResponse.cursor, …); datetimes are ISO-8601 wit
 
 from __future__ import annotations
 
-import json
 
 from fastapi import APIRouter, Depends, Request, Response
 

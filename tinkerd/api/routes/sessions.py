@@ -8,7 +8,7 @@ naming one the account has no session in is a 404; assigning a session to a new 
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import timezone
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response

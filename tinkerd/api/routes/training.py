@@ -17,7 +17,7 @@ from tinkerd.control.copies import is_copy_run, trainable_config
 from tinkerd.control.custom_losses import CustomLosses
 from tinkerd.control.oplog import CreateSampler, OpRecord, OpType, Payer, RegisterCheckpoint
 from tinkerd.control.records import TrainingRun
-from tinkerd.control.ids import TinkerPath, check_name, check_ttl, parse_tinker_path
+from tinkerd.control.ids import TinkerPath, check_name, check_ttl
 from tinkerd.errors import UserError
 from tinkerd.images import refuse_text_placeholders
 from tinkerd.types import (
