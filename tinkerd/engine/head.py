@@ -207,10 +207,10 @@ class HeadPass:
         g2 = g if g.dim() == 2 else g[:, None]
         totals = [g2[blk.at].sum(-1, keepdim=True).neg() for blk in runs]  # d lse: every target's logprob has -lse
         q: list = [None] * len(runs)  # per block: d loss / d xs [R, r]
-        # Per block: d loss / d B transposed, [r, V]. Made as xs^T @ d per tile: MKL's fp32 GEMM for
-        # d^T @ xs (the [tile, R] operand transposed, 32 columns) ran at 3-17 GFLOP/s on this CPU,
-        # its speed even depending on the values (uniform [0, 1e-6): 3x slower than randn), against
-        # ~45 for xs^T @ d: on SmolLM2, 1 thread, 2 x 256 tokens, 509 -> ~40 ms of a ~5 s step.
+        # Per block: d loss / d B transposed, [r, V]. Made as xs^T @ d per tile, not d^T @ xs: read
+        # transposed, d's rows lie 8192 floats (32 KB, a power of two) apart, and MKL's fp32 GEMM ran
+        # at 3-17 GFLOP/s on them on this CPU (the same d with rows 16 floats longer: ~40, as
+        # xs^T @ d runs): SmolLM2, 1 thread, 2 x 256 tokens, 509 -> 65 ms per step.
         g_bt: list = [None] * len(runs)
         for t, tile in enumerate(self.tiles):
             z = self.kept[k][t] if self.kept is not None else self._logits(x, runs, xs, tile)
