@@ -186,7 +186,9 @@ class HeadPass:
         xs = [self._lora_rows(x[blk.at], blk.lora) for blk in runs]
         lses: list[list[torch.Tensor]] = [[] for _ in runs]
         tiles = []
-        picked = torch.zeros(targets.shape, dtype=torch.float32)
+        # [R, K] like `inside`: shaped [R] it would broadcast to [R, R] (and to [0, 0] for a rank
+        # without datums, engine/sharding.py, whose lp[:, 0] then fails).
+        picked = torch.zeros((targets.shape[0], targets.shape[1] if targets.dim() == 2 else 1), dtype=torch.float32)
         for tile in self.tiles:
             z = self._logits(x, runs, xs, tile)
             index, inside = self._local(targets, tile)

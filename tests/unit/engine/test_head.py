@@ -91,6 +91,22 @@ def _pass(engine, model_id: str, data, loss_fn: str):
             [t.grad for t in adapter_of(engine, model_id).parameters()])
 
 
+@pytest.mark.parametrize("soft", [False, True])
+@pytest.mark.parametrize("keep", [False, True])
+def test_no_rows_give_empty_logprobs_and_grads(soft, keep):
+    """A rank given no datums (engine/sharding.py) runs the head on zero rows: empty logprobs and d
+    hidden, zero LoRA grads, no error (an error there left rank 0 waiting in its gather for good)."""
+    lora = LoraWeights(torch.randn(4, 24) * 0.1, torch.randn(3000, 4) * 0.1, 1.0)
+    rt = _runtime(3000, 24, lora)
+    targets = torch.zeros((0, 3) if soft else (0,), dtype=torch.long)
+    got = HeadPass(rt, torch.randn(0, 24), targets, keep=keep)
+    assert got.tiled and got.logprobs.shape == targets.shape
+    g_x, (g_a, g_b) = got.backward(torch.zeros(targets.shape), [lora.a, lora.b])
+    assert g_x.shape == (0, 24)
+    assert g_a.shape == lora.a.shape and g_b.shape == lora.b.shape
+    assert not g_a.any() and not g_b.any()
+
+
 @pytest.mark.parametrize("path", ["tiled", "autograd"])
 @pytest.mark.parametrize("loss_fn", ["cross_entropy", "importance_sampling"])
 def test_kept_logits_give_the_bits_of_a_recomputed_head(engine, monkeypatch, path, loss_fn):
