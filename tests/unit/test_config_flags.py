@@ -93,6 +93,9 @@ def _a_value_other_than_the_default(name: str, info) -> tuple[list[str], object]
     if annotation is str:
         return [flags.flag_name(name), "x"], "x"
     value = (default or 0) + 1 if annotation is int else (default or 0) + 1.5
+    most = min((m.le for m in info.metadata if hasattr(m, "le")), default=None)
+    if most is not None and value > most:  # a bounded field (--snapshot-budget <= 1): halfway to its bound
+        value = ((default or 0) + most) / 2
     return [flags.flag_name(name), str(value)], value
 
 
