@@ -41,3 +41,27 @@ def test_the_otlp_endpoint_comes_from_the_flag_else_opentelemetrys_variables_rea
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT")
     assert ServerConfig().otlp_endpoint is None
+
+
+def test_accepted_connections_send_without_nagle_delay():
+    """The server's socket makes asyncio turn Nagle off on every accepted connection (TCP_NODELAY):
+    with it on, a response's body waited for the client's delayed ACK of its head, ~44 ms a request."""
+    import asyncio
+    import socket
+
+    async def accepted_nodelay() -> int:
+        sock = serve.listening_socket("127.0.0.1", 0)
+        seen: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        async def on_connect(reader, writer):
+            seen.set_result(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(on_connect, sock=sock)
+        async with server:
+            _, writer = await asyncio.open_connection(*sock.getsockname()[:2])
+            value = await asyncio.wait_for(seen, 10)
+            writer.close()
+        return value
+
+    assert asyncio.run(accepted_nodelay()) != 0

@@ -234,6 +234,18 @@ def import_sdk_types_without_torch() -> None:
         del sys.modules["torch"]  # a later `import torch` (none in this process) works as usual
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the app is ready (see serve). Made with IPPROTO_TCP named:
+    asyncio sets TCP_NODELAY only on accepted sockets whose proto is IPPROTO_TCP, and an accepted
+    socket inherits the listener's (0 by default). Without it a response's head and body went out
+    in two segments, Nagle held the body for the client's delayed ACK, and every request on a
+    kept-alive connection took ~44 ms, a health check included (every SDK submit and poll)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
 def run(args) -> int:
     """Listen at once, build the rest behind a StartupGate (api/gate.py), then print the ready line.
 
@@ -248,9 +260,7 @@ def run(args) -> int:
         import_sdk_types_without_torch()
     from tinkerd.api.gate import StartupGate
 
-    sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((config.host, config.port))
+    sock = listening_socket(config.host, config.port)
     host, port = sock.getsockname()[:2]
     url = f"http://{host}:{port}"
     gate = StartupGate()
