@@ -7,10 +7,12 @@ loop does. The phases are interleaved (1 2 4 8 1 2 4 8 ...) over `--rounds`, so 
 every N alike. For each N it prints the aggregate tokens/s (every client's tokens over the phase's
 wall time), the median and worst per-client step latency, and both as ratios to N = 1: with one
 engine running one op at a time the aggregate stays flat and latency grows ~N-fold; batching
-tenants into one pass is what moves these ratios. The last column is the forward_backward passes the
-engine ran per round of client steps (from the server's metrics): 1 when every round's ops of all
-N clients shared one pass, N when each ran alone. The issue's targets: at N = 4, aggregate >= 1.5x
-and no client's latency > 1.5x its solo one.
+tenants into one pass is what moves these ratios. Then, from the server's metrics, the
+forward_backward passes the engine ran per round of client steps (1 when every round's ops of all
+N clients shared one pass, N when each ran alone) and the mean engine time of a pass and of an
+optim_step; last, the CPU this process (the N SDK clients, on the same cores as the server) spent
+per client step. The issue's targets: at N = 4, aggregate >= 1.5x and no client's latency > 1.5x
+its solo one.
 
     python benchmarks/training_tenants.py                         # SmolLM2-135M, 2 x 128 per client, 1 thread
     python benchmarks/training_tenants.py --tenants 1,4 --rounds 3 --threads 2
@@ -76,22 +78,30 @@ def phase(tenants: list[Tenant], steps: int) -> tuple[float, list[list[float]]]:
     return time.perf_counter() - t0, latencies
 
 
-def pass_counts(url: str) -> tuple[float, float]:
-    """(shared passes, forward_backward ops) the server has run so far: a pass of several runs counts
-    once (tinkerd_shared_pass_runs_count), an op that ran alone is a pass of its own."""
+def engine_counts(url: str) -> dict[str, float]:
+    """What the server's metrics say so far: `passes`, the forward_backward passes run (a pass of
+    several runs counts once, tinkerd_shared_pass_runs_count; an op that ran alone is a pass of its
+    own), and per op type the engine seconds and op count (a shared pass's wall is every one of its
+    ops' engine time, so seconds / count is the mean pass an op waited through)."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
-    shared = ops = 0.0
+    c = {"passes": 0.0, "fb_s": 0.0, "fb_n": 0.0, "opt_s": 0.0, "opt_n": 0.0}
+    kinds = {"ForwardBackward": "fb", "OptimStep": "opt"}
     for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
         for s in family.samples:
             if s.name == "tinkerd_shared_pass_runs_count":
-                shared += s.value
+                c["passes"] += s.value
             elif s.name == "tinkerd_shared_pass_runs_sum":
-                ops -= s.value  # counted below among all forward_backward ops; alone = all - shared
-            elif s.name == "tinkerd_op_engine_seconds_count" and s.labels.get("type") == "ForwardBackward":
-                ops += s.value
-    return shared, ops
+                c["passes"] -= s.value  # counted below among all forward_backward ops; alone = all - shared
+            elif s.name.startswith("tinkerd_op_engine_seconds_") and s.labels.get("type") in kinds:
+                kind = kinds[s.labels["type"]]
+                if s.name.endswith("_count"):
+                    c[kind + "_n"] += s.value
+                    c["passes"] += s.value if kind == "fb" else 0.0
+                elif s.name.endswith("_sum"):
+                    c[kind + "_s"] += s.value
+    return c
 
 
 def main() -> None:
@@ -130,13 +140,18 @@ def main() -> None:
         busy0, total0 = cpu_jiffies()
         walls: dict[int, list[float]] = {n: [] for n in counts}
         lats: dict[int, list[list[float]]] = {n: [] for n in counts}
-        passes: dict[int, float] = {n: 0.0 for n in counts}  # forward_backward passes the engine ran
+        # Per N, the server's counts over all its phases (engine_counts) and the clients' own CPU: the
+        # SDK clients run in this process and share the machine's cores with the server.
+        seen: dict[int, dict[str, float]] = {n: {} for n in counts}
+        client_cpu: dict[int, float] = {n: 0.0 for n in counts}
         for _ in range(args.rounds):
             for n in counts:
-                shared0, alone0 = pass_counts(server.url)
+                before, cpu0 = engine_counts(server.url), time.process_time()
                 wall, lat = phase(tenants[:n], args.steps)
-                shared1, alone1 = pass_counts(server.url)
-                passes[n] += shared1 - shared0 + alone1 - alone0
+                client_cpu[n] += time.process_time() - cpu0
+                after = engine_counts(server.url)
+                for k in after:
+                    seen[n][k] = seen[n].get(k, 0.0) + after[k] - before[k]
                 walls[n].append(wall)
                 lats[n].extend(lat)
         busy1, total1 = cpu_jiffies()
@@ -150,9 +165,11 @@ def main() -> None:
     print(f"load average before: {load_before}, after: {load_average()}; machine busy "
           f"{100 * (busy1 - busy0) / max(1, total1 - total0):.0f}% during the run (all processes)")
     # Passes per round: N when every round's forward_backward ops of the N clients share one pass.
+    # Where a client's step goes: the forward_backward pass it waits through and its optim_step in the
+    # engine (means per op), and the SDK clients' CPU per client step (this process, on the same cores).
     print("| tenants | aggregate tokens/s | x N=1 | median client step ms | worst client median ms | worst / solo "
-          "| fb passes per round |")
-    print("|---|---|---|---|---|---|---|")
+          "| fb passes per round | engine ms per fb pass | engine ms per optim_step | client CPU ms per step |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     solo_rate = solo_lat = None
     for n in counts:
         rate = n * args.steps * tokens / float(np.median(walls[n]))
@@ -161,7 +178,9 @@ def main() -> None:
         if solo_rate is None:
             solo_rate, solo_lat = rate, med
         print(f"| {n} | {rate:.1f} | {rate / solo_rate:.2f} | {med * 1e3:.0f} | {worst * 1e3:.0f} | {worst / solo_lat:.2f} "
-              f"| {passes[n] / (args.rounds * args.steps):.2f} |")
+              f"| {seen[n]['passes'] / (args.rounds * args.steps):.2f} | {1e3 * seen[n]['fb_s'] / max(1, seen[n]['fb_n']):.0f} "
+              f"| {1e3 * seen[n]['opt_s'] / max(1, seen[n]['opt_n']):.0f} "
+              f"| {1e3 * client_cpu[n] / (n * args.rounds * args.steps):.0f} |")
 
 
 if __name__ == "__main__":
