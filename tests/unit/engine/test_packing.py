@@ -111,3 +111,27 @@ def test_a_slow_1x1_convolution_packs_for_the_inner_product(block, monkeypatch):
         ctx.sampling = True
         torch.testing.assert_close(layers["attn.o_proj"](x), want, atol=1e-5, rtol=1e-5)
 
+
+
+def test_a_1x1_convolution_slow_for_one_shape_at_one_row_count_packs_for_the_inner_product(block, monkeypatch):
+    """Which shapes and row counts re-pack is irregular (an AVX2 EPYC: 64 x 128 at 8 rows but not 1 or
+    48; a 152k x 64 head at 1 row, 0.7 s a call, while the body's biggest linear was fine): one slow
+    pair anywhere, here the smallest linear (o_proj, 16 x 16) at 5 rows, gives up the convolution."""
+    import time
+
+    ctx, layers = block
+    real = lora_layers.packed_linear_2d
+    seen = set()
+
+    def slow_conv(x, packed, bias):
+        if packed.dim() == 4:
+            seen.add((packed.shape[0], x.shape[0]))
+            if packed.shape[0] == 16 and x.shape[0] == 5:
+                time.sleep(0.01)
+        return real(x, packed, bias)
+
+    monkeypatch.setattr(lora_layers, "packed_linear_2d", slow_conv)
+    assert pack_for_decode(layers)
+    assert (16, 5) in seen
+    packed = [m.stack[0].packed if m.stack else m.packed_weight for m in layers.values()]
+    assert {p.dim() for p in packed} == {2}

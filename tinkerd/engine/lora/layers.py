@@ -334,28 +334,37 @@ def _stacks(layers: dict[str, MultiLoraLinear]) -> list[list[MultiLoraLinear]]:
     return groups
 
 
-def _conv_packing_holds(weight: torch.Tensor) -> bool:
-    """Whether the 1x1-convolution packing of `weight` serves 1 and ROWS_PER_CALL rows at most 4x
-    as slowly as the inner product's. Where the kernel's layout for one of them differs from the
-    packed one, every call re-packs the weight: 40-160x slower on SmolLM2's linears. Otherwise
+def _conv_packing_holds(shapes: list[tuple[int, int]]) -> bool:
+    """Whether the 1x1-convolution packing of a weight of each of `shapes` ([out, in]) serves every
+    row count up to ROWS_PER_CALL at most 4x as slowly as the inner product's. Where the kernel's
+    layout for a row count differs from the packed one, every such call re-packs the weight: 40-160x
+    slower on SmolLM2's linears, and 200x on a 152k-row head (0.7 s per decode step). Otherwise
     0.7-1.3x there, and up to ~2.3x on toy linears of 64 x 64, where oneDNN's fixed cost per call
-    (24 us against 14) is all there is."""
-    packs = {conv: _pack(weight, conv) for conv in (True, False)}
-    for m in (1, ROWS_PER_CALL):
-        x = torch.randn(m, weight.shape[1])
-        cost = {}
-        for conv, packed in packs.items():
-            packed_linear_2d(x, packed, None)  # oneDNN builds the primitive on the first call
-            runs = []
-            for _ in range(3):
-                t = time.perf_counter()
-                packed_linear_2d(x, packed, None)
-                runs.append(time.perf_counter() - t)
-            cost[conv] = min(runs)
-        if cost[True] > 4 * cost[False]:
-            log.warning("oneDNN's 1x1 convolution is %.0fx slower than its inner product at %d rows here: "
-                        "packing for the inner product", cost[True] / cost[False], m)
-            return False
+    (24 us against 14) is all there is.
+
+    Every shape and every row count, because which ones re-pack is not regular: on an AVX2 EPYC,
+    1536 x 576 re-packs at 1, 2, 3, 5, 6, 9, 10, 13, ... rows, 128 x 64 at none of 1 and 48 but
+    64 x 128 at 8 (benchmarks/packing.py). Smallest shapes first: a CPU where it fails pays one
+    small re-pack, not the head's."""
+    gen = torch.Generator().manual_seed(0)
+    for shape in sorted(set(shapes), key=math.prod):
+        weight = torch.randn(shape, generator=gen)
+        packs = {conv: _pack(weight, conv) for conv in (True, False)}
+        for m in range(1, ROWS_PER_CALL + 1):
+            x = torch.randn(m, shape[1], generator=gen)
+            cost = {}
+            for conv, packed in packs.items():
+                packed_linear_2d(x, packed, None)  # oneDNN builds the primitive on the first call
+                runs = []
+                for _ in range(2):
+                    t = time.perf_counter()
+                    packed_linear_2d(x, packed, None)
+                    runs.append(time.perf_counter() - t)
+                cost[conv] = min(runs)
+            if cost[True] > 4 * cost[False]:
+                log.warning("oneDNN's 1x1 convolution is %.0fx slower than its inner product for a %d x %d weight "
+                            "at %d rows here: packing for the inner product", cost[True] / cost[False], *shape, m)
+                return False
     return True
 
 
@@ -374,10 +383,12 @@ def pack_for_decode(layers: dict[str, MultiLoraLinear]) -> bool:
         log.info("oneDNN is not available: the sampler uses unpacked linear weights")
         return False
     try:
-        # Checked on the body's biggest linear: the head would take a second, 100 MB+ packing.
-        body = [layer for name, layer in layers.items() if not name.endswith(UNEMBED_TARGET)] or list(layers.values())
-        conv = _conv_packing_holds(max(body, key=lambda layer: layer.weight.numel()).weight.detach())
-        for members in _stacks(layers):
+        stacks = [members for members in _stacks(layers) if members[0].stack is None]
+        stacked = {id(m) for members in stacks for m in members}
+        shapes = [(sum(m.out_features for m in members), members[0].in_features) for members in stacks]
+        shapes += [tuple(layer.weight.shape) for layer in layers.values() if id(layer) not in stacked]
+        conv = _conv_packing_holds(shapes)
+        for members in stacks:
             if members[0].stack is None:
                 stack = PackedStack(members, conv)
                 for i, m in enumerate(members):
