@@ -7,7 +7,6 @@ import logging
 import socket
 import sys
 import threading
-from urllib.parse import urlparse
 
 import uvicorn
 
@@ -176,22 +175,15 @@ def local_key(config: ServerConfig, accounts) -> str | None:
     return path.read_text().strip() if path.exists() else None
 
 
-def hub_unreachable(timeout_s: float = 2.0) -> bool:
-    """Whether this machine cannot reach the Hugging Face hub (or is told to stay off it).
+def hub_unreachable() -> bool:
+    """Whether clients here should be told HF_HUB_OFFLINE=1 (engine/model/hub.py).
 
-    Then the ready line tells clients HF_HUB_OFFLINE=1: their `get_tokenizer()` resolves a hub name
-    from the local cache at once (engine/model/hub_alias.py), where huggingface_hub would otherwise
-    retry the unreachable hub for about two minutes and log a warning for every retry."""
-    from huggingface_hub import constants
+    Then the ready line tells them so: their `get_tokenizer()` resolves a hub name from the local
+    cache at once (engine/model/hub_alias.py), where huggingface_hub would otherwise retry the
+    unreachable hub for about two minutes and log a warning for every retry."""
+    from tinkerd.engine.model import hub
 
-    if constants.HF_HUB_OFFLINE:
-        return True
-    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
-    try:
-        socket.create_connection((host, 443), timeout=timeout_s).close()
-        return False
-    except OSError:  # no DNS, refused, or timed out
-        return True
+    return hub.unreachable()
 
 
 def uvicorn_config(app, config: ServerConfig) -> uvicorn.Config:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, PretrainedConfig, PreTrainedModel
 
-from tinkerd.engine.model import families, tiny
+from tinkerd.engine.model import families, hub, tiny
 from tinkerd.engine.model.vision import Vision
 from tinkerd.engine.precision import Precision
 from tinkerd.errors import UserError
@@ -140,10 +140,21 @@ def load_model(name: str, models_dir: Path, precision: Precision = Precision()) 
             # Converted here: its hub name resolves on this machine once the alias is in the cache.
             published = hub_alias.publish(name, path, offline.OFFLINE_SOURCES[name].sha256[:40])
             return _load_dir(name, path, precision, tokenizer_id=name if published else None)
+    hint = f" (offline source: {offline_error.message})" if offline_error else ""
+    if hub.unreachable():
+        # Only the cache, at once: from_pretrained would retry the hub for 23 s to minutes first.
+        cached = hub.cached_snapshot(name)
+        if cached is None:
+            raise UserError(f"cannot load base model {name!r}: it is not in this machine's Hugging Face cache "
+                            f"and the hub ({hub.host()}) cannot be reached{hint}")
+        try:
+            return _load_dir(name, cached, precision, tokenizer_id=name)
+        except OSError as e:  # a partial cache entry (e.g. an offline source's alias: no weights)
+            raise UserError(f"cannot load base model {name!r} from the Hugging Face cache ({cached}) with the hub "
+                            f"unreachable: {e}{hint}") from e
     try:
         family = _detect(name, PretrainedConfig.get_config_dict(name)[0])
         model = _place(AutoModelForCausalLM.from_pretrained(name, dtype=precision.torch_dtype), precision)
     except (OSError, ValueError) as e:
-        hint = f" (offline source: {offline_error.message})" if offline_error else ""
         raise UserError(f"cannot load base model {name!r}: {e}{hint}") from e
     return _finish(name, model, name, family=family)
