@@ -13,7 +13,8 @@ tolerance here is derived from the reference itself, against the same computatio
 
 Measured on this model (docs/precision.md): logprobs err 0.072 and 0.145 nats for both, tinkerd
 within 1.5e-5 of the reference; per-layer LoRA gradients err(tinkerd) <= 1.40 x err(reference),
-tinkerd at most 0.83 x err(reference) from it; after 3 AdamW steps 1.50x and 1.02x.
+tinkerd at most 0.83 x err(reference) from it; after 3 AdamW steps (RMS per tensor) within 2.4x and
+2.2x on the tensor furthest off, ~1x on most.
 """
 
 from __future__ import annotations
@@ -147,13 +148,21 @@ def test_bf16_logprobs_and_grads_within_the_reference_recipe(bf16_engine, models
                            max_err(r16.grad, r64.grad, scaled=True), max_err(ours.grad, r16.grad, scaled=True), 1e-3)
 
 
-# The bound (2 x the reference recipe's error + 0.05) was derived on CPUs with native bf16 (AVX-512
-# BF16, where oneDNN's bf16 brgemm runs); on an AVX2-only CPU (an AMD EPYC here, 2026-12-03) torch's
-# emulated bf16 path gave lora_A of layer 0's v_proj an error of 0.67 against 0.11 after 3 steps, on
-# the landed code (635b5c4) as on this one. Not yet understood: skipped there, not loosened.
-@pytest.mark.skipif("avx512_bf16" not in open("/proc/cpuinfo").read() and not torch.cuda.is_available(),
-                    reason="bound derived with native bf16 matmuls; this CPU emulates bf16 (see comment)")
+def rms_err(x: torch.Tensor, truth: torch.Tensor) -> float:
+    return (x.double() - truth.double()).pow(2).mean().sqrt().item()
+
+
 def test_bf16_optimizer_steps_within_the_reference_recipe(bf16_engine, models_dir):
+    """After 3 AdamW steps, tinkerd's update is as accurate as the reference recipe's, in RMS over
+    each tensor. Not the max: AdamW's first step moves every entry by the learning rate times the
+    sign of its gradient, whatever its size, so an entry whose true gradient is below bf16's
+    resolution gets its sign by chance and an update error of ~2 x lr per step, in tinkerd and in
+    the reference alike, and the max over a tensor then measures that chance. Measured on an AVX2
+    EPYC: layer 0's v_proj lora_A had a max error of 0.67 of its update in tinkerd against 0.11 in
+    the reference, at an entry whose fp64 gradient was 4.5e-5 of the tensor's largest (tinkerd's
+    bf16 gradient +2.2e-4 of it, the reference's -1.4e-4: both within bf16's ~4e-3); over all 30
+    tensors the max errors were alike (up to 1.76 and 1.72). On a CPU with native bf16 the chance
+    had fallen the other way."""
     adapter = randomized(bf16_engine, "bf16-steps")
     refs = {dt: peft_model(models_dir, adapter, dt) for dt in (torch.bfloat16, torch.float64)}
     opts = {dt: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=ADAM.learning_rate,
@@ -172,15 +181,12 @@ def test_bf16_optimizer_steps_within_the_reference_recipe(bf16_engine, models_di
     for name, (a, b) in adapter.weights.items():
         for ours, start, r16, r64, which in zip((a, b), initial[name], lora_of(refs[torch.bfloat16], name),
                                                 lora_of(refs[torch.float64], name), "AB"):
+            ours, r16, r64 = ours.detach(), r16.detach(), r64.detach()
             # Measured against the update, not the weight: A's Kaiming init dwarfs 3 steps of 1e-2.
-            delta64 = r64.detach().double() - start.double()
-            ref_err, ours_err = max_err(r16.detach(), r64.detach()), max_err(ours.detach(), r64.detach())
-            scale = max(1e-12, delta64.abs().max().item())
-            # Looser than one pass: AdamW divides by sqrt(v), so a gradient entry near 0 moves by
-            # about the learning rate whichever way bf16 rounded it (measured: up to 1.02x).
-            assert_derived(f"lora_{which} of {name} after {STEPS} steps", ours_err / scale, ref_err / scale,
-                           max_err(ours.detach(), r16.detach()) / scale, 0.05, near=2.0)
-            moved = max(moved, scale)
+            scale = max(1e-12, (r64.double() - start.double()).pow(2).mean().sqrt().item())
+            assert_derived(f"lora_{which} of {name} after {STEPS} steps", rms_err(ours, r64) / scale,
+                           rms_err(r16, r64) / scale, rms_err(ours, r16) / scale, 0.05, near=2.0)
+            moved = max(moved, (r64.double() - start.double()).abs().max().item())
     assert moved > ADAM.learning_rate  # the steps really moved the weights
 
 
