@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from tinkerd.engine.followers import Followers
-from tinkerd.errors import UserError
+from tinkerd.errors import Category, UserError
 from tinkerd.types import ExportWeightsOp, ReleaseAdaptersOp, SampleOp, SaveWeightsOp, StepBatch
 
 if TYPE_CHECKING:
@@ -203,9 +203,16 @@ class RankedEngineClient:
     def step(self, batch: StepBatch):
         self.followers.check()
         batch = seeded(batch)
-        self.followers.send(follower_batch(batch))
+        shared = follower_batch(batch)
+        self.followers.send(shared)
         out = self.client.step(batch)
         self.followers.check()  # a rank that died in this step failed its collectives: not a result to report
+        local = {ticket for ticket, _ in batch.run} - {ticket for ticket, _ in shared.run}
+        if broken := group_breaking(out, local):
+            log.error("engine rank 0 failed %s; the ranks' collectives no longer pair: stopping the engine",
+                      "; ".join(broken))
+            self.followers.kill()
+            os._exit(1)
         return out
 
     def models(self):
@@ -241,12 +248,38 @@ def _follower_main() -> None:
     group = _init_group(rank, spec.ranks, store, spec.precision)
     engine = _build_engine(spec, group)
     dist.barrier()
+    serve_steps(engine, stdin, rank)
+
+
+def serve_steps(engine: "Engine", stdin, rank: int) -> None:
+    """Run rank 0's batches until its pipe closes. A failure that may have left this rank out of a
+    collective (group_breaking) ends this process: rank 0's collective then fails at once (the
+    peer is gone), and it stops the engine (Followers.check)."""
     while True:
         try:
             batch = pickle.load(stdin)
         except EOFError:
             return
-        engine.step(batch)
+        out = engine.step(batch)
+        if broken := group_breaking(out):
+            log.error("engine rank %d failed %s; the ranks' collectives no longer pair: stopping", rank,
+                      "; ".join(broken))
+            os._exit(1)
+
+
+def group_breaking(out, local: set[str] = frozenset()) -> list[str]:
+    """The results of a step that failed for a reason other than their input, except those of ops
+    this rank ran alone (`local`: rank 0's file writes).
+
+    A user error (bad input) is found on every rank alike, before the op's collectives, as the
+    ranks hold the same ops and state. Anything else (a bug, memory) may have struck this rank alone
+    in the middle of an op, leaving it out of a collective the other ranks wait in, or the next
+    op's collective paired with this one's: a hang until gloo's 30-minute timeout, or wrong
+    numbers. So the engine restarts whole instead (control rebuilds its runs, and the op, a suspect,
+    runs alone next and fails with its cause if it dies again: control/crashes.py)."""
+    return [f"{ticket} ({result})" for ticket, result in out.done
+            if ticket not in local and isinstance(result, Exception)
+            and getattr(result, "category", Category.SERVER) != Category.USER]
 
 
 if __name__ == "__main__":

@@ -5,13 +5,15 @@ tests/conformance/test_sharding.py."""
 from __future__ import annotations
 
 import argparse
+import io
+import pickle
 
 import numpy as np
 import pytest
 import torch
 
 from tinkerd.cli import serve
-from tinkerd.errors import UserError
+from tinkerd.errors import ServerError, UserError
 
 from tinkerd.engine.sharding import DataParallel, RankGroup, follower_batch, seeded
 from tinkerd.types import (AdamParams, ExportWeightsOp, LoadWeightsOp, OptimStepOp, ReleaseAdaptersOp, SampleOp,
@@ -83,3 +85,98 @@ def test_ranks_need_the_process_engine(other):
     assert config.engine_ranks == 3
     with pytest.raises(UserError, match="--engine-ranks above 1 needs the process engine"):
         serve.build_engine_client(config)  # refused before anything starts
+
+
+class _Exited(Exception):
+    pass
+
+
+class _FakeEngine:
+    """Answers every op of a batch with `outcome` (a result or an exception)."""
+
+    def __init__(self, outcome):
+        self.outcome, self.steps = outcome, 0
+
+    def step(self, batch: StepBatch):
+        from tinkerd.types import StepOutput
+
+        self.steps += 1
+        return StepOutput([(ticket, self.outcome) for ticket, _ in batch.run], active_rows=0)
+
+
+def _exit_raises(monkeypatch):
+    import tinkerd.engine.sharding as sharding
+
+    def exit_(code):
+        raise _Exited(code)
+
+    monkeypatch.setattr(sharding.os, "_exit", exit_)
+
+
+def _pipe(*batches) -> io.BytesIO:
+    buf = io.BytesIO()
+    for batch in batches:
+        pickle.dump(batch, buf)
+    buf.seek(0)
+    return buf
+
+
+OPTIM = StepBatch(run=[("opt-1", OptimStepOp("m", AdamParams(learning_rate=1e-3)))])
+
+
+@pytest.mark.parametrize("outcome", [{"ok": 1}, UserError("bad datum")], ids=["result", "user_error"])
+def test_a_follower_goes_on_after_results_and_user_errors(monkeypatch, outcome):
+    from tinkerd.engine.sharding import serve_steps
+
+    _exit_raises(monkeypatch)
+    engine = _FakeEngine(outcome)
+    serve_steps(engine, _pipe(OPTIM, OPTIM), rank=1)
+    assert engine.steps == 2
+
+
+@pytest.mark.parametrize("outcome", [ServerError("RuntimeError: boom"), MemoryError()], ids=["server_error", "memory"])
+def test_a_follower_that_fails_an_op_otherwise_exits_instead_of_leaving_rank_0_in_a_collective(monkeypatch, outcome):
+    """What made test_sharding hang: rank 1 failed its forward while rank 0 waited in an all_gather,
+    and went on to the next batch; rank 0 waited for gloo's 30-minute timeout."""
+    from tinkerd.engine.sharding import serve_steps
+
+    _exit_raises(monkeypatch)
+    engine = _FakeEngine(outcome)
+    with pytest.raises(_Exited):
+        serve_steps(engine, _pipe(OPTIM, OPTIM), rank=1)
+    assert engine.steps == 1
+
+
+class _FakeFollowers:
+    def __init__(self):
+        self.sent, self.killed = [], False
+
+    def check(self):
+        pass
+
+    def send(self, batch):
+        self.sent.append(batch)
+
+    def kill(self):
+        self.killed = True
+
+
+def _rank_0(outcome):
+    from tinkerd.engine.sharding import RankedEngineClient
+
+    client = RankedEngineClient.__new__(RankedEngineClient)  # no group: its collectives are faked away
+    client.followers, client.client = _FakeFollowers(), _FakeEngine(outcome)
+    return client
+
+
+def test_rank_0_stops_the_engine_when_an_op_the_ranks_share_fails_otherwise_than_by_its_input(monkeypatch):
+    _exit_raises(monkeypatch)
+    assert _rank_0(UserError("bad")).step(OPTIM).done[0][1].message == "bad"
+    rank_0 = _rank_0(ServerError("RuntimeError: boom"))
+    with pytest.raises(_Exited):
+        rank_0.step(OPTIM)
+    assert rank_0.followers.killed
+    # A file write only rank 0 runs: a failed save (a full disk) breaks no collective.
+    save = StepBatch(run=[("save-1", SaveWeightsOp("m", "/nowhere", with_optimizer=False))])
+    rank_0 = _rank_0(ServerError("disk full"))
+    assert rank_0.step(save).done[0][1].message == "disk full" and not rank_0.followers.killed
