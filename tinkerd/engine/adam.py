@@ -41,6 +41,23 @@ def new_adamw(params: list[torch.Tensor]) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=1e-4, **({"fused": True} if fused else {"foreach": True}))
 
 
+def add_grad(param: torch.Tensor, g: torch.Tensor) -> None:
+    """param.grad += g, with .grad in param's memory layout.
+
+    torch 2.13's fused CPU AdamW reads a gradient in its parameter's memory order whatever the
+    gradient's strides: a transposed [R, in] gradient of a contiguous A moved each entry by another
+    entry's update (up to 2 x lr off against `foreach`; CUDA's fused kernel raises instead). Autograd
+    gives a leaf's gradient its layout for mm but not for every op (bmm, a stacked or transposed
+    parameter), so the layout is made here rather than trusted.
+    """
+    if param.grad is not None:
+        param.grad.add_(g)  # add_ reads g by index: any layout
+    elif g.stride() == param.stride():
+        param.grad = g
+    else:
+        param.grad = torch.empty_like(param).copy_(g)  # empty_like keeps param's strides
+
+
 def keep_kernel(optimizer: torch.optim.Optimizer, fresh: dict) -> None:
     """After load_state_dict, which also loads the saved groups' `fused`/`foreach` flags (a
     checkpoint of an older tinkerd says foreach): run this version's kernel, `fresh`'s."""

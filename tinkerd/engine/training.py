@@ -276,12 +276,8 @@ def finish_forward_backward(p: Prepared, target_logprobs, loss_sum, metrics, gra
     if grads is not None:
         with torch.no_grad():
             for param, g in zip(params, grads):
-                if g is None:
-                    continue
-                if param.grad is None:
-                    param.grad = g
-                else:
-                    param.grad.add_(g)
+                if g is not None:
+                    adam.add_grad(param, g)
         adapter.pending_grads += 1
 
     logprobs = target_logprobs.detach().cpu().numpy().astype(np.float32, copy=False)
