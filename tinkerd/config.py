@@ -144,7 +144,8 @@ class ServerConfig(BaseModel):
     # 20's multi-tenant case) hold ~2.5 GB.
     train_batch_tokens: int = Field(default=2048, ge=0,
                                     description="most tokens of one training step whose forward_backward ops of "
-                                                "several runs share a pass over the base model; 0: one op a step")
+                                                "several runs share a pass over the base model (their optim_steps then share a "
+                                                "step too); 0: one op a step")
     # control/scheduler.py: Scheduler._together. An SDK loop's next forward_backward comes tens of ms
     # after its optim_step's result; without the wait, the run whose optim_step ran last took a pass
     # of its own every round (4 tenants of 1 x 32 tokens on SmolLM2).

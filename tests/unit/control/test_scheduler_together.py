@@ -165,3 +165,30 @@ def test_a_sampling_request_ends_the_wait():
     picked = sched.next(active_rows=0)
     assert [o.request_id for o in picked.ops] == ["a1", "b1"]
     assert time.monotonic() - started < 0.5  # not the 1 s the pass allowed
+
+
+def opt(model: str, base: str = "base-a") -> OptimStepOp:
+    return OptimStepOp(model, AdamParams(), base_model=base)
+
+
+def test_optim_steps_of_several_runs_on_one_base_model_share_a_step():
+    q = OpQueue()
+    put(q, "a0", "a", 0, opt("a"))
+    put(q, "a1", "a", 1, opt("a"))
+    put(q, "b0", "b", 0, fb("b"))
+    put(q, "c0", "c", 0, opt("c"))
+    put(q, "d0", "d", 0, opt("d", base="base-b"))
+    put(q, "e0", "e", 0, opt("e", base=""))  # a record from before base_model: its engine is unknown
+    put(q, "f0", "f", 0, opt("f"))
+    sched = Scheduler(q, batch_tokens=100)
+    # a0 takes c0 and f0, the optim_steps at the heads of base-a's other runs; a1 waits for a's next
+    # turn, b's forward_backward and the optim_steps of base-b and of no known base keep their places.
+    assert steps(sched, 5) == [["a0", "c0", "f0"], ["b0"], ["d0"], ["e0"], ["a1"]]
+    assert q.depth() == 0
+
+
+def test_without_a_budget_optim_steps_go_one_a_step():
+    q = OpQueue()
+    for run in "ab":
+        put(q, f"{run}0", run, 0, opt(run))
+    assert steps(Scheduler(q), 2) == [["a0"], ["b0"]]
