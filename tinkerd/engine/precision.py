@@ -61,6 +61,11 @@ class Precision:
             raise UserError(f"--dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
 
 
+def power_of_two(scaling: float) -> bool:
+    """Whether scaling multiplies exactly (lora_delta then scales the rank-r product)."""
+    return math.frexp(scaling)[0] == 0.5
+
+
 def lora_delta(x: "torch.Tensor", a: "torch.Tensor", b: "torch.Tensor", scaling: float) -> "torch.Tensor":
     """scaling * (x @ A^T) @ B^T, as PEFT computes it, to the bit.
 
@@ -71,7 +76,7 @@ def lora_delta(x: "torch.Tensor", a: "torch.Tensor", b: "torch.Tensor", scaling:
     benchmarks/training.py). Any other scaling keeps PEFT's order.
     """
     u = x @ a.t()
-    if math.frexp(scaling)[0] == 0.5:  # a power of two
+    if power_of_two(scaling):
         return (u if scaling == 1.0 else u * scaling) @ b.t()
     return (u @ b.t()) * scaling
 

@@ -180,3 +180,36 @@ def test_off_the_tiled_path_each_run_keeps_its_own_head(engine, monkeypatch):
     for k, m in enumerate(solo):
         assert_same_result(together[k], alone(engine, ForwardBackwardOp(m, data_of(k, 0), "cross_entropy")))
         assert_identical(state(engine, fused[k]), state(engine, m), m)
+
+
+@pytest.mark.parametrize("alphas, batched_layers", [((8.0, 32.0, 16.0), True), ((8.0, 12.0, 16.0), False)])
+def test_runs_of_one_shape_take_each_layers_deltas_in_batched_gemms_and_keep_their_bits(engine, monkeypatch,
+                                                                                       alphas, batched_layers):
+    """Runs whose blocks have the same rows, width and rank (engine/lora/batched.py) get every
+    layer's LoRA deltas from one batched GEMM per product, and each its bits alone: results,
+    gradients and weights after two rounds, with powers-of-two scalings 1, 4 and 2. A scaling of
+    1.5 (PEFT scales the output then) keeps the per-run GEMMs."""
+    from tinkerd.engine.lora import batched
+
+    calls = []
+    deltas = batched.same_shape_deltas
+    monkeypatch.setattr(batched, "same_shape_deltas", lambda x, loras: calls.append(len(loras)) or deltas(x, loras))
+    specs = [LoraSpec(rank=8, alpha=alpha, seed=20 + k, train_unembed=k != 2) for k, alpha in enumerate(alphas)]
+    solo, fused = [], []
+    for k, spec in enumerate(specs):
+        for ids, kind in ((solo, "solo"), (fused, "fused")):
+            ids.append(f"cotrain-same-{alphas[1]}-{k}-{kind}")
+            assert not isinstance(alone(engine, CreateModelOp(ids[-1], BASE, spec)), Exception)
+    for round_ in range(2):  # round 0: B = 0, so A's gradients are 0; round 1 trains everything
+        data = [sft_data(200 + 10 * round_ + k, lengths=(9, 13)) for k in range(len(specs))]
+        calls.clear()
+        together, shared = step(engine, [ForwardBackwardOp(m, data[k], "cross_entropy") for k, m in enumerate(fused)])
+        assert shared == [len(specs)]
+        assert (calls and set(calls) == {len(specs)}) if batched_layers else calls == []
+        for k, m in enumerate(solo):
+            assert_same_result(together[k], alone(engine, ForwardBackwardOp(m, data[k], "cross_entropy")))
+            assert_identical(state(engine, fused[k]), state(engine, m), f"{m} after round {round_}")
+        step(engine, [OptimStepOp(m, ADAM) for m in fused])
+        for k, m in enumerate(solo):
+            alone(engine, OptimStepOp(m, ADAM))
+            assert_identical(state(engine, fused[k]), state(engine, m), f"{m} after optim_step {round_}")

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from tinkerd.engine.lora import deltanet
+from tinkerd.engine.lora import batched, deltanet
 from tinkerd.engine.precision import lora_delta, lora_delta_add
 
 log = logging.getLogger(__name__)
@@ -191,9 +191,11 @@ class MultiLoraLinear(nn.Module):
         if not any(group.slot in self.adapters for group in groups):
             return out
         t = x.shape[1]
+        loras = [self.adapters.get(group.slot) for group in groups]
+        if batched.fits(x, groups, loras):
+            return out + batched.same_shape_deltas(x, loras)
         parts = []
-        for group, xs in zip(groups, x.split([group.rows.shape[0] for group in groups])):  # [B_g, T, in]
-            lw = self.adapters.get(group.slot)
+        for group, lw, xs in zip(groups, loras, x.split([group.rows.shape[0] for group in groups])):  # [B_g, T, in]
             if lw is None:
                 parts.append(out.new_zeros(xs.shape[0], t, out.shape[2]))
                 continue
