@@ -6,12 +6,15 @@ alone, one op at a time, on the same server. A forward of a fourth run goes firs
 and holds the engine while the three tenants' ops arrive, so they wait in the queue together and
 the scheduler puts them in one step (a forward does not share a forward_backward's pass). The server
 counts such passes on /metrics (tinkerd_shared_pass_runs); without the shared pass it stays at 0.
+Tenants of different ranks and lengths, and tenants of one rank and shape, whose layers' LoRA deltas
+then run as batched GEMMs (engine/lora/batched.py) and whose optim_steps share a step.
 """
 
 from __future__ import annotations
 
 import time
 
+import pytest
 import tinker
 from tinker import types
 
@@ -19,15 +22,16 @@ from tests.conformance.conftest import TINY
 from tests.conformance.test_metrics import _delta, _scrape
 from tests.serverproc import API_KEY
 
-RANKS = (4, 8, 16)
 ROUNDS = 2
+# (ranks, each tenant's datum lengths): the rows of a shared pass are padded to the widest.
+MIXED = ((4, 8, 16), [(9, 14), (23,), (5, 17, 11)])
+SAME = ((8, 8, 8), [(9, 14)] * 3)
 ADAM = types.AdamParams(learning_rate=1e-2)
 
 
-def datums(tenant: int, round_: int) -> list[types.Datum]:
-    """Different lengths and counts per tenant (the rows of a shared pass are padded to the widest)."""
+def datums(tenant: int, round_: int, lengths=MIXED[1]) -> list[types.Datum]:
     out = []
-    for i, n in enumerate([(9, 14), (23,), (5, 17, 11)][tenant]):
+    for i, n in enumerate(lengths[tenant]):
         tokens = [(1000 * tenant + 37 * round_ + 7 * i + j) % 150_000 + 1 for j in range(n + 1)]
         out.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
                                loss_fn_inputs={"target_tokens": tokens[1:]}))
@@ -56,17 +60,19 @@ def outcome(result) -> tuple[float, list[list[float]]]:
     return result.metrics["loss:sum"], [list(o["logprobs"].data) for o in result.loss_fn_outputs]
 
 
-def test_concurrent_clients_share_a_pass_and_each_equals_its_run_alone(server):
-    clients = [tinker.ServiceClient(base_url=server.url, api_key=API_KEY) for _ in RANKS]
-    tenants = [sc.create_lora_training_client(base_model=TINY, rank=r, seed=40 + r).result()
-               for sc, r in zip(clients, RANKS)]
+@pytest.mark.parametrize("shape", [MIXED, SAME], ids=["mixed", "same"])
+def test_concurrent_clients_share_a_pass_and_each_equals_its_run_alone(server, shape):
+    ranks, lengths = shape
+    clients = [tinker.ServiceClient(base_url=server.url, api_key=API_KEY) for _ in ranks]
+    tenants = [sc.create_lora_training_client(base_model=TINY, rank=r, seed=40 + k).result()
+               for k, (sc, r) in enumerate(zip(clients, ranks))]
     blocker = clients[0].create_lora_training_client(base_model=TINY, rank=4, seed=1).result()
     before = _scrape(server.url)
-    together: list[list] = [[] for _ in RANKS]
+    together: list[list] = [[] for _ in ranks]
     for round_ in range(ROUNDS):
         hold = blocker.forward(blocker_datums(), "cross_entropy")
         _running(server.url)  # the forward holds the engine before the tenants send theirs
-        fbs = [tc.forward_backward(datums(k, round_), "cross_entropy") for k, tc in enumerate(tenants)]
+        fbs = [tc.forward_backward(datums(k, round_, lengths), "cross_entropy") for k, tc in enumerate(tenants)]
         steps = [tc.optim_step(ADAM) for tc in tenants]
         hold.result()
         for k, (fb, st) in enumerate(zip(fbs, steps)):
@@ -75,13 +81,13 @@ def test_concurrent_clients_share_a_pass_and_each_equals_its_run_alone(server):
     after = _scrape(server.url)
 
     # Alone: each tenant's twin, one op at a time with nothing else queued.
-    twins = [clients[k].create_lora_training_client(base_model=TINY, rank=r, seed=40 + r).result()
-             for k, r in enumerate(RANKS)]
+    twins = [clients[k].create_lora_training_client(base_model=TINY, rank=r, seed=40 + k).result()
+             for k, r in enumerate(ranks)]
     for k, twin in enumerate(twins):
         for round_ in range(ROUNDS):
-            assert outcome(twin.forward_backward(datums(k, round_), "cross_entropy").result()) == together[k][round_]
+            assert outcome(twin.forward_backward(datums(k, round_, lengths), "cross_entropy").result()) == together[k][round_]
             twin.optim_step(ADAM).result()
-    assert len({t[0][0] for t in together}) == len(RANKS)  # the tenants' losses differ: no mix-up passes
+    assert len({t[0][0] for t in together}) == len(ranks)  # the tenants' losses differ: no mix-up passes
 
     # The server did run them together: a shared pass each round, all three tenants in one at least
     # (all three each round unless the machine is so loaded that the forward ended before the third
@@ -91,6 +97,6 @@ def test_concurrent_clients_share_a_pass_and_each_equals_its_run_alone(server):
     assert passes >= ROUNDS and of_three >= 1, (passes, of_three)
     assert _delta(before, after, "tinkerd_shared_pass_runs_sum") == 3 * of_three + 2 * (passes - of_three)
     # Metered one op at a time: each forward_backward its own target tokens.
-    trained = sum(len(d.loss_fn_inputs["target_tokens"].data) for k in range(len(RANKS)) for r in range(ROUNDS)
-                  for d in datums(k, r))
+    trained = sum(len(d.loss_fn_inputs["target_tokens"].data) for k in range(len(ranks)) for r in range(ROUNDS)
+                  for d in datums(k, r, lengths))
     assert _delta(before, after, "tinkerd_tokens_total", kind="trained") == trained
