@@ -61,10 +61,12 @@ def same_shape_deltas(xs: torch.Tensor, loras: list) -> torch.Tensor:
 
 
 def fits(x: torch.Tensor, groups: list, loras: list) -> bool:
-    """Whether same_shape_deltas gives every group its op-alone bits: more than one group, every one
-    with an adapter of this layer at x's dtype, the same rank and rows, at the batch's width, and a
-    power-of-two scaling (another scales the output, in PEFT's order)."""
-    if len(groups) < 2 or any(lw is None for lw in loras):
+    """Whether same_shape_deltas gives every group its op-alone bits: more than one group on CPU,
+    every one with an adapter of this layer at x's dtype, the same rank and rows, at the batch's
+    width, and a power-of-two scaling (another scales the output, in PEFT's order)."""
+    # CPU only: MKL's batched GEMM was checked to give each matrix the single GEMM's bits; cuBLAS
+    # picks its batched kernels apart from its single ones, and no GPU has checked it yet.
+    if len(groups) < 2 or x.device.type != "cpu" or any(lw is None for lw in loras):
         return False
     rows, shape = groups[0].rows.shape[0], loras[0].a.shape
     t = x.shape[1]
