@@ -5,6 +5,7 @@ Starts `tinkerd serve --device cuda --dtype bfloat16` on the largest model this 
 test model), then through the official SDK: a LoRA SFT loop (forward_backward + optim_step), a batch of
 sampling, and issue 20's multi-tenant case (`--tenants`: 1 and N SDK clients with their own
 adapters training at once, phases alternated as in benchmarks/training_tenants.py). Prints
+whether batched GEMMs keep the single GEMMs' bits on the device (engine/lora/batched.py),
 training tokens/s, MFU, sampling tokens/s, the tenants' aggregate and worst-latency ratios to one
 client, and peak device memory.
 
@@ -166,6 +167,36 @@ def tenant_phases(url: str, model: str, args, vocab: int) -> str:
             f"passes per round of {n} (1: all shared)")
 
 
+def batched_lora_bits(device: str) -> str:
+    """Whether torch.bmm gives each matrix the bits of torch.mm for the products of
+    engine/lora/batched.py, on this device in fp32 and bf16. That path runs on CPU only, where MKL
+    was checked; a "yes" here is what enabling it on this device needs (its fits())."""
+    import torch
+
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    lines = []
+    for dtype in (torch.float32, torch.bfloat16):
+        differ = []
+        for m, r, n in ((64, 32, 1024), (512, 32, 4096), (512, 8, 1536)):
+            def rand(*shape):
+                return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+            x, a, d, b = rand(4, m, n), rand(4, r, n), rand(4, m, n), rand(4, n, r)
+            u = rand(4, m, r)
+            products = {  # name: (batched, the single GEMM of run i as the op alone makes it)
+                "x A^T": (torch.bmm(x, a.transpose(1, 2)), lambda i: x[i] @ a[i].t()),
+                "u B^T": (torch.bmm(u, b.transpose(1, 2)), lambda i: u[i] @ b[i].t()),
+                "d B": (torch.bmm(d, b), lambda i: d[i] @ b[i]),
+                "d^T u": (torch.bmm(d.transpose(1, 2), u), lambda i: d[i].t() @ u[i]),
+                "du A": (torch.bmm(u, a), lambda i: u[i] @ a[i]),
+                "du^T x": (torch.bmm(u.transpose(1, 2), x), lambda i: u[i].t() @ x[i]),
+            }
+            differ += [f"{name} at {m}x{r}x{n}" for name, (got, alone) in products.items()
+                       if not all(torch.equal(got[i], alone(i)) for i in range(4))]
+        lines.append(f"batched LoRA GEMMs == single GEMMs on {device} {str(dtype)[6:]}: "
+                     + ("yes" if not differ else "no (" + ", ".join(differ) + ")"))
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="default: the largest model available offline here")
@@ -191,6 +222,7 @@ def main() -> None:
             args.tenant_tokens = min(args.tenant_tokens, 32)
     model = args.model or largest_offline_model()
     os.environ.setdefault("TINKER_TELEMETRY", "0")
+    print(batched_lora_bits(args.device))
     import numpy as np
     import tinker
     from tinker import types
