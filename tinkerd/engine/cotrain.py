@@ -10,7 +10,8 @@ reduces over stays its own:
   and d loss / d B sum the same positions in the same order as when its op runs alone (uncut, the
   sums would get the padding's zeros interleaved: on MKL's fp32 sgemm that moved no bit in
   test_cotrain, but a BLAS that blocks a reduction by its length would; the cut also spares the
-  LoRA matmuls the padding);
+  LoRA matmuls the padding); runs of one shape get those products as one batched GEMM each
+  (engine/lora/batched.py), each run's matrix the product its op alone computes;
 - the head's log-softmax and the loss run per run, on its slice of the hidden states, in its own
   blocks (engine/head.py: they depend only on its number of rows), and its loss's gradient flows
   back into its slice only; only the head's GEMMs span the runs (HeadPass with `parts`: each tile
