@@ -11,8 +11,8 @@ Policy, a fair share of engine time: when both lanes have work, the lane that ha
 time goes next. A lane with no work banks no credit (its account is raised to the other's), so
 coming back from idle it cannot hold the engine for long. Both busy: ~half the time each, so a 3 s
 forward_backward is followed by ~3 s of decode steps, and neither starves; one idle: the other
-gets all of it. A training step carries one op, or several runs' (below), per engine (an EngineRouter of several:
-Ray actors of different base models train at once); a sampling step admits every waiting request that
+gets all of it. A training step carries one op, or several runs' (below), per engine (an
+EngineRouter of several: Ray actors of different base models train at once); a sampling step admits every waiting request that
 fits the row budget, round-robin over sampling sessions, then decodes.
 
 Training across tenants (`_together`): when the step's op is a forward_backward (or a forward), the
@@ -189,17 +189,12 @@ class Scheduler:
                     and tokens + _tokens(other) <= self.batch_tokens and q.request_id not in self.suspects
                     and (eligible is None or eligible(q)))
 
-        together = []
-
-        def join_queued() -> None:
+        def took(q: QueuedOp) -> None:
             nonlocal tokens
-            while (q := self.queue.pop(LANE_TRAIN, eligible=joins)) is not None:
-                self._started(q)
-                taken.add(q.target)
-                tokens += _tokens(q.op.op)
-                together.append(q)
+            taken.add(q.target)
+            tokens += _tokens(q.op.op)
 
-        join_queued()
+        together = self._take(joins, took)
         last, last_s = self._last_pass.get(op.base_model, (frozenset(), 0.0))
         deadline = time.monotonic() + min(self.batch_wait_s, last_s / 10)
         while wait and tokens < self.batch_tokens and (left := deadline - time.monotonic()) > 0:
@@ -210,7 +205,7 @@ class Scheduler:
                     or not any(self.queue.depth(target) == 0 for target in last - taken)):
                 break
             self.queue.wait_for_put(seen, left)
-            join_queued()
+            together += self._take(joins, took)
         return together
 
     def _optim_steps(self, first: QueuedOp, eligible) -> list[QueuedOp]:
@@ -226,12 +221,17 @@ class Scheduler:
                     and q.target not in taken and q.request_id not in self.suspects
                     and (eligible is None or eligible(q)))
 
-        together = []
+        return self._take(joins, lambda q: taken.add(q.target))
+
+    def _take(self, joins: Callable[[QueuedOp], bool], took: Callable[[QueuedOp], None]) -> list[QueuedOp]:
+        """The train lane's queue heads that `joins` accepts, in turn order, each started; took(op)
+        after each, so `joins` sees it before the next."""
+        out = []
         while (q := self.queue.pop(LANE_TRAIN, eligible=joins)) is not None:
             self._started(q)
-            taken.add(q.target)
-            together.append(q)
-        return together
+            took(q)
+            out.append(q)
+        return out
 
     def _beside(self, first: QueuedOp, eligible) -> list[QueuedOp]:
         """Training ops for the other engines, one each, to run in the same step as `first`."""
@@ -243,12 +243,7 @@ class Scheduler:
             k = self.engine_of(q.op.op)
             return k is not None and k not in taken and (eligible is None or eligible(q))
 
-        beside = []
-        while (q := self.queue.pop(LANE_TRAIN, eligible=elsewhere)) is not None:
-            self._started(q)
-            taken.add(self.engine_of(q.op.op))
-            beside.append(q)
-        return beside
+        return self._take(elsewhere, lambda q: taken.add(self.engine_of(q.op.op)))
 
     def charge(self, picked: Picked, seconds: float) -> None:
         """Book a finished step's engine time to its lane; lanes idle meanwhile keep level, not behind."""

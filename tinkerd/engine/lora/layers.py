@@ -188,10 +188,10 @@ class MultiLoraLinear(nn.Module):
         The blocks are views from one split (its backward is one cat, where a slice per group made a
         zero-filled [B, T, in] gradient per group), and a group at the batch's width is not padded."""
         groups = self.ctx.groups
-        if not any(group.slot in self.adapters for group in groups):
+        loras = [self.adapters.get(group.slot) for group in groups]
+        if all(lw is None for lw in loras):
             return out
         t = x.shape[1]
-        loras = [self.adapters.get(group.slot) for group in groups]
         if batched.fits(x, groups, loras):
             return out + batched.same_shape_deltas(x, loras)
         parts = []
