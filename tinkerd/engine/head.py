@@ -188,7 +188,8 @@ class HeadPass:
         tiles = []
         # [R, K] like `inside`: shaped [R] it would broadcast to [R, R] (and to [0, 0] for a rank
         # without datums, engine/sharding.py, whose lp[:, 0] then fails).
-        picked = torch.zeros((targets.shape[0], targets.shape[1] if targets.dim() == 2 else 1), dtype=torch.float32)
+        picked = torch.zeros((targets.shape[0], targets.shape[1] if targets.dim() == 2 else 1), dtype=torch.float32,
+                             device=x.device)
         for tile in self.tiles:
             z = self._logits(x, runs, xs, tile)
             index, inside = self._local(targets, tile)

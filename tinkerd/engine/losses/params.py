@@ -34,10 +34,12 @@ def clip_bounds(inputs: dict[str, Tensor], config: dict[str, float | str], loss:
     Returned as tensors broadcastable against the positions."""
     lo = inputs.get("clip_low_threshold")
     hi = inputs.get("clip_high_threshold")
+    # On the positions' device: torch.clamp takes a CPU scalar tensor as a bound only on the CPU.
+    device = inputs["logprobs"].device
     if lo is None:
-        lo = torch.tensor(number(config, "clip_low_threshold", loss))
+        lo = torch.tensor(number(config, "clip_low_threshold", loss), device=device)
     if hi is None:
-        hi = torch.tensor(number(config, "clip_high_threshold", loss))
+        hi = torch.tensor(number(config, "clip_high_threshold", loss), device=device)
     if bool((lo < 0).any()) or bool((lo > hi).any()):
         raise UserError(
             f"{loss} needs 0 <= clip_low_threshold <= clip_high_threshold (they are ratios, e.g. 0.8 and 1.2)"
