@@ -198,8 +198,9 @@ def tenant_phases(url: str, model: str, args, vocab: int) -> str:
 
 def batched_lora_bits(device: str) -> str:
     """Whether torch.bmm gives each matrix the bits of torch.mm for the products of
-    engine/lora/batched.py, on this device in fp32 and bf16. That path runs on CPU only, where MKL
-    was checked; a "yes" here is what enabling it on this device needs (its fits())."""
+    engine/lora/batched.py, on this device in fp32 and bf16: "yes" means a shared pass's batched LoRA
+    products keep each run's bits there (MKL: yes; an H200's cuBLAS: no, where the path runs anyway,
+    to rounding, as the rest of a CUDA shared pass)."""
     import torch
 
     gen = torch.Generator(device="cpu").manual_seed(0)

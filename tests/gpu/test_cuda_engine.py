@@ -8,7 +8,8 @@ What it pins there:
 - the RL losses run on the device;
 - sampling from the trained weights on the device returns the CPU's greedy tokens (fp32);
 - a shared pass of several runs (engine/cotrain.py) gives each run what it gets alone, to rounding
-  (bit for bit on the CPU only).
+  (bit for bit on the CPU only);
+- an op alone repeats to the bit (what recovery's replay needs).
 
 The first GPU run found an fp32 forward_backward that failed on CUDA (engine/head.py built a
 tensor on the CPU): bf16 never takes that path, so the SDK loop in bf16 had hidden it.
@@ -144,27 +145,40 @@ def test_sampling_the_trained_weights_on_cuda_gives_the_cpus_greedy_tokens(engin
                                atol=1e-3)
 
 
+@pytest.mark.parametrize("shapes", ["mixed", "same"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_shared_pass_on_cuda_gives_each_run_what_it_gets_alone_to_rounding(engines, dtype):
+def test_a_shared_pass_on_cuda_gives_each_run_what_it_gets_alone_to_rounding(engines, dtype, shapes, monkeypatch):
     """On the CPU a shared pass keeps each run's bits (tests/unit/engine/test_cotrain.py). On CUDA it
     does not: cuBLAS picks kernels by shapes, strides and alignment, so a run's rows inside a larger
     pass can round differently (the first GPU run: round 0 equal, round 1 off by 1-4 ulp in fp32).
-    What holds there is agreement to rounding, after optim_steps too."""
+    What holds there is agreement to rounding, after optim_steps too. Runs of one shape take the
+    batched LoRA GEMMs (engine/lora/batched.py), on CUDA too."""
+    from tinkerd.engine.lora import batched
+
+    calls = []
+    deltas = batched.same_shape_deltas
+    monkeypatch.setattr(batched, "same_shape_deltas", lambda x, loras: calls.append(len(loras)) or deltas(x, loras))
     engine, base = engines[DEVICE, dtype], "tinkerd/tiny-qwen3"
     engine.load_base_model(base)
-    specs = [LoraSpec(rank=4, alpha=16.0, seed=11), LoraSpec(rank=8, alpha=32.0, seed=12),
-             LoraSpec(rank=8, alpha=16.0, seed=13, train_unembed=False)]
-    lengths = [(9, 13, 6, 11), (21, 5), (3, 17, 8)]
+    if shapes == "mixed":
+        specs = [LoraSpec(rank=4, alpha=16.0, seed=11), LoraSpec(rank=8, alpha=32.0, seed=12),
+                 LoraSpec(rank=8, alpha=16.0, seed=13, train_unembed=False)]
+        lengths = [(9, 13, 6, 11), (21, 5), (3, 17, 8)]
+    else:
+        specs = [LoraSpec(rank=8, alpha=alpha, seed=11 + k) for k, alpha in enumerate((16.0, 32.0, 8.0))]
+        lengths = [(9, 13)] * 3
     ids = {}
     for mode in ("solo", "fused"):
         for k, spec in enumerate(specs):
-            ids[mode, k] = f"shared-{dtype}-{mode}-{k}"
+            ids[mode, k] = f"shared-{dtype}-{shapes}-{mode}-{k}"
             run(engine, CreateModelOp(ids[mode, k], base, spec))
     for round_ in range(2):
         ops = [(f"f{k}", ForwardBackwardOp(ids["fused", k], sft_data(100 * round_ + k, lengths[k]), "cross_entropy"))
                for k in range(len(specs))]
+        calls.clear()
         out = engine.step(StepBatch(run=ops))
         assert out.shared_passes == [len(specs)]
+        assert bool(calls) == (shapes == "same")
         fused = dict(out.done)
         for k in range(len(specs)):
             alone = run(engine, ForwardBackwardOp(ids["solo", k], sft_data(100 * round_ + k, lengths[k]), "cross_entropy"))
@@ -175,3 +189,22 @@ def test_a_shared_pass_on_cuda_gives_each_run_what_it_gets_alone_to_rounding(eng
         for mode in ("solo", "fused"):
             for k in range(len(specs)):
                 run(engine, OptimStepOp(ids[mode, k], ADAM))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("base", ["tinkerd/tiny-qwen3", "tinkerd/tiny-qwen3.5", "tinkerd/tiny-qwen3-moe"])
+def test_an_op_alone_on_cuda_repeats_to_the_bit(engines, base, dtype):
+    """Recovery replays a run's logged ops (docs/architecture.md §4) and promises the uninterrupted
+    run's losses and weights: twin adapters given the same ops one at a time must agree bit for bit,
+    which CUDA kernels with atomics (some attention backwards, scatter-adds) would break."""
+    engine = engines[DEVICE, dtype]
+    tag = f"{base.rsplit('/', 1)[1]}-{dtype}"
+    a, b = train(engine, base, f"repeat-{tag}-a"), train(engine, base, f"repeat-{tag}-b")
+    for r, (x, y) in enumerate(zip(a, b)):
+        assert x.metrics == y.metrics, r
+        for p, q in zip(x.loss_fn_outputs, y.loss_fn_outputs):
+            assert np.array_equal(p["logprobs"], q["logprobs"]), r
+    pool = engine.runtime(base).pool
+    for name, (wa, wb) in pool.get(f"repeat-{tag}-a").weights.items():
+        twin = pool.get(f"repeat-{tag}-b").weights[name]
+        assert torch.equal(wa, twin[0]) and torch.equal(wb, twin[1]), name

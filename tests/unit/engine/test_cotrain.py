@@ -182,14 +182,31 @@ def test_off_the_tiled_path_each_run_keeps_its_own_head(engine, monkeypatch):
         assert_identical(state(engine, fused[k]), state(engine, m), m)
 
 
-@pytest.mark.parametrize("alphas, batched_layers", [((8.0, 32.0, 16.0), True), ((8.0, 12.0, 16.0), False)])
-def test_runs_of_one_shape_take_each_layers_deltas_in_batched_gemms_and_keep_their_bits(engine, monkeypatch,
-                                                                                       alphas, batched_layers):
+@pytest.fixture(scope="module")
+def bf16_engine(models_dir):
+    """A `--dtype bfloat16` engine: bf16 base, fp32 master adapters cast for each pass."""
+    from tinkerd.engine.engine import Engine
+    from tinkerd.engine.precision import Precision
+
+    eng = Engine(models_dir, precision=Precision("cpu", "bfloat16"))
+    eng.load_base_model(BASE)
+    return eng
+
+
+@pytest.mark.parametrize("alphas, batched_layers, dtype", [((8.0, 32.0, 16.0), True, "float32"),
+                                                           ((8.0, 12.0, 16.0), False, "float32"),
+                                                           ((8.0, 32.0, 16.0), True, "bfloat16"),
+                                                           ((16.0, 16.0, 16.0), True, "bfloat16")])
+def test_runs_of_one_shape_take_each_layers_deltas_in_batched_gemms_and_keep_their_bits(request, monkeypatch, alphas,
+                                                                                       batched_layers, dtype):
     """Runs whose blocks have the same rows, width and rank (engine/lora/batched.py) get every
     layer's LoRA deltas from one batched GEMM per product, and each its bits alone: results,
-    gradients and weights after two rounds, with powers-of-two scalings 1, 4 and 2. A scaling of
-    1.5 (PEFT scales the output then) keeps the per-run GEMMs."""
+    gradients and weights after two rounds, with powers-of-two scalings 1, 4 and 2 (or all 2). A
+    scaling of 1.5 (PEFT scales the output then) keeps the per-run GEMMs. In bf16 the fp32 master
+    A/B are cast for the pass and their gradients cast back, as alone."""
     from tinkerd.engine.lora import batched
+
+    engine = request.getfixturevalue("engine" if dtype == "float32" else "bf16_engine")
 
     calls = []
     deltas = batched.same_shape_deltas
@@ -198,7 +215,7 @@ def test_runs_of_one_shape_take_each_layers_deltas_in_batched_gemms_and_keep_the
     solo, fused = [], []
     for k, spec in enumerate(specs):
         for ids, kind in ((solo, "solo"), (fused, "fused")):
-            ids.append(f"cotrain-same-{alphas[1]}-{k}-{kind}")
+            ids.append(f"cotrain-same-{dtype}-{alphas}-{k}-{kind}")
             assert not isinstance(alone(engine, CreateModelOp(ids[-1], BASE, spec)), Exception)
     for round_ in range(2):  # round 0: B = 0, so A's gradients are 0; round 1 trains everything
         data = [sft_data(200 + 10 * round_ + k, lengths=(9, 13)) for k in range(len(specs))]

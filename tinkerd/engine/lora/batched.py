@@ -12,9 +12,15 @@ So this Function computes, per run, exactly the products autograd computes for t
 the same operands in the same order and transposition (torch's mm_mat1_backward and
 mm_mat2_backward for x @ A^T and u @ B^T): u = x A^T, delta = (s u) B^T; backward d(su) = d B,
 dB = d^T (s u), du = s d(su), dx = du A, dA = du^T x. MKL's batched GEMM gives each matrix the
-bits of the single GEMM (tests/unit/engine/test_cotrain.py checks the whole pass against each op
-alone). Its gradients come out in each parameter's own layout: fused AdamW on CPU needs that
-(engine/adam.py: add_grad), and autograd's bmm backward gives A's gradient transposed.
+bits of the single GEMM, in fp32 and bf16 (tests/unit/engine/test_cotrain.py checks the whole pass
+against each op alone in both). Its gradients come out in each parameter's own layout: fused AdamW
+on CPU needs that (engine/adam.py: add_grad), and autograd's bmm backward gives A's gradient
+transposed.
+
+On CUDA the bits are not the op's alone (an H200's cuBLAS: bmm != mm, benchmarks/gpu_check.py), but
+there a shared pass keeps them in no case (the base GEMMs over all runs' rows round differently,
+tests/gpu/test_cuda_engine.py), and a GPU engine is bound by its kernel launches (docs/testing.md):
+one bmm per product instead of one mm per run.
 """
 
 from __future__ import annotations
@@ -31,12 +37,16 @@ class SameShapeDeltas(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, scalings: tuple[float, ...], *weights: torch.Tensor) -> torch.Tensor:
         g = len(scalings)
-        a, b = torch.stack(weights[:g]), torch.stack(weights[g:])
+        # A bf16 base casts the fp32 master A/B for the pass, as the per-run path does (engine/precision.py).
+        a, b = torch.stack(weights[:g]).to(x.dtype), torch.stack(weights[g:]).to(x.dtype)
         u = torch.bmm(x, a.transpose(1, 2))
-        scale = None if all(s == 1.0 for s in scalings) else u.new_tensor(scalings)[:, None, None]
-        us = u if scale is None else u * scale
+        # One scaling for all runs is a Python number, as alone; several, a [G, 1, 1] tensor (the same
+        # products: powers of two scale exactly).
+        scale = scalings[0] if len(set(scalings)) == 1 else u.new_tensor(scalings)[:, None, None]
+        ctx.unit = not torch.is_tensor(scale) and scale == 1.0
+        us = u if ctx.unit else u * scale
         ctx.save_for_backward(x, a, b, us)
-        ctx.scale = scale
+        ctx.scale, ctx.master = scale, weights[0].dtype
         return torch.bmm(us, b.transpose(1, 2))
 
     @staticmethod
@@ -44,10 +54,11 @@ class SameShapeDeltas(torch.autograd.Function):
         x, a, b, us = ctx.saved_tensors
         d_us = torch.bmm(d, b)
         g_b = torch.bmm(d.transpose(1, 2), us)
-        d_u = d_us if ctx.scale is None else d_us * ctx.scale
+        d_u = d_us if ctx.unit else d_us * ctx.scale
         g_x = torch.bmm(d_u, a)
         g_a = torch.bmm(d_u.transpose(1, 2), x)
-        return (g_x, None, *g_a.unbind(0), *g_b.unbind(0))
+        # Back to the master dtype, as autograd's cast backward does alone (a no-op in fp32).
+        return (g_x, None, *(t.to(ctx.master) for t in g_a.unbind(0)), *(t.to(ctx.master) for t in g_b.unbind(0)))
 
 
 def same_shape_deltas(xs: torch.Tensor, loras: list) -> torch.Tensor:
@@ -61,15 +72,13 @@ def same_shape_deltas(xs: torch.Tensor, loras: list) -> torch.Tensor:
 
 
 def fits(x: torch.Tensor, groups: list, loras: list) -> bool:
-    """Whether same_shape_deltas gives every group its op-alone bits: more than one group on CPU,
-    every one with an adapter of this layer at x's dtype, the same rank and rows, at the batch's
-    width, and a power-of-two scaling (another scales the output, in PEFT's order)."""
-    # CPU only: MKL's batched GEMM was checked to give each matrix the single GEMM's bits; cuBLAS
-    # picks its batched kernels apart from its single ones, and no GPU has checked it yet.
-    if len(groups) < 2 or x.device.type != "cpu" or any(lw is None for lw in loras):
+    """Whether same_shape_deltas takes this layer: more than one group, every one with an adapter of
+    this layer, the same rank, master dtype and rows, at the batch's width, and a power-of-two
+    scaling (another scales the output, in PEFT's order)."""
+    if len(groups) < 2 or any(lw is None for lw in loras):
         return False
-    rows, shape = groups[0].rows.shape[0], loras[0].a.shape
+    rows, shape, master = groups[0].rows.shape[0], loras[0].a.shape, loras[0].a.dtype
     t = x.shape[1]
     return (all(group.rows.shape[0] == rows and (group.width or t) == t for group in groups)
-            and all(lw.a.shape == shape and lw.a.dtype == x.dtype and lw.b.dtype == x.dtype
+            and all(lw.a.shape == shape and lw.a.dtype == master and lw.b.dtype == master
                     and power_of_two(lw.scaling) for lw in loras))
