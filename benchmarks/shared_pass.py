@@ -10,6 +10,7 @@ the same losses (twin adapters: same rank and seed).
 
     python benchmarks/shared_pass.py                        # SmolLM2-135M, 1 thread, N = 1, 2, 4
     python benchmarks/shared_pass.py --threads 2 --rounds 3 --tenants 1 2 4 8
+    python benchmarks/shared_pass.py --dtype bfloat16       # the bf16 engine
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from tinkerd.engine.engine import Engine  # noqa: E402
+from tinkerd.engine.precision import Precision  # noqa: E402
 from tinkerd.types import AdamParams, CreateModelOp, Datum, ForwardBackwardOp, LoraSpec, OptimStepOp, StepBatch  # noqa: E402
 
 
@@ -68,9 +70,17 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="bfloat16: the --dtype bfloat16 engine (bf16 base, fp32 master adapters)")
+    ap.add_argument("--per-run-loras", action="store_true",
+                    help="turn engine/lora/batched.py off: every run's LoRA products as its own GEMMs")
     args = ap.parse_args()
+    if args.per_run_loras:
+        from tinkerd.engine.lora import batched
+
+        batched.fits = lambda *a: False
     torch.set_num_threads(args.threads)
-    engine = Engine(Path(args.models_dir))
+    engine = Engine(Path(args.models_dir), precision=Precision("cpu", args.dtype))
     rt = engine.load_base_model(args.model)
     ids = {}
     for mode in ("shared", "apart"):
@@ -93,7 +103,7 @@ def main() -> None:
                 fb_times.setdefault((n, mode), []).append(fb_s)
             # Twins on the same data, in lock-step: shared equals apart to the bit (engine/cotrain.py).
             assert losses["shared"] == losses["apart"], losses
-    print(f"model={args.model} rank={args.rank} threads={args.threads} batch/tenant={args.datums}x{args.tokens} "
+    print(f"model={args.model} dtype={args.dtype} per_run_loras={args.per_run_loras} rank={args.rank} threads={args.threads} batch/tenant={args.datums}x{args.tokens} "
           f"rounds={args.rounds} (medians; aggregate tokens/s)")
     per_round = args.datums * args.tokens
     for label, table in (("forward_backward only", fb_times), ("forward_backward + optim_step", times)):
