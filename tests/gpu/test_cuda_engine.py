@@ -208,3 +208,21 @@ def test_an_op_alone_on_cuda_repeats_to_the_bit(engines, base, dtype):
     for name, (wa, wb) in pool.get(f"repeat-{tag}-a").weights.items():
         twin = pool.get(f"repeat-{tag}-b").weights[name]
         assert torch.equal(wa, twin[0]) and torch.equal(wb, twin[1]), name
+
+
+def test_a_forward_backward_whose_gradient_overflows_is_refused_on_cuda(engines):
+    """The non-finite guard (engine/finite.py) on the device, where it checks the gradients with one
+    foreach norm instead of a sum per tensor: the op fails as a user error and the adapter keeps
+    no pending gradient."""
+    from tinkerd.errors import UserError
+
+    engine = engines[DEVICE, "float32"]
+    base = "tinkerd/tiny-qwen3"
+    engine.load_base_model(base)
+    run(engine, CreateModelOp("overflow", base, LoraSpec(rank=8, alpha=16.0, seed=5)))
+    good, bad = sft_data(50)[:2]
+    inputs = dict(bad.loss_fn_inputs)
+    inputs["weights"] = np.full_like(inputs["weights"], 1e36)  # the loss fits fp32, its gradient not
+    with pytest.raises(UserError, match=r"gradient of \S+\.lora_[AB] is|loss is"):
+        run(engine, ForwardBackwardOp("overflow", [good, Datum(bad.tokens, inputs)], "cross_entropy"))
+    assert engine.runtime(base).pool.get("overflow").pending_grads == 0

@@ -43,17 +43,24 @@ LIMIT = 1e30
 SLACK = 1 + 1e-5
 
 
-def magnitude(tensors: Iterable[torch.Tensor | None]) -> float:
+def magnitude(tensors: Iterable[torch.Tensor | None], foreach: bool | None = None) -> float:
     """max |x| over all elements of `tensors`: nan when one is NaN, inf when one is +-inf, 0 for none.
-    One aminmax pass per tensor, as fast as the sum the finite check used to take."""
+    One aminmax pass per tensor, as fast as the sum the finite check used to take. `foreach` (default:
+    on CUDA, where those are 423 launches per SmolLM2 optim_step): two multi-tensor norms instead."""
+    tensors = [t.detach() for t in tensors if t is not None and t.numel()]
+    if not tensors:
+        return 0.0
+    if tensors[0].is_cuda if foreach is None else foreach:
+        # The inf norm is max |x|, exact; whether it propagates NaN is the kernel's business, so an
+        # L1 norm (a sum: NaN or inf whenever an element is) vouches that every element is finite
+        # first, and anything else takes the exact per-tensor path below.
+        if bool(torch.isfinite(torch.stack(torch._foreach_norm(tensors, 1, dtype=torch.float32))).all()):
+            return float(torch.stack(torch._foreach_norm(tensors, float("inf"), dtype=torch.float32)).max())
     lows, highs = [], []
     for t in tensors:
-        if t is not None and t.numel():
-            low, high = torch.aminmax(t.detach())
-            lows.append(low.float())
-            highs.append(high.float())
-    if not lows:
-        return 0.0
+        low, high = torch.aminmax(t)
+        lows.append(low.float())
+        highs.append(high.float())
     return float(torch.maximum(-torch.stack(lows).min(), torch.stack(highs).max()))  # both propagate NaN
 
 

@@ -128,14 +128,17 @@ def test_forward_only_reports_a_non_finite_loss(engine):
     assert result.metrics["loss:sum"] == float("inf")
 
 
-def test_the_per_tensor_sums_clear_finite_tensors_and_find_every_bad_one():
-    """first_non_finite's fast path (one sum per tensor): tensors whose sum overflows fp32 but whose
-    elements are finite are not reported, and a NaN, +inf or -inf anywhere is, by name and kind."""
+@pytest.mark.parametrize("foreach", [False, True], ids=["sums", "foreach_norm"])
+def test_the_per_tensor_sums_clear_finite_tensors_and_find_every_bad_one(foreach):
+    """first_non_finite's fast path (one sum per tensor; on CUDA one L1 foreach norm): tensors whose
+    sum overflows fp32 but whose elements are finite are not reported, and a NaN, +inf or -inf
+    anywhere is, by name and kind."""
     from tinkerd.engine.finite import first_non_finite
 
     big = torch.full((4, 3), 3e38)  # each element finite, the sum inf
-    assert first_non_finite([("big", big), ("neg", -big), ("int", torch.tensor([2**62])), ("none", None)]) is None
+    ok = [("big", big), ("neg", -big), ("int", torch.tensor([2**62])), ("none", None)]
+    assert first_non_finite(ok, foreach=foreach) is None
     for bad, kind in ((float("nan"), "nan"), (float("inf"), "inf"), (float("-inf"), "-inf")):
         t = torch.zeros(5, 7, dtype=torch.bfloat16)
         t[3, 2] = bad
-        assert first_non_finite([("ok", torch.ones(3)), ("big", big), ("bad", t)]) == ("bad", kind)
+        assert first_non_finite([("ok", torch.ones(3)), ("big", big), ("bad", t)], foreach=foreach) == ("bad", kind)

@@ -32,6 +32,25 @@ def _draw(rng: np.random.Generator) -> tuple[AdamParams, float, float]:
     return adam, pick(-3, 33), pick(-3, 20)
 
 
+@pytest.mark.parametrize("foreach", [False, True], ids=["aminmax", "foreach_norm"])
+def test_magnitude_is_the_exact_max_abs_and_propagates_nan_and_inf(foreach):
+    """Both ways (per-tensor aminmax; on CUDA, foreach norms): max |x| exactly, over tensors whose
+    L1 sum overflows too, and nan / inf whenever an element is, in any tensor and dtype."""
+    gen = torch.Generator().manual_seed(3)
+    ts = [torch.randn(7, 5, generator=gen) * 10 ** k for k in range(-3, 4)]
+    ts += [torch.randn(4, 4, generator=gen).bfloat16(), torch.empty(0), None, torch.full((9,), -3e38)]
+    want = max(float(t.detach().abs().max()) for t in ts if t is not None and t.numel())
+    assert magnitude(ts, foreach=foreach) == want  # the -3e38 tensor's: its L1 sum is inf
+    assert magnitude(ts[:3], foreach=foreach) == max(float(t.abs().max()) for t in ts[:3])
+    assert magnitude([None, torch.empty(0)], foreach=foreach) == 0.0
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for where in (0, 7):
+            poisoned = [t.clone() if t is not None else None for t in ts]
+            poisoned[where].view(-1)[3] = bad
+            got = magnitude(poisoned, foreach=foreach)
+            assert math.isnan(got) if math.isnan(bad) else got == float("inf"), (bad, where)
+
+
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "foreach"])
 def test_every_proven_step_is_finite_and_inside_its_bounds(fused):
     rng = np.random.default_rng(0)
