@@ -17,13 +17,13 @@ ROOT = Path(__file__).resolve().parents[2]
 def rows(foreach: str, models_dir: Path) -> dict[int, list[float]]:
     out = subprocess.run(
         [sys.executable, "benchmarks/launches.py", "--model", "tinkerd/tiny-llama", "--models-dir", str(models_dir),
-         "--tokens", "8", "--rank", "8", "--foreach", foreach],
+         "--tokens", "8", "--rank", "8", "--foreach", foreach, "--time", "1"],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     table = {}
     for line in out.stdout.splitlines():
         cells = line.split()
-        if len(cells) == 7 and cells[0].isdigit():
+        if len(cells) == 11 and cells[0].isdigit():
             table[int(cells[0])] = [float(c) for c in cells[1:]]
     assert set(table) == {1, 4}, out.stdout
     return table
@@ -34,6 +34,7 @@ def test_a_shared_pass_of_four_runs_dispatches_under_half_the_ops_per_run(foreac
     table = rows(foreach, tmp_path)
     solo, four = table[1], table[4]
     assert four[5] < solo[5] / 2  # per-run ops of a whole round (pass + optim_step)
+    assert solo[9] == 1.0 and four[8] > 0 and four[9] == pytest.approx(four[8] / solo[8], abs=0.02)  # timed rounds
     tensors = 2 * 7 * 2  # A and B of 7 linears in each of the tiny Llama's 2 layers
     if foreach == "on":
         assert solo[2] < tensors  # one foreach norm pair, not one reduction per tensor
