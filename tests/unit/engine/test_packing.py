@@ -167,3 +167,31 @@ def test_one_slow_call_is_measured_again_and_a_load_spike_keeps_the_convolution(
     assert len(calls) > 3  # the slow pair was measured again
     packed = [m.stack[0].packed if m.stack else m.packed_weight for m in layers.values()]
     assert {p.dim() for p in packed} == {4}
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="needs oneDNN's bf16 kernels")
+def test_bf16_weights_pack_for_the_inner_product_and_keep_f_linears_results(block):
+    """A bf16 model's linears pack too (the inner product: no timing check), and every layer's
+    sampling output matches its training-path output: exactly on base rows here, to bf16 rounding
+    on rows with adapters (fp32 master A/B cast to bf16 either way)."""
+    ctx, layers = block
+    for layer in layers.values():
+        layer.base.to(torch.bfloat16)
+    x = torch.randn(3, 5, 16).bfloat16()
+    for rows in ([-1, -1, -1], [0, -1, 0]):
+        ctx.set_rows(rows)
+        with torch.no_grad():
+            want = {n: layers[n](x) for n in layers}
+        if rows[0] == -1:
+            assert pack_for_decode(layers)
+            packed = [m.stack[0].packed if m.stack else m.packed_weight for m in layers.values()]
+            assert {p.dim() for p in packed} == {2} and {p.dtype for p in packed} == {torch.bfloat16}
+        ctx.sampling = True
+        with torch.inference_mode():
+            got = {n: layers[n](x) for n in layers}
+        ctx.sampling = False
+        for n in layers:
+            if rows[0] == -1:
+                assert torch.equal(got[n], want[n]), n
+            else:
+                torch.testing.assert_close(got[n], want[n], atol=0.1, rtol=2e-2)
