@@ -15,12 +15,14 @@ per CPU-second of this process and the server trees (engine included; the machin
 CPU time is less skewed by neighbours than wall time), the load average, and the ratio after/before.
 
     python benchmarks/grpo_sampling.py --baseline-tree /work/main --threads 1 --rounds 3
+    python benchmarks/grpo_sampling.py --server-args="--dtype bfloat16" ...   # a bf16 server on both sides
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import shutil
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -88,6 +90,7 @@ def main() -> None:
     ap.add_argument("--cases", default="cookbook,num_samples")
     ap.add_argument("--baseline-tree", default=None, help="also run a server from this checkout (e.g. /work/main)")
     ap.add_argument("--data-dir", default="/tmp/tinkerd-bench", help="its models/ is reused, so a model is converted once")
+    ap.add_argument("--server-args", default="", help="extra `tinkerd serve` arguments for both sides, e.g. '--dtype bfloat16'")
     args = ap.parse_args()
     if "glibc.malloc.hugetlb" not in os.environ.get("GLIBC_TUNABLES", ""):
         # As benchmarks/training.py: the tunable is read at process start, so re-exec with it.
@@ -96,7 +99,7 @@ def main() -> None:
     base = Path(args.data_dir).resolve()
     (base / "models").mkdir(parents=True, exist_ok=True)
     share_models((base / "models").resolve())
-    server_args = ["--threads", str(args.threads)]
+    server_args = ["--threads", str(args.threads), *shlex.split(args.server_args)]
     try:
         with ExitStack() as stack:
             trees = {"after": None} | ({"before": args.baseline_tree} if args.baseline_tree else {})
@@ -120,7 +123,7 @@ def main() -> None:
     finally:
         for path in _made:  # models/ stays for the next run
             shutil.rmtree(path, ignore_errors=True)
-    print(f"model {args.model}, threads {args.threads}, {args.prompts} prompts x {args.prompt_tokens} tokens, "
+    print(f"model {args.model}, threads {args.threads}, server args {args.server_args!r}, {args.prompts} prompts x {args.prompt_tokens} tokens, "
           f"{args.group} samples each, {args.new_tokens} new tokens, {args.rounds} rounds; load average "
           f"{load0} before, {load1} after; other processes used {run.other_cpu_s:.0f} CPU-s in {run.wall_s:.0f} s")
     rates = {}
