@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 
-from tinkerd.engine.step_bounds import StepBounds, magnitude
+from tinkerd.engine.step_bounds import StepBounds, finiteness_sums, magnitude
 from tinkerd.errors import UserError
 from tinkerd.types import AdamParams
 
@@ -61,17 +61,8 @@ def first_non_finite(named: Iterable[tuple[str, torch.Tensor | None]],
     # A sum is NaN or +-inf whenever an element is, so finite sums clear every tensor at once: one
     # reduction per tensor instead of isfinite's four elementwise passes (a SmolLM2 rank-32 step
     # checks ~2,100 tensors: ~150 ms that way, ~25 ms this way). A sum of finite values can still
-    # overflow, so a non-finite sum only sends the check element by element. An L1 norm is such a
-    # sum too: on CUDA torch._foreach_norm takes a few launches for all tensors where the sums take
-    # one each (423 per SmolLM2 step, ~6% of a host-bound step's launches); on the CPU it loops per
-    # tensor and ran 3x slower than the sums.
-    tensors = [t.detach() for _, t in named]
-    if foreach is None:
-        foreach = tensors[0].is_cuda
-    if foreach:
-        sums = torch.stack(torch._foreach_norm(tensors, 1, dtype=torch.float32))
-    else:
-        sums = torch.stack([t.sum(dtype=torch.float32) for t in tensors])
+    # overflow, so a non-finite sum only sends the check element by element.
+    sums = finiteness_sums([t.detach() for _, t in named], foreach)
     if bool(torch.isfinite(sums).all()):
         return None
     for name, t in named:
