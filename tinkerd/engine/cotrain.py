@@ -21,9 +21,9 @@ reduces over stays its own:
   sums across rows there, and each adapter's grads come only from its own rows.
 
 - attention runs per run, on its rows at its own width with the mask its op alone gets
-  (`GroupedAttention`): SDPA's CPU kernel blocks its softmax sums by the key length, so the same
+  (`grouped_attention`): SDPA's CPU kernel blocks its softmax sums by the key length, so the same
   row padded to another width comes out different in the last bits (measured: 9, 13 and 21 tokens
-  padded to 40 all differed).
+  padded to 40 all differed). Consecutive runs of one width share a call (`_attention_calls`).
 
 What a run shares is the number of rows of the body's frozen GEMMs, which changes no bit of a row
 there from 4 rows up; MKL's sgemm takes another kernel below 4 rows (measured on SmolLM2's and the
@@ -71,7 +71,7 @@ log = logging.getLogger(__name__)
 
 # Below this many tokens an op's body GEMMs take another MKL kernel than in a bigger batch (docstring).
 MIN_TOKENS = 4
-# The attention implementation a model gets once it runs a shared pass (GroupedAttention).
+# The attention implementation a model gets once it runs a shared pass (grouped_attention).
 ATTENTION = "tinkerd_grouped_sdpa"
 
 
@@ -99,23 +99,34 @@ def grouped_attention(module, query, key, value, attention_mask, tinkerd_attenti
     if not tinkerd_attention_groups:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     t = query.shape[2]
-    window = kwargs.get("sliding_window")
-    sizes = [g.size for g in tinkerd_attention_groups]
     outs, start = [], 0
-    for g, q, k, v in zip(tinkerd_attention_groups, query.split(sizes), key.split(sizes), value.split(sizes)):
-        w = g.width
-        if w < t:
-            q, k, v = q[:, :, :w], k[:, :, :w], v[:, :, :w]
-        # The op alone gets no mask when none of its datums is padded and no window bites (HF's
-        # sdpa_mask skips it for is_causal), so here neither: the same call takes the same kernel.
-        # The causal and the masked kernel agreed to the bit on this CPU build (T 6-257, head_dim
-        # 16 and 64, 1 thread); nothing promises that of other builds or devices.
-        alone_unmasked = attention_mask is None or (not g.padded and (window is None or w < window))
-        mask = None if alone_unmasked else attention_mask[start : start + g.size, :, :w, :w]
+    for size, w, unmasked in _attention_calls(tinkerd_attention_groups, attention_mask, kwargs.get("sliding_window")):
+        q, k, v = (x[start : start + size, :, :w] for x in (query, key, value))
+        mask = None if unmasked else attention_mask[start : start + size, :, :w, :w]
         o, _ = sdpa_attention_forward(module, q, k, v, mask, **kwargs)  # [B_k, w, heads, d]
         outs.append(o if w == t else torch.nn.functional.pad(o, (0, 0, 0, 0, 0, t - w)))
-        start += g.size
-    return torch.cat(outs), None
+        start += size
+    return (outs[0] if len(outs) == 1 else torch.cat(outs)), None
+
+
+def _attention_calls(groups: Sequence[AttentionGroup], attention_mask, window) -> list[tuple[int, int, bool]]:
+    """(rows, width, unmasked) of each SDPA call: one per run, but consecutive runs of one width and
+    the same need of a mask share one. Each row of a call is its own batch entry for the kernel,
+    blocked by the width alone, so sharing moves no bit (test_cotrain); it spares a call and its
+    pad per run and layer, forward and backward (on a GPU, their kernel launches).
+
+    The op alone gets no mask when none of its datums is padded and no window bites (HF's sdpa_mask
+    skips it for is_causal), so neither here: the same call takes the same kernel. The causal and
+    the masked kernel agreed to the bit on this CPU build (T 6-257, head_dim 16 and 64, 1 thread);
+    nothing promises that of other builds or devices."""
+    calls: list[tuple[int, int, bool]] = []
+    for g in groups:
+        unmasked = attention_mask is None or (not g.padded and (window is None or g.width < window))
+        if calls and calls[-1][1:] == (g.width, unmasked):
+            calls[-1] = (calls[-1][0] + g.size, g.width, unmasked)
+        else:
+            calls.append((g.size, g.width, unmasked))
+    return calls
 
 
 def _use_grouped_attention(rt: "ModelRuntime") -> None:

@@ -230,3 +230,41 @@ def test_runs_of_one_shape_take_each_layers_deltas_in_batched_gemms_and_keep_the
         for k, m in enumerate(solo):
             alone(engine, OptimStepOp(m, ADAM))
             assert_identical(state(engine, fused[k]), state(engine, m), f"{m} after optim_step {round_}")
+
+
+def test_consecutive_runs_of_one_width_share_an_attention_call_and_keep_their_bits(engine, monkeypatch):
+    """Runs of one width and the same mask need take one SDPA call per layer (cotrain._attention_calls):
+    two unpadded runs of width 12 share one, a padded run of width 12 gets its own (it needs the
+    mask, they do not), a run of width 7 its own; each run keeps the bits of its op alone."""
+    from transformers.integrations import sdpa_attention
+
+    lengths = ((12, 12), (12, 12), (9, 12), (7,))
+    specs = [LoraSpec(rank=4 * (k + 1), alpha=16.0, seed=30 + k) for k in range(len(lengths))]
+    solo, fused = [], []
+    for k, spec in enumerate(specs):
+        for ids, kind in ((solo, "solo"), (fused, "fused")):
+            ids.append(f"cotrain-attn-{k}-{kind}")
+            assert not isinstance(alone(engine, CreateModelOp(ids[-1], BASE, spec)), Exception)
+    calls = []
+    forward = sdpa_attention.sdpa_attention_forward
+    monkeypatch.setattr(sdpa_attention, "sdpa_attention_forward",
+                        lambda m, q, k, v, mask, **kw: calls.append((q.shape[0], q.shape[2], mask is None))
+                        or forward(m, q, k, v, mask, **kw))
+    data = [sft_data(300 + k, lengths=n) for k, n in enumerate(lengths)]
+    together, shared = step(engine, [ForwardBackwardOp(m, data[k], "cross_entropy") for k, m in enumerate(fused)])
+    assert shared == [len(specs)]
+    layers = engine.runtime_of(fused[0]).model.config.num_hidden_layers
+    assert calls == [(4, 12, True), (2, 12, False), (1, 7, True)] * layers
+    for k, m in enumerate(solo):
+        assert_same_result(together[k], alone(engine, ForwardBackwardOp(m, data[k], "cross_entropy")))
+        assert_identical(state(engine, fused[k]), state(engine, m), m)
+
+
+def test_a_sliding_window_that_bites_keeps_a_runs_attention_call_masked():
+    from tinkerd.engine.cotrain import AttentionGroup, _attention_calls
+
+    groups = [AttentionGroup(2, 12, False), AttentionGroup(1, 12, False), AttentionGroup(1, 12, True)]
+    assert _attention_calls(groups, None, None) == [(4, 12, True)]  # no mask at all: one call
+    mask = torch.ones(4, 1, 12, 12, dtype=torch.bool)
+    assert _attention_calls(groups, mask, None) == [(3, 12, True), (1, 12, False)]
+    assert _attention_calls(groups, mask, 8) == [(4, 12, False)]  # the window bites every run
