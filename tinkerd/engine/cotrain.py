@@ -39,10 +39,16 @@ Each op is validated alone first, so a bad datum fails only its own op (UserErro
 run; a failure of the shared pass itself (out of memory, a bug) falls back to running each op alone,
 so one op cannot fail its batch-mates. Checks after the pass (engine/finite.py) are per op too.
 
-Which ops go together (`pass_key`): ForwardBackwardOps on one dense full-attention base model, of
-distinct runs, all forward_backward or all forward. Other losses, ranks, lengths and datum counts mix
-freely: the loss runs per run. MoE experts (their per-expert token lists mix runs) and hybrid
-linear-attention models (DeltaNet's chunked scan runs over the padded width) run one op per pass.
+- a Qwen3-MoE's routed experts (engine/lora/experts.py) run each run's tokens on an expert as their
+  own GEMMs, in the order its op alone has them: an expert's rows would otherwise mix runs, and a
+  run with 1-3 tokens on an expert gets MKL's small-GEMM rounding alone. What such a pass shares
+  is the rest: attention's and the router's projections, the norms, the head. Each op's routing
+  metrics count its own real tokens.
+
+Which ops go together (`pass_key`): ForwardBackwardOps on one full-attention base model (dense, or
+a MoE of `SHARED_MOE`), of distinct runs, all forward_backward or all forward. Other losses, ranks,
+lengths and datum counts mix freely: the loss runs per run. Hybrid linear-attention models
+(DeltaNet's chunked scan runs over the padded width) and other MoE families run one op per pass.
 
 Shapes: B rows (datums of all runs), T widest row, M real positions of all runs, H hidden.
 """
@@ -144,9 +150,18 @@ def _use_grouped_attention(rt: "ModelRuntime") -> None:
     rt.model.set_attn_implementation(ATTENTION)
 
 
+# MoE families whose shared passes keep each op's bits: routed experts only (MultiLoraExperts splits
+# an expert's tokens by run) and no dense shared expert, whose flattened [B * T, H] rows the
+# per-run width cut of MultiLoraLinear._add_blocks does not reach.
+SHARED_MOE = frozenset({"qwen3_moe"})
+
+
 def fusable(rt: "ModelRuntime") -> bool:
     """Whether `rt`'s model can run several adapters' training rows in one pass (module docstring)."""
-    return buckets.dense_full_attention(rt) and rt.model.config._attn_implementation in ("sdpa", ATTENTION)
+    family = rt.loaded.family
+    return (family.layer_types == frozenset({"full_attention"})
+            and (family.experts_class is None or family.name in SHARED_MOE)
+            and rt.model.config._attn_implementation in ("sdpa", ATTENTION))
 
 
 def pass_key(engine: "Engine", op: object) -> tuple[str, bool] | None:
@@ -156,11 +171,12 @@ def pass_key(engine: "Engine", op: object) -> tuple[str, bool] | None:
     if not isinstance(op, ForwardBackwardOp) or engine.group is not None:
         return None  # ranks (engine/sharding.py) split each op's datums between them: no shared pass there
     base = engine.model_of.get(op.model_id)
-    if base is None or not fusable(engine.runtimes[base]) or sum(len(d.tokens) for d in op.data) < MIN_TOKENS:
+    rt = engine.runtimes.get(base)
+    if rt is None or not fusable(rt) or sum(len(d.tokens) for d in op.data) < MIN_TOKENS:
         return None
     if any(d.images for d in op.data):  # the vision-language body runs per op (training._hidden)
         return None
-    if buckets.plan([len(d.tokens) for d in op.data]) is not None:  # runs in length buckets, alone
+    if buckets.eligible(rt, op.data) and buckets.plan([len(d.tokens) for d in op.data]) is not None:  # length buckets, alone
         return None
     return base, op.forward_only
 
@@ -255,8 +271,12 @@ def _shared_pass(rt: "ModelRuntime", parts: list[training.Prepared]):
     attention = [AttentionGroup(len(p.lengths), g.width, min(p.lengths) < g.width) for g, p in zip(groups, parts)]
     _use_grouped_attention(rt)
     rt.ctx.groups, rt.ctx.blocks = groups, True  # run by run, consecutive rows
+    # Each op's MoE routing metrics over its own real tokens, as alone (training.forward_backward).
+    real = [torch.zeros_like(mask, dtype=torch.bool) for _ in parts]
+    for own, g in zip(real, groups):
+        own[g.rows] = mask[g.rows].bool()
     try:
-        with torch.set_grad_enabled(not forward_only):
+        with torch.set_grad_enabled(not forward_only), rt.routing.counting(*(r.flatten() for r in real)) as routing:
             hidden = training._hidden(rt, input_ids, mask, tinkerd_attention_groups=attention)  # [M, H], run by run
     finally:
         rt.ctx.clear()
@@ -270,12 +290,13 @@ def _shared_pass(rt: "ModelRuntime", parts: list[training.Prepared]):
         own = None if shared is not None else _own_head(rt, hidden[spans[k]], p, forward_only)
         lp = shared.logprobs[spans[k]] if own is None else own.logprobs
         if forward_only:
-            out.append((lp, *p.loss(lp, p.inputs, p.config), None))
+            loss_sum, metrics = p.loss(lp, p.inputs, p.config)
+            out.append((lp, loss_sum, {**metrics, **routing.metrics(k)}, None))
             continue
         lp_leaf = lp.clone().requires_grad_(True)
         loss_sum, metrics = p.loss(lp_leaf, p.inputs, p.config)
         (g_lp,) = torch.autograd.grad(loss_sum, lp_leaf)
-        out.append((lp, loss_sum.detach(), metrics, None))
+        out.append((lp, loss_sum.detach(), {**metrics, **routing.metrics(k)}, None))
         if own is None:
             g_lps.append(g_lp)
             continue

@@ -106,26 +106,33 @@ class ExpertsRouting:
     """Per-forward routing counts for the SDK's MoE metrics; off unless `enabled`."""
 
     enabled: bool = False
-    # [N] bool over the flattened tokens of the next forward: which are real (not padding).
-    token_mask: torch.Tensor | None = None
-    # One [E] tensor of (token, k) assignments per MoE layer call, in call order.
-    counts: list[torch.Tensor] = field(default_factory=list)
+    # Per part (an op: one alone, several in a shared pass, engine/cotrain.py), [N] bool over the
+    # flattened tokens of the next forward: which are its real tokens (not padding); None: all.
+    token_masks: list[torch.Tensor | None] = field(default_factory=list)
+    # Per part, one [E] tensor of (token, k) assignments per MoE layer call, in call order.
+    counts: list[list[torch.Tensor]] = field(default_factory=list)
 
     @contextlib.contextmanager
-    def counting(self, token_mask: torch.Tensor):
-        """Count routing over the forwards inside (token_mask [B*T] bool: the real tokens)."""
-        self.enabled, self.token_mask, self.counts = True, token_mask, []
+    def counting(self, *token_masks: torch.Tensor | None):
+        """Count routing over the forwards inside, per part (token_masks: each part's real tokens,
+        [B*T] bool, or None for every token)."""
+        self.enabled, self.token_masks, self.counts = True, list(token_masks), [[] for _ in token_masks]
         try:
             yield self
         finally:
-            self.enabled, self.token_mask = False, None
+            self.enabled, self.token_masks = False, []
 
-    def metrics(self) -> dict[str, float]:
-        """The SDK's definitions (tinker/types/forward_backward_output.py), averaged over layers."""
-        if not self.counts:
+    def count(self, mask: torch.Tensor) -> None:
+        """One MoE layer's routing, mask [E, k, N] (one-hot of each token's k experts)."""
+        for part, real in zip(self.counts, self.token_masks):
+            part.append((mask if real is None else mask[:, :, real]).sum(dim=(1, 2)))
+
+    def metrics(self, part: int = 0) -> dict[str, float]:
+        """The SDK's definitions (tinker/types/forward_backward_output.py) for one part, averaged over layers."""
+        if part >= len(self.counts) or not self.counts[part]:
             return {}
         frac_with, frac_over, max_v, min_v = [], [], [], []
-        for c in self.counts:
+        for c in self.counts[part]:
             c = c.double()
             fair = c.sum() / c.numel()
             if fair <= 0:
@@ -140,6 +147,14 @@ class ExpertsRouting:
         return {"e_frac_with_tokens:mean": mean(frac_with), "e_frac_oversubscribed:mean": mean(frac_over),
                 "e_max_violation:mean": mean(max_v), "e_max_violation:max": max(max_v),
                 "e_min_violation:mean": mean(min_v)}
+
+
+def split_runs(device: torch.device) -> bool:
+    """Whether a shared training pass runs each run's tokens on an expert as their own GEMMs (for
+    each run the bits of its op alone), or all runs' tokens on it as one, each token's delta by its
+    slot (the sampler's mixed-tenant routing). The CPU keeps the bits; on a GPU a shared pass keeps
+    no run's bits anyway (engine/cotrain.py), and one expert GEMM for all runs is 1/N of the launches."""
+    return device.type == "cpu"
 
 
 class MultiLoraExperts(nn.Module):
@@ -170,33 +185,64 @@ class MultiLoraExperts(nn.Module):
             per_row[g.rows] = g.slot
         return per_row.repeat_interleave(n // rows)
 
+    def _run_tokens(self, n: int) -> list[tuple[int, torch.Tensor]] | None:
+        """In a shared training pass (ctx.blocks: each run's rows a consecutive block, engine/cotrain.py):
+        per run, its slot and which of the n flattened tokens are its own, [n] bool: its rows at
+        positions inside its own width (past it is the widest run's padding, which its op alone never
+        has). None outside one."""
+        groups = self.ctx.groups
+        if not self.ctx.blocks or len(groups) < 2:
+            return None
+        rows = sum(len(g.rows) for g in groups)
+        if n % rows:
+            raise RuntimeError(f"{n} tokens do not split into the {rows} routed rows")
+        t = n // rows
+        out = []
+        for g in groups:
+            mine = torch.zeros(rows, t, dtype=torch.bool, device=self.base.gate_up_proj.device)
+            mine[g.rows.to(mine.device), : g.width or t] = True
+            out.append((g.slot, mine.flatten()))
+        return out
+
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        base = self.base
         out = torch.zeros_like(hidden_states)
         single = self.ctx.groups[0].slot if self.ctx.groups else -1
-        token_slots = self._token_slots(hidden_states.shape[0])
+        runs = self._run_tokens(hidden_states.shape[0]) if split_runs(hidden_states.device) else None
+        token_slots = None if runs is not None else self._token_slots(hidden_states.shape[0])
         with torch.no_grad():
             mask = F.one_hot(top_k_index, num_classes=self.num_experts).permute(2, 1, 0)  # [E, k, N]
             if self.routing.enabled:
-                real = mask if self.routing.token_mask is None else mask[:, :, self.routing.token_mask]
-                self.routing.counts.append(real.sum(dim=(1, 2)))
+                self.routing.count(mask)
             hit = (mask.sum(dim=(1, 2)) > 0).nonzero()[:, 0].tolist()
         for e in hit:
             top_k_pos, token_idx = torch.where(mask[e])
+            if runs is not None:
+                # A shared pass: each run's tokens on this expert alone, in the order its op alone
+                # has them, so its GEMMs, activation and sums see the same operands (bit for bit).
+                for slot, mine in runs:
+                    keep = mine[token_idx]
+                    if keep.any():
+                        self._expert(e, hidden_states, token_idx[keep], top_k_pos[keep], top_k_weights, [(slot, None)], out)
+                continue
             if token_slots is None:
                 slots = [(single, None)]
             else:
                 mine = token_slots[token_idx]
                 slots = [(int(s), (mine == s).nonzero()[:, 0]) for s in mine.unique().tolist()]
-            x = hidden_states[token_idx]
-            gate_up = self.gate_up.add(self.gate_up.base(x, e, self.gate_up_bias), x, e, slots)
-            # The family's own activation: chunk + act_fn (Qwen), clamped interleaved SwiGLU (gpt-oss).
-            h = base._apply_gate(gate_up)
-            y = self.down.add(self.down.base(h, e, self.down_bias), h, e, slots)
-            y = y * top_k_weights[token_idx, top_k_pos, None]
-            out.index_add_(0, token_idx, y.to(out.dtype))
+            self._expert(e, hidden_states, token_idx, top_k_pos, top_k_weights, slots, out)
         return out
 
+    def _expert(self, e: int, hidden_states: torch.Tensor, token_idx: torch.Tensor, top_k_pos: torch.Tensor,
+                top_k_weights: torch.Tensor, slots: list, out: torch.Tensor) -> None:
+        """Expert e on the tokens token_idx (its top_k_pos-th choice for each), each slot's delta on
+        its tokens, weighted, added into out."""
+        x = hidden_states[token_idx]
+        gate_up = self.gate_up.add(self.gate_up.base(x, e, self.gate_up_bias), x, e, slots)
+        # The family's own activation: chunk + act_fn (Qwen), clamped interleaved SwiGLU (gpt-oss).
+        h = self.base._apply_gate(gate_up)
+        y = self.down.add(self.down.base(h, e, self.down_bias), h, e, slots)
+        y = y * top_k_weights[token_idx, top_k_pos, None]
+        out.index_add_(0, token_idx, y.to(out.dtype))
 
 def wrap_experts(model: nn.Module, ctx: LoraContext, class_name: str | None,
                  routing: ExpertsRouting) -> dict[str, ExpertsParam]:

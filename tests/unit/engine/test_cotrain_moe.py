@@ -1,0 +1,106 @@
+"""Several runs' forward_backward on a Qwen3-MoE in one pass (engine/cotrain.py) equals each run alone.
+
+As test_cotrain.py for a dense model: twin adapters, one of each pair trained alone, the other side
+by side in one StepBatch. Each run's tokens on an expert run as its own GEMMs (engine/lora/experts.py:
+MultiLoraExperts._run_tokens), so its loss, logprobs, gradients, weights and routing metrics keep
+the bits of its op alone; attention, the router and the head span the runs. fp32, one thread.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.parity.peft_oracle import loaded_engine
+from tests.unit.engine.test_cotrain import alone, assert_same_result, state, step
+from tests.unit.engine.test_training import assert_identical, sft_data
+from tinkerd.types import AdamParams, CreateModelOp, ForwardBackwardOp, LoraSpec, OptimStepOp
+
+MOE = "tinkerd/tiny-qwen3-moe"
+ADAM = AdamParams(learning_rate=1e-2)
+# Ranks, lengths and datum counts differ; one run has no LoRA on the experts (train_mlp=False).
+RUNS = (
+    (LoraSpec(rank=4, alpha=8.0, seed=41), (9, 13, 6)),
+    (LoraSpec(rank=2, alpha=4.0, seed=42), (17, 5)),
+    (LoraSpec(rank=4, alpha=16.0, seed=43, train_mlp=False), (11,)),
+)
+
+
+@pytest.fixture(scope="module")
+def moe_engine(models_dir):
+    return loaded_engine(models_dir, MOE)
+
+
+def twins(engine, tag: str) -> tuple[list[str], list[str]]:
+    solo, fused = [], []
+    for k, (spec, _) in enumerate(RUNS):
+        for ids, kind in ((solo, "solo"), (fused, "fused")):
+            ids.append(f"{tag}-{k}-{kind}")
+            assert not isinstance(alone(engine, CreateModelOp(ids[-1], MOE, spec)), Exception)
+    return solo, fused
+
+
+def test_moe_runs_in_one_pass_equal_each_alone_in_loss_grads_weights_and_routing_metrics(moe_engine):
+    solo, fused = twins(moe_engine, "moe-cotrain")
+    for round_ in range(3):  # round 0: B = 0; later rounds train every expert's LoRA too
+        data = [sft_data(500 + 10 * round_ + k, lengths=lengths) for k, (_, lengths) in enumerate(RUNS)]
+        together, shared = step(moe_engine, [ForwardBackwardOp(m, data[k], "cross_entropy") for k, m in enumerate(fused)])
+        assert shared == [len(RUNS)]
+        for k, m in enumerate(solo):
+            mine = alone(moe_engine, ForwardBackwardOp(m, data[k], "cross_entropy"))
+            assert "e_frac_with_tokens:mean" in mine.metrics  # the routing metrics are compared too
+            assert_same_result(together[k], mine)
+            assert_identical(state(moe_engine, fused[k]), state(moe_engine, m), f"{m} after round {round_}")
+        step(moe_engine, [OptimStepOp(m, ADAM) for m in fused])
+        for k, m in enumerate(solo):
+            alone(moe_engine, OptimStepOp(m, ADAM))
+            assert_identical(state(moe_engine, fused[k]), state(moe_engine, m), f"{m} after optim_step {round_}")
+    # The runs' routing differs (their own tokens), so mixed-up counts could not pass unnoticed.
+    metrics = [r.metrics["e_frac_oversubscribed:mean"] for r in together]
+    assert len(set(metrics)) > 1
+
+
+def test_moe_forward_ops_share_a_pass_and_change_nothing(moe_engine):
+    solo, fused = twins(moe_engine, "moe-cotrain-fwd")
+    for m in solo + fused:  # trained once so that B != 0
+        alone(moe_engine, ForwardBackwardOp(m, sft_data(7, lengths=(8, 12)), "cross_entropy"))
+        alone(moe_engine, OptimStepOp(m, ADAM))
+    before = [state(moe_engine, m) for m in fused]
+    data = [sft_data(600 + k, lengths=lengths) for k, (_, lengths) in enumerate(RUNS)]
+    ops = [ForwardBackwardOp(m, data[k], "cross_entropy", forward_only=True) for k, m in enumerate(fused)]
+    together, shared = step(moe_engine, ops)
+    assert shared == [len(RUNS)]
+    for k, m in enumerate(solo):
+        assert_same_result(together[k], alone(moe_engine, ForwardBackwardOp(m, data[k], "cross_entropy", forward_only=True)))
+        assert_identical(state(moe_engine, fused[k]), before[k])
+
+
+def test_on_a_gpu_an_experts_tokens_of_all_runs_share_its_gemms_and_agree_to_rounding(moe_engine, monkeypatch):
+    """Where a shared pass keeps no bits (a GPU: lora/experts.py split_runs), an expert's tokens of
+    all runs go through it as one GEMM, each token's delta by its run's slot: forced here on the
+    CPU, each run agrees with its op alone to fp32 rounding, routing metrics exactly (the router is
+    the same GEMM either way)."""
+    from tinkerd.engine.lora import experts
+
+    monkeypatch.setattr(experts, "split_runs", lambda device: False)
+    seen = []
+    expert = experts.MultiLoraExperts._expert
+    monkeypatch.setattr(experts.MultiLoraExperts, "_expert",
+                        lambda self, e, h, idx, *a: seen.append(len(a[2])) or expert(self, e, h, idx, *a))
+    solo, fused = twins(moe_engine, "moe-cotrain-gpu")
+    for round_ in range(2):
+        data = [sft_data(700 + 10 * round_ + k, lengths=lengths) for k, (_, lengths) in enumerate(RUNS)]
+        seen.clear()
+        together, shared = step(moe_engine, [ForwardBackwardOp(m, data[k], "cross_entropy") for k, m in enumerate(fused)])
+        assert shared == [len(RUNS)] and max(seen) > 1  # some expert's GEMM served several runs' slots
+        for k, m in enumerate(solo):
+            mine = alone(moe_engine, ForwardBackwardOp(m, data[k], "cross_entropy"))
+            ours = together[k]
+            assert {n: v for n, v in ours.metrics.items() if n.startswith("e_")} == \
+                {n: v for n, v in mine.metrics.items() if n.startswith("e_")}
+            assert ours.metrics["loss:sum"] == pytest.approx(mine.metrics["loss:sum"], rel=1e-5)
+            for a, b in zip(ours.loss_fn_outputs, mine.loss_fn_outputs):
+                np.testing.assert_allclose(a["logprobs"], b["logprobs"], rtol=1e-5, atol=1e-6)
+        step(moe_engine, [OptimStepOp(m, ADAM) for m in fused])
+        for m in solo:
+            alone(moe_engine, OptimStepOp(m, ADAM))
