@@ -150,39 +150,9 @@ def test_moe_export_is_hosted_layout_and_the_cookbook_merge_equals_the_trained_m
     assert max(abs(a - b) for a, b in zip(logprobs(merged, PROMPT), reference)) > 1e-3
 
 
+
 def test_concurrent_moe_clients_share_a_pass_and_each_equals_its_run_alone(server):
-    """Three SDK clients on the Qwen3-MoE, their forward_backward ops queued together behind a
-    forward (as in test_shared_pass.py), run as one pass (engine/cotrain.py; each run's tokens on an
-    expert as its own GEMMs): each client's loss, logprobs and router metrics `==` its twin's alone."""
-    from tests.conformance.test_metrics import _delta, _scrape
-    from tests.conformance.test_shared_pass import _running, blocker_datums, datums, outcome
+    """Each run's tokens on an expert as their own GEMMs (engine/lora/experts.py); router metrics too."""
+    from tests.conformance.test_shared_pass import assert_clients_share_a_pass_as_alone
 
-    ranks, lengths = (4, 2, 4), [(9, 14), (23,), (5, 17, 11)]
-    adam = types.AdamParams(learning_rate=1e-2)
-
-    def seen(result):
-        return outcome(result), {k: v for k, v in result.metrics.items() if k.startswith("e_")}
-
-    clients = [tinker.ServiceClient(base_url=server.url, api_key=API_KEY) for _ in ranks]
-    tenants = [sc.create_lora_training_client(base_model=MOE, rank=r, seed=60 + k).result()
-               for k, (sc, r) in enumerate(zip(clients, ranks))]
-    blocker = clients[0].create_lora_training_client(base_model=MOE, rank=4, seed=1).result()
-    before = _scrape(server.url)
-    together: list[list] = [[] for _ in ranks]
-    for round_ in range(2):
-        hold = blocker.forward(blocker_datums(), "cross_entropy")
-        _running(server.url)  # the forward holds the engine before the tenants send theirs
-        fbs = [tc.forward_backward(datums(k, round_, lengths), "cross_entropy") for k, tc in enumerate(tenants)]
-        steps = [tc.optim_step(adam) for tc in tenants]
-        hold.result()
-        for k, (fb, st) in enumerate(zip(fbs, steps)):
-            together[k].append(seen(fb.result()))
-            st.result()
-    after = _scrape(server.url)
-    assert _delta(before, after, "tinkerd_shared_pass_runs_count") >= 2
-    for k, r in enumerate(ranks):
-        twin = clients[k].create_lora_training_client(base_model=MOE, rank=r, seed=60 + k).result()
-        for round_ in range(2):
-            mine = seen(twin.forward_backward(datums(k, round_, lengths), "cross_entropy").result())
-            assert mine[1] and mine == together[k][round_]
-            twin.optim_step(adam).result()
+    assert_clients_share_a_pass_as_alone(server.url, MOE, router=True)

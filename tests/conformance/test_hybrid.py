@@ -7,6 +7,7 @@ through its language model only and says so in its log. Shown: an SL loop whose 
 save_state -> load_state resumes exactly, sampling from saved weights with logprobs equal to
 compute_logprobs, and the export in hosted Tinker's layout (split in_proj_q/k/v) merged by the
 cookbook's build_hf_model (both strategies) into a model that scores text as tinkerd does.
+Concurrent clients share a training pass (engine/cotrain.py) and each gets its run's bits alone.
 Numbers pinned against HF + PEFT are in tests/parity/test_hybrid_parity.py.
 """
 
@@ -169,3 +170,11 @@ def test_qwen3_5_moe_trains_samples_and_its_export_merges(service_client, server
     assert {f"{layer}.linear_attn.in_proj_k.lora_B.weight", f"{layer}.mlp.experts.w3.lora_B.weight",
             f"{layer}.mlp.shared_expert.up_proj.lora_B.weight"} <= keys
     assert_merges_equal(str(vlm_moe_dir), adapter, PROMPT, scored[1:len(PROMPT)], tmp_path)
+
+
+def test_concurrent_clients_share_a_pass_and_each_equals_its_run_alone(server):
+    """Each run's Gated DeltaNet layers on its own rows at its own width (engine/cotrain.py:
+    grouped_linear_attention); the rest of the pass shared."""
+    from tests.conformance.test_shared_pass import assert_clients_share_a_pass_as_alone
+
+    assert_clients_share_a_pass_as_alone(server.url, HYBRID)

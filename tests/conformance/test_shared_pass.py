@@ -100,3 +100,37 @@ def test_concurrent_clients_share_a_pass_and_each_equals_its_run_alone(server, s
     trained = sum(len(d.loss_fn_inputs["target_tokens"].data) for k in range(len(ranks)) for r in range(ROUNDS)
                   for d in datums(k, r, lengths))
     assert _delta(before, after, "tinkerd_tokens_total", kind="trained") == trained
+
+
+def assert_clients_share_a_pass_as_alone(url: str, base: str, ranks=(4, 2, 4), lengths=MIXED[1], router: bool = False) -> None:
+    """Three SDK clients on `base`, their forward_backward ops queued together behind a forward, run
+    as shared passes (two rounds): each client's loss, logprobs and MoE router metrics (if any)
+    `==` its twin's alone. For the families whose shared passes have their own code (a MoE's
+    experts, a hybrid's linear attention)."""
+    def seen(result):
+        return outcome(result), {k: v for k, v in result.metrics.items() if k.startswith("e_")}
+
+    clients = [tinker.ServiceClient(base_url=url, api_key=API_KEY) for _ in ranks]
+    tenants = [sc.create_lora_training_client(base_model=base, rank=r, seed=60 + k).result()
+               for k, (sc, r) in enumerate(zip(clients, ranks))]
+    blocker = clients[0].create_lora_training_client(base_model=base, rank=4, seed=1).result()
+    before = _scrape(url)
+    together: list[list] = [[] for _ in ranks]
+    for round_ in range(ROUNDS):
+        hold = blocker.forward(blocker_datums(), "cross_entropy")
+        _running(url)  # the forward holds the engine before the tenants send theirs
+        fbs = [tc.forward_backward(datums(k, round_, lengths), "cross_entropy") for k, tc in enumerate(tenants)]
+        steps = [tc.optim_step(ADAM) for tc in tenants]
+        hold.result()
+        for k, (fb, st) in enumerate(zip(fbs, steps)):
+            together[k].append(seen(fb.result()))
+            st.result()
+    after = _scrape(url)
+    assert _delta(before, after, "tinkerd_shared_pass_runs_count") >= ROUNDS
+    for k, r in enumerate(ranks):
+        twin = clients[k].create_lora_training_client(base_model=base, rank=r, seed=60 + k).result()
+        for round_ in range(ROUNDS):
+            assert seen(twin.forward_backward(datums(k, round_, lengths), "cross_entropy").result()) == together[k][round_]
+            twin.optim_step(ADAM).result()
+    assert len({t[0][0][0] for t in together}) == len(ranks)  # the tenants' losses differ: no mix-up passes
+    assert all(bool(t[1]) == router for runs in together for t in runs)  # router metrics where a MoE has them

@@ -45,10 +45,14 @@ so one op cannot fail its batch-mates. Checks after the pass (engine/finite.py) 
   is the rest: attention's and the router's projections, the norms, the head. Each op's routing
   metrics count its own real tokens.
 
-Which ops go together (`pass_key`): ForwardBackwardOps on one full-attention base model (dense, or
-a MoE of `SHARED_MOE`), of distinct runs, all forward_backward or all forward. Other losses, ranks,
-lengths and datum counts mix freely: the loss runs per run. Hybrid linear-attention models
-(DeltaNet's chunked scan runs over the padded width) and other MoE families run one op per pass.
+- a hybrid model's linear-attention layers (Qwen3.5's Gated DeltaNet: a causal conv and a chunked
+  scan along each row) run per run, each on its rows at its own width with its LoRA alone
+  (`grouped_linear_attention`): over the padded width the scan rounds a row another way.
+
+Which ops go together (`pass_key`): ForwardBackwardOps on one base model of full-attention layers,
+or full and linear-attention ones (dense, or a MoE of `SHARED_MOE`), of distinct runs, all
+forward_backward or all forward. Other losses, ranks, lengths and datum counts mix freely: the loss
+runs per run. Other MoE families (a shared expert, gpt-oss's eager attention) run one op per pass.
 
 Shapes: B rows (datums of all runs), T widest row, M real positions of all runs, H hidden.
 """
@@ -135,8 +139,41 @@ def _attention_calls(groups: Sequence[AttentionGroup], attention_mask, window) -
     return calls
 
 
+def grouped_linear_attention(module, ctx, hidden_states, cache=None, attention_mask=None,
+                             tinkerd_attention_groups=None, **kwargs):
+    """A linear-attention layer (Qwen3.5's Gated DeltaNet), run per run in a shared pass; its own
+    forward otherwise. Its causal conv and chunked delta rule run along the positions of a row, in
+    chunks laid out from the row's width, so a run's rows padded wider would round differently:
+    each run gets the layer alone, on its rows at its own width, with its LoRA alone (ctx single)
+    and the padding mask its op alone gets (transformers' create_recurrent_attention_mask: none for
+    a batch without padding). What this leaves shared on a hybrid model: the MLPs, the
+    full-attention layers' projections, the norms, the head."""
+    forward = type(module).forward
+    if not tinkerd_attention_groups:
+        return forward(module, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+    t = hidden_states.shape[1]
+    groups, blocks = ctx.groups, ctx.blocks
+    outs, start = [], 0
+    try:
+        for g, slot_group in zip(tinkerd_attention_groups, groups):
+            w = g.width
+            mask = None if attention_mask is None else attention_mask[start : start + g.size, :w]
+            if mask is not None and (w == 1 or bool(torch.all(mask == 1))):
+                mask = None
+            ctx.groups, ctx.blocks = [SlotGroup(slot_group.slot, None)], False
+            o = forward(module, hidden_states[start : start + g.size, :w], cache=cache, attention_mask=mask, **kwargs)
+            outs.append(o if w == t else torch.nn.functional.pad(o, (0, 0, 0, t - w)))
+            start += g.size
+    finally:
+        ctx.groups, ctx.blocks = groups, blocks
+    return torch.cat(outs)
+
+
 def _use_grouped_attention(rt: "ModelRuntime") -> None:
-    """Switch the model to grouped_attention, which equals HF's SDPA outside shared passes; once."""
+    """Switch the model to grouped_attention, which equals HF's SDPA outside shared passes, and its
+    linear-attention layers to grouped_linear_attention; once."""
+    import functools
+
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -145,6 +182,9 @@ def _use_grouped_attention(rt: "ModelRuntime") -> None:
         return
     if config._attn_implementation != "sdpa":
         raise RuntimeError(f"shared passes need SDPA attention, the model uses {config._attn_implementation!r}")
+    for module in rt.model.modules():
+        if type(module).__name__.endswith("GatedDeltaNet"):  # an instance attribute: the module tree is unchanged
+            module.forward = functools.partial(grouped_linear_attention, module, rt.ctx)
     AttentionInterface.register(ATTENTION, grouped_attention)
     AttentionMaskInterface.register(ATTENTION, sdpa_mask)
     rt.model.set_attn_implementation(ATTENTION)
@@ -159,7 +199,7 @@ SHARED_MOE = frozenset({"qwen3_moe"})
 def fusable(rt: "ModelRuntime") -> bool:
     """Whether `rt`'s model can run several adapters' training rows in one pass (module docstring)."""
     family = rt.loaded.family
-    return (family.layer_types == frozenset({"full_attention"})
+    return (family.layer_types in (frozenset({"full_attention"}), frozenset({"full_attention", "linear_attention"}))
             and (family.experts_class is None or family.name in SHARED_MOE)
             and rt.model.config._attn_implementation in ("sdpa", ATTENTION))
 

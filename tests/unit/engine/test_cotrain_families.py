@@ -1,9 +1,12 @@
-"""Several runs' forward_backward on a Qwen3-MoE in one pass (engine/cotrain.py) equals each run alone.
+"""Several runs' forward_backward in one pass (engine/cotrain.py) on a Qwen3-MoE and on a hybrid
+Qwen3.5 equals each run alone.
 
 As test_cotrain.py for a dense model: twin adapters, one of each pair trained alone, the other side
-by side in one StepBatch. Each run's tokens on an expert run as its own GEMMs (engine/lora/experts.py:
-MultiLoraExperts._run_tokens), so its loss, logprobs, gradients, weights and routing metrics keep
-the bits of its op alone; attention, the router and the head span the runs. fp32, one thread.
+by side in one StepBatch. On the MoE each run's tokens on an expert run as their own GEMMs
+(engine/lora/experts.py: MultiLoraExperts._run_tokens); on Qwen3.5 each run's Gated DeltaNet layers
+run on its own rows at its own width (cotrain.grouped_linear_attention). So each run's loss,
+logprobs, gradients, weights and router metrics keep the bits of its op alone; the rest of the body
+and the head span the runs. fp32, one thread.
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ from tests.unit.engine.test_training import assert_identical, sft_data
 from tinkerd.types import AdamParams, CreateModelOp, ForwardBackwardOp, LoraSpec, OptimStepOp
 
 MOE = "tinkerd/tiny-qwen3-moe"
+HYBRID = "tinkerd/tiny-qwen3.5"
 ADAM = AdamParams(learning_rate=1e-2)
-# Ranks, lengths and datum counts differ; one run has no LoRA on the experts (train_mlp=False).
+# Ranks, lengths and datum counts differ (so rows are padded); one run has no MLP / expert LoRA.
 RUNS = (
     (LoraSpec(rank=4, alpha=8.0, seed=41), (9, 13, 6)),
     (LoraSpec(rank=2, alpha=4.0, seed=42), (17, 5)),
@@ -31,12 +35,17 @@ def moe_engine(models_dir):
     return loaded_engine(models_dir, MOE)
 
 
-def twins(engine, tag: str) -> tuple[list[str], list[str]]:
+@pytest.fixture(scope="module")
+def hybrid_engine(models_dir):
+    return loaded_engine(models_dir, HYBRID)
+
+
+def twins(engine, tag: str, base: str = MOE) -> tuple[list[str], list[str]]:
     solo, fused = [], []
     for k, (spec, _) in enumerate(RUNS):
         for ids, kind in ((solo, "solo"), (fused, "fused")):
             ids.append(f"{tag}-{k}-{kind}")
-            assert not isinstance(alone(engine, CreateModelOp(ids[-1], MOE, spec)), Exception)
+            assert not isinstance(alone(engine, CreateModelOp(ids[-1], base, spec)), Exception)
     return solo, fused
 
 
@@ -104,3 +113,30 @@ def test_on_a_gpu_an_experts_tokens_of_all_runs_share_its_gemms_and_agree_to_rou
         step(moe_engine, [OptimStepOp(m, ADAM) for m in fused])
         for m in solo:
             alone(moe_engine, OptimStepOp(m, ADAM))
+
+
+def test_hybrid_runs_in_one_pass_equal_each_alone_with_each_runs_deltanet_layers_its_own(hybrid_engine):
+    """Qwen3.5 (Gated DeltaNet and full-attention layers): each run's linear-attention layers run on
+    its rows at its own width (the calls recorded), and its results and state equal its op alone."""
+    widths = []
+    solo, fused = twins(hybrid_engine, "hybrid-cotrain", HYBRID)
+    rt = hybrid_engine.runtime_of(fused[0])
+    layers = [m for m in rt.model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
+    assert layers
+    for round_ in range(3):
+        data = [sft_data(800 + 10 * round_ + k, lengths=lengths) for k, (_, lengths) in enumerate(RUNS)]
+        together, shared = step(hybrid_engine, [ForwardBackwardOp(m, data[k], "cross_entropy") for k, m in enumerate(fused)])
+        assert shared == [len(RUNS)]
+        if round_ == 0:  # installed on the first shared pass: record the widths each layer ran at from now on
+            for layer in layers:
+                inner = layer.forward
+                layer.forward = lambda *a, _inner=inner, **kw: widths.append(
+                    [g.width for g in kw.get("tinkerd_attention_groups") or []]) or _inner(*a, **kw)
+        for k, m in enumerate(solo):
+            assert_same_result(together[k], alone(hybrid_engine, ForwardBackwardOp(m, data[k], "cross_entropy")))
+            assert_identical(state(hybrid_engine, fused[k]), state(hybrid_engine, m), f"{m} after round {round_}")
+        step(hybrid_engine, [OptimStepOp(m, ADAM) for m in fused])
+        for k, m in enumerate(solo):
+            alone(hybrid_engine, OptimStepOp(m, ADAM))
+            assert_identical(state(hybrid_engine, fused[k]), state(hybrid_engine, m), f"{m} after optim_step {round_}")
+    assert [w for w in widths if w] == [[13, 17, 11]] * len(layers) * 2  # rounds 1 and 2, every layer
