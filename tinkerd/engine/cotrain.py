@@ -191,8 +191,9 @@ def _use_grouped_attention(rt: "ModelRuntime") -> None:
 
 
 # MoE families whose shared passes keep each op's bits: routed experts only (MultiLoraExperts splits
-# an expert's tokens by run) and no dense shared expert, whose flattened [B * T, H] rows the
-# per-run width cut of MultiLoraLinear._add_blocks does not reach.
+# an expert's tokens by run). Qwen3.5-MoE's shared expert and its [H -> 1] gate are GEMMs over all
+# runs' flattened [B * T, H] tokens whose rows MKL rounds by the row count (tiny model, 102 against
+# 39 rows: the gate off by 3e-8, the expert by 1e-10), so there each run would need its own.
 SHARED_MOE = frozenset({"qwen3_moe"})
 
 
