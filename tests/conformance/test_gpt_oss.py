@@ -7,8 +7,9 @@ renderer (`conversation_to_datum`), every one longer than the window. Shown: the
 the router metrics come back, save_state -> load_state resumes exactly, sampling from saved
 weights past the window gives logprobs equal to compute_logprobs, and the export in hosted
 Tinker's layout (experts w1/w3/w2, 3-D) merged by the cookbook's build_hf_model (both strategies,
-its `fused_interleaved` gpt-oss profile) scores text as tinkerd does. Numbers pinned against HF +
-PEFT are in tests/parity/test_gpt_oss_parity.py.
+its `fused_interleaved` gpt-oss profile) scores text as tinkerd does; concurrent clients share a
+training pass and each gets its run's bits alone. Numbers pinned against HF + PEFT are in
+tests/parity/test_gpt_oss_parity.py.
 """
 
 from __future__ import annotations
@@ -120,3 +121,11 @@ def test_export_is_hosted_layout_and_the_cookbook_merge_equals_the_trained_model
     got = peft_tensors[f"{per_expert}.lora_B.weight"] @ peft_tensors[f"{per_expert}.lora_A.weight"]
     want = tensors[f"{prefix}.w3.lora_B.weight"][2] @ tensors[f"{prefix}.w3.lora_A.weight"][2]
     assert torch.allclose(got, want, atol=1e-7) and want.abs().max() > 0
+
+
+def test_concurrent_clients_share_a_pass_and_each_equals_its_run_alone(server):
+    """Each run's eager attention with sinks and sliding window on its own rows and width, and its
+    tokens on an expert as their own GEMMs (engine/cotrain.py); router metrics too."""
+    from tests.conformance.test_shared_pass import assert_clients_share_a_pass_as_alone
+
+    assert_clients_share_a_pass_as_alone(server.url, GPT_OSS, router=True)

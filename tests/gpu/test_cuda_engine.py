@@ -145,7 +145,7 @@ def test_sampling_the_trained_weights_on_cuda_gives_the_cpus_greedy_tokens(engin
                                atol=1e-3)
 
 
-@pytest.mark.parametrize("shapes", ["mixed", "same", "moe", "hybrid"])
+@pytest.mark.parametrize("shapes", ["mixed", "same", "moe", "gpt_oss", "hybrid"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_shared_pass_on_cuda_gives_each_run_what_it_gets_alone_to_rounding(engines, dtype, shapes, monkeypatch):
     """On the CPU a shared pass keeps each run's bits (tests/unit/engine/test_cotrain.py). On CUDA it
@@ -154,16 +154,18 @@ def test_a_shared_pass_on_cuda_gives_each_run_what_it_gets_alone_to_rounding(eng
     What holds there is agreement to rounding, after optim_steps too. Runs of one shape take the
     batched LoRA GEMMs (engine/lora/batched.py), on CUDA too. "moe": the mixed runs on a Qwen3-MoE
     (on a GPU one GEMM per expert for all runs' tokens, engine/lora/experts.py), fp32 only: in bf16 a
-    router logit rounded another way can send a token to another expert. "hybrid": the mixed runs
+    router logit rounded another way can send a token to another expert; "gpt_oss" likewise (its
+    eager attention with sinks per run, cotrain.grouped_attention). "hybrid": the mixed runs
     on a Qwen3.5 (each run's Gated DeltaNet layers on its own rows, cotrain.grouped_linear_attention)."""
     from tinkerd.engine.lora import batched
 
-    if shapes == "moe" and dtype == "bfloat16":
+    if shapes in ("moe", "gpt_oss") and dtype == "bfloat16":
         pytest.skip("bf16 rounding can change a token's experts between the two passes")
     calls = []
     deltas = batched.same_shape_deltas
     monkeypatch.setattr(batched, "same_shape_deltas", lambda x, loras: calls.append(len(loras)) or deltas(x, loras))
-    base = {"moe": "tinkerd/tiny-qwen3-moe", "hybrid": "tinkerd/tiny-qwen3.5"}.get(shapes, "tinkerd/tiny-qwen3")
+    base = {"moe": "tinkerd/tiny-qwen3-moe", "gpt_oss": "tinkerd/tiny-gpt-oss",
+            "hybrid": "tinkerd/tiny-qwen3.5"}.get(shapes, "tinkerd/tiny-qwen3")
     engine = engines[DEVICE, dtype]
     engine.load_base_model(base)
     if shapes != "same":

@@ -50,9 +50,10 @@ so one op cannot fail its batch-mates. Checks after the pass (engine/finite.py) 
   (`grouped_linear_attention`): over the padded width the scan rounds a row another way.
 
 Which ops go together (`pass_key`): ForwardBackwardOps on one base model of full-attention layers,
-or full and linear-attention ones (dense, or a MoE of `SHARED_MOE`), of distinct runs, all
-forward_backward or all forward. Other losses, ranks, lengths and datum counts mix freely: the loss
-runs per run. Other MoE families (a shared expert, gpt-oss's eager attention) run one op per pass.
+with sliding-window or linear-attention ones beside them (dense, or a MoE of `SHARED_MOE`), with
+SDPA attention or gpt-oss's eager one (its sinks), of distinct runs, all forward_backward or all
+forward. Other losses, ranks, lengths and datum counts mix freely: the loss runs per run.
+Qwen3.5-MoE (its shared expert, see SHARED_MOE) runs one op per pass.
 
 Shapes: B rows (datums of all runs), T widest row, M real positions of all runs, H hidden.
 """
@@ -60,6 +61,7 @@ Shapes: B rows (datums of all runs), T widest row, M real positions of all runs,
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
@@ -81,8 +83,9 @@ log = logging.getLogger(__name__)
 
 # Below this many tokens an op's body GEMMs take another MKL kernel than in a bigger batch (docstring).
 MIN_TOKENS = 4
-# The attention implementation a model gets once it runs a shared pass (grouped_attention).
-ATTENTION = "tinkerd_grouped_sdpa"
+# The attention implementation a model gets once it runs a shared pass (grouped_attention), by the
+# one it had: SDPA, or eager (gpt-oss: its sinks need transformers' eager function).
+GROUPED = {"sdpa": "tinkerd_grouped_sdpa", "eager": "tinkerd_grouped_eager"}
 
 
 @dataclass(frozen=True)
@@ -97,29 +100,36 @@ class AttentionGroup:
 
 
 def grouped_attention(module, query, key, value, attention_mask, tinkerd_attention_groups=None, **kwargs):
-    """HF's SDPA attention, run per run in a shared pass (module docstring); unchanged otherwise.
+    """HF's SDPA (or the model's eager) attention, run per run in a shared pass (module docstring);
+    unchanged otherwise.
 
-    query/key/value [B, heads, T, d], attention_mask None or bool [B, 1, T, T] (HF's sdpa_mask);
-    returns [B, T, heads, d] as sdpa_attention_forward does. A run's rows past its width get zeros:
-    they are padding, and every position that reads them masks them out. The runs' blocks are views
-    (one split each of q, k and v) and their outputs one cat: a gather and an out-of-place
+    query/key/value [B, heads, T, d], attention_mask None or [B, 1, T, T] (HF's sdpa_mask or
+    eager_mask); returns [B, T, heads, d] as HF's functions do. A run's rows past its width get
+    zeros: they are padding, and every position that reads them masks them out. The runs' blocks
+    are views (one split each of q, k and v) and their outputs one cat: a gather and an out-of-place
     index_copy per run made a copy of the whole batch's tensors per run, forward and backward."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    eager = module.config._attn_implementation == GROUPED["eager"]
+    if eager:  # the model's own (gpt-oss: with its sinks); an eager op alone always has its mask
+        inner = sys.modules[type(module).__module__].eager_attention_forward
+    else:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward as inner
 
     if not tinkerd_attention_groups:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        return inner(module, query, key, value, attention_mask, **kwargs)
     t = query.shape[2]
     outs, start = [], 0
-    for size, w, unmasked in _attention_calls(tinkerd_attention_groups, attention_mask, kwargs.get("sliding_window")):
+    for size, w, unmasked in _attention_calls(tinkerd_attention_groups, attention_mask, kwargs.get("sliding_window"),
+                                              always_masked=eager):
         q, k, v = (x[start : start + size, :, :w] for x in (query, key, value))
         mask = None if unmasked else attention_mask[start : start + size, :, :w, :w]
-        o, _ = sdpa_attention_forward(module, q, k, v, mask, **kwargs)  # [B_k, w, heads, d]
+        o, _ = inner(module, q, k, v, mask, **kwargs)  # [B_k, w, heads, d]
         outs.append(o if w == t else torch.nn.functional.pad(o, (0, 0, 0, 0, 0, t - w)))
         start += size
     return (outs[0] if len(outs) == 1 else torch.cat(outs)), None
 
 
-def _attention_calls(groups: Sequence[AttentionGroup], attention_mask, window) -> list[tuple[int, int, bool]]:
+def _attention_calls(groups: Sequence[AttentionGroup], attention_mask, window,
+                     always_masked: bool = False) -> list[tuple[int, int, bool]]:
     """(rows, width, unmasked) of each SDPA call: one per run, but consecutive runs of one width and
     the same need of a mask share one. Each row of a call is its own batch entry for the kernel,
     blocked by the width alone, so sharing moves no bit (test_cotrain); it spares a call and its
@@ -131,7 +141,7 @@ def _attention_calls(groups: Sequence[AttentionGroup], attention_mask, window) -
     nothing promises that of other builds or devices."""
     calls: list[tuple[int, int, bool]] = []
     for g in groups:
-        unmasked = attention_mask is None or (not g.padded and (window is None or g.width < window))
+        unmasked = attention_mask is None or (not always_masked and not g.padded and (window is None or g.width < window))
         if calls and calls[-1][1:] == (g.width, unmasked):
             calls[-1] = (calls[-1][0] + g.size, g.width, unmasked)
         else:
@@ -175,34 +185,39 @@ def _use_grouped_attention(rt: "ModelRuntime") -> None:
     import functools
 
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
-    config = rt.model.config
-    if config._attn_implementation == ATTENTION:
+    own = rt.model.config._attn_implementation
+    if own in GROUPED.values():
         return
-    if config._attn_implementation != "sdpa":
-        raise RuntimeError(f"shared passes need SDPA attention, the model uses {config._attn_implementation!r}")
+    if own not in GROUPED:
+        raise RuntimeError(f"shared passes need SDPA or eager attention, the model uses {own!r}")
     for module in rt.model.modules():
         if type(module).__name__.endswith("GatedDeltaNet"):  # an instance attribute: the module tree is unchanged
             module.forward = functools.partial(grouped_linear_attention, module, rt.ctx)
-    AttentionInterface.register(ATTENTION, grouped_attention)
-    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
-    rt.model.set_attn_implementation(ATTENTION)
+    AttentionInterface.register(GROUPED[own], grouped_attention)
+    AttentionMaskInterface.register(GROUPED[own], sdpa_mask if own == "sdpa" else eager_mask)
+    rt.model.set_attn_implementation(GROUPED[own])
 
 
 # MoE families whose shared passes keep each op's bits: routed experts only (MultiLoraExperts splits
 # an expert's tokens by run). Qwen3.5-MoE's shared expert and its [H -> 1] gate are GEMMs over all
 # runs' flattened [B * T, H] tokens whose rows MKL rounds by the row count (tiny model, 102 against
 # 39 rows: the gate off by 3e-8, the expert by 1e-10), so there each run would need its own.
-SHARED_MOE = frozenset({"qwen3_moe"})
+SHARED_MOE = frozenset({"qwen3_moe", "gpt_oss"})
+# Families whose eager attention a shared pass runs per run (grouped_attention): gpt-oss's sinks.
+SHARED_EAGER = frozenset({"gpt_oss"})
+_SHARED_LAYERS = (frozenset({"full_attention"}), frozenset({"full_attention", "sliding_attention"}),
+                  frozenset({"full_attention", "linear_attention"}))
 
 
 def fusable(rt: "ModelRuntime") -> bool:
     """Whether `rt`'s model can run several adapters' training rows in one pass (module docstring)."""
     family = rt.loaded.family
-    return (family.layer_types in (frozenset({"full_attention"}), frozenset({"full_attention", "linear_attention"}))
+    impl = rt.model.config._attn_implementation
+    return (family.layer_types in _SHARED_LAYERS
             and (family.experts_class is None or family.name in SHARED_MOE)
-            and rt.model.config._attn_implementation in ("sdpa", ATTENTION))
+            and (impl == "sdpa" or impl in GROUPED.values() or (impl == "eager" and family.name in SHARED_EAGER)))
 
 
 def pass_key(engine: "Engine", op: object) -> tuple[str, bool] | None:
