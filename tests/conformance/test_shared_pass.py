@@ -60,33 +60,41 @@ def outcome(result) -> tuple[float, list[list[float]]]:
     return result.metrics["loss:sum"], [list(o["logprobs"].data) for o in result.loss_fn_outputs]
 
 
-@pytest.mark.parametrize("shape", [MIXED, SAME], ids=["mixed", "same"])
-def test_concurrent_clients_share_a_pass_and_each_equals_its_run_alone(server, shape):
-    ranks, lengths = shape
-    clients = [tinker.ServiceClient(base_url=server.url, api_key=API_KEY) for _ in ranks]
-    tenants = [sc.create_lora_training_client(base_model=TINY, rank=r, seed=40 + k).result()
+def train_together(url: str, base: str, ranks, lengths, seen=outcome, seed: int = 40):
+    """One client per rank trains ROUNDS rounds on `base`, their forward_backward ops queued together
+    behind a forward of a fourth run; then each one's twin (same rank and seed) trains the same
+    datums alone, and each round's `seen(result)` must be `==`. Returns (/metrics before, after the
+    shared rounds, what each client saw per round)."""
+    clients = [tinker.ServiceClient(base_url=url, api_key=API_KEY) for _ in ranks]
+    tenants = [sc.create_lora_training_client(base_model=base, rank=r, seed=seed + k).result()
                for k, (sc, r) in enumerate(zip(clients, ranks))]
-    blocker = clients[0].create_lora_training_client(base_model=TINY, rank=4, seed=1).result()
-    before = _scrape(server.url)
+    blocker = clients[0].create_lora_training_client(base_model=base, rank=4, seed=1).result()
+    before = _scrape(url)
     together: list[list] = [[] for _ in ranks]
     for round_ in range(ROUNDS):
         hold = blocker.forward(blocker_datums(), "cross_entropy")
-        _running(server.url)  # the forward holds the engine before the tenants send theirs
+        _running(url)  # the forward holds the engine before the tenants send theirs
         fbs = [tc.forward_backward(datums(k, round_, lengths), "cross_entropy") for k, tc in enumerate(tenants)]
         steps = [tc.optim_step(ADAM) for tc in tenants]
         hold.result()
         for k, (fb, st) in enumerate(zip(fbs, steps)):
-            together[k].append(outcome(fb.result()))
+            together[k].append(seen(fb.result()))
             st.result()
-    after = _scrape(server.url)
+    after = _scrape(url)
 
     # Alone: each tenant's twin, one op at a time with nothing else queued.
-    twins = [clients[k].create_lora_training_client(base_model=TINY, rank=r, seed=40 + k).result()
-             for k, r in enumerate(ranks)]
-    for k, twin in enumerate(twins):
+    for k, r in enumerate(ranks):
+        twin = clients[k].create_lora_training_client(base_model=base, rank=r, seed=seed + k).result()
         for round_ in range(ROUNDS):
-            assert outcome(twin.forward_backward(datums(k, round_, lengths), "cross_entropy").result()) == together[k][round_]
+            assert seen(twin.forward_backward(datums(k, round_, lengths), "cross_entropy").result()) == together[k][round_]
             twin.optim_step(ADAM).result()
+    return before, after, together
+
+
+@pytest.mark.parametrize("shape", [MIXED, SAME], ids=["mixed", "same"])
+def test_concurrent_clients_share_a_pass_and_each_equals_its_run_alone(server, shape):
+    ranks, lengths = shape
+    before, after, together = train_together(server.url, TINY, ranks, lengths)
     assert len({t[0][0] for t in together}) == len(ranks)  # the tenants' losses differ: no mix-up passes
 
     # The server did run them together: a shared pass each round, all three tenants in one at least
@@ -103,34 +111,13 @@ def test_concurrent_clients_share_a_pass_and_each_equals_its_run_alone(server, s
 
 
 def assert_clients_share_a_pass_as_alone(url: str, base: str, ranks=(4, 2, 4), lengths=MIXED[1], router: bool = False) -> None:
-    """Three SDK clients on `base`, their forward_backward ops queued together behind a forward, run
-    as shared passes (two rounds): each client's loss, logprobs and MoE router metrics (if any)
-    `==` its twin's alone. For the families whose shared passes have their own code (a MoE's
-    experts, a hybrid's linear attention)."""
+    """train_together on `base`, each client's loss, logprobs and MoE router metrics (where it has
+    them) compared, and shared passes seen on /metrics. For the families whose shared passes have
+    their own code (a MoE's experts, a hybrid's linear attention, gpt-oss's eager attention)."""
     def seen(result):
         return outcome(result), {k: v for k, v in result.metrics.items() if k.startswith("e_")}
 
-    clients = [tinker.ServiceClient(base_url=url, api_key=API_KEY) for _ in ranks]
-    tenants = [sc.create_lora_training_client(base_model=base, rank=r, seed=60 + k).result()
-               for k, (sc, r) in enumerate(zip(clients, ranks))]
-    blocker = clients[0].create_lora_training_client(base_model=base, rank=4, seed=1).result()
-    before = _scrape(url)
-    together: list[list] = [[] for _ in ranks]
-    for round_ in range(ROUNDS):
-        hold = blocker.forward(blocker_datums(), "cross_entropy")
-        _running(url)  # the forward holds the engine before the tenants send theirs
-        fbs = [tc.forward_backward(datums(k, round_, lengths), "cross_entropy") for k, tc in enumerate(tenants)]
-        steps = [tc.optim_step(ADAM) for tc in tenants]
-        hold.result()
-        for k, (fb, st) in enumerate(zip(fbs, steps)):
-            together[k].append(seen(fb.result()))
-            st.result()
-    after = _scrape(url)
+    before, after, together = train_together(url, base, ranks, lengths, seen, seed=60)
     assert _delta(before, after, "tinkerd_shared_pass_runs_count") >= ROUNDS
-    for k, r in enumerate(ranks):
-        twin = clients[k].create_lora_training_client(base_model=base, rank=r, seed=60 + k).result()
-        for round_ in range(ROUNDS):
-            assert seen(twin.forward_backward(datums(k, round_, lengths), "cross_entropy").result()) == together[k][round_]
-            twin.optim_step(ADAM).result()
     assert len({t[0][0][0] for t in together}) == len(ranks)  # the tenants' losses differ: no mix-up passes
     assert all(bool(t[1]) == router for runs in together for t in runs)  # router metrics where a MoE has them

@@ -54,6 +54,19 @@ def assert_same_result(ours, theirs) -> None:
         assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
 
 
+def assert_each_as_alone(engine, solo: list[str], fused: list[str], data: list, together: list, label: str) -> None:
+    """Each fused twin's result of a shared pass `==` its solo twin's op alone, and so are their
+    states; then an optim_step of each (the fused ones in one step, the solo ones alone) and the
+    states again."""
+    for k, m in enumerate(solo):
+        assert_same_result(together[k], alone(engine, ForwardBackwardOp(m, data[k], "cross_entropy")))
+        assert_identical(state(engine, fused[k]), state(engine, m), f"{m} after {label}")
+    step(engine, [OptimStepOp(m, ADAM) for m in fused])
+    for k, m in enumerate(solo):
+        alone(engine, OptimStepOp(m, ADAM))
+        assert_identical(state(engine, fused[k]), state(engine, m), f"{m} after optim_step {label}")
+
+
 def twins(engine, tag: str) -> tuple[list[str], list[str]]:
     solo, fused = [], []
     for name, spec, _ in RUNS:
@@ -223,13 +236,7 @@ def test_runs_of_one_shape_take_each_layers_deltas_in_batched_gemms_and_keep_the
         together, shared = step(engine, [ForwardBackwardOp(m, data[k], "cross_entropy") for k, m in enumerate(fused)])
         assert shared == [len(specs)]
         assert (calls and set(calls) == {len(specs)}) if batched_layers else calls == []
-        for k, m in enumerate(solo):
-            assert_same_result(together[k], alone(engine, ForwardBackwardOp(m, data[k], "cross_entropy")))
-            assert_identical(state(engine, fused[k]), state(engine, m), f"{m} after round {round_}")
-        step(engine, [OptimStepOp(m, ADAM) for m in fused])
-        for k, m in enumerate(solo):
-            alone(engine, OptimStepOp(m, ADAM))
-            assert_identical(state(engine, fused[k]), state(engine, m), f"{m} after optim_step {round_}")
+        assert_each_as_alone(engine, solo, fused, data, together, f"round {round_}")
 
 
 def test_consecutive_runs_of_one_width_share_an_attention_call_and_keep_their_bits(engine, monkeypatch):

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from tests.parity.peft_oracle import loaded_engine
-from tests.unit.engine.test_cotrain import alone, assert_same_result, state, step
+from tests.unit.engine.test_cotrain import alone, assert_each_as_alone, assert_same_result, state, step
 from tests.unit.engine.test_training import assert_identical, sft_data
 from tinkerd.engine.sampler.sample import run_sample
 from tinkerd.types import AdamParams, CreateModelOp, ForwardBackwardOp, LoraSpec, OptimStepOp, SampleOp, SamplingParams
@@ -74,15 +74,8 @@ def test_moe_runs_in_one_pass_equal_each_alone_in_loss_grads_weights_and_routing
         data = [sft_data(500 + 10 * round_ + k, lengths=lengths) for k, (_, lengths) in enumerate(RUNS)]
         together, shared = step(moe_engine, [ForwardBackwardOp(m, data[k], "cross_entropy") for k, m in enumerate(fused)])
         assert shared == [len(RUNS)]
-        for k, m in enumerate(solo):
-            mine = alone(moe_engine, ForwardBackwardOp(m, data[k], "cross_entropy"))
-            assert "e_frac_with_tokens:mean" in mine.metrics  # the routing metrics are compared too
-            assert_same_result(together[k], mine)
-            assert_identical(state(moe_engine, fused[k]), state(moe_engine, m), f"{m} after round {round_}")
-        step(moe_engine, [OptimStepOp(m, ADAM) for m in fused])
-        for k, m in enumerate(solo):
-            alone(moe_engine, OptimStepOp(m, ADAM))
-            assert_identical(state(moe_engine, fused[k]), state(moe_engine, m), f"{m} after optim_step {round_}")
+        assert all("e_frac_with_tokens:mean" in r.metrics for r in together)  # routing metrics compared too
+        assert_each_as_alone(moe_engine, solo, fused, data, together, f"round {round_}")
     # Sampling after the switch (grouped attention outside a pass is the model's own) is unchanged.
     assert greedy(moe_engine, base) == sampled
     # The runs' routing differs (their own tokens), so mixed-up counts could not pass unnoticed.
@@ -154,11 +147,5 @@ def test_hybrid_runs_in_one_pass_equal_each_alone_with_each_runs_deltanet_layers
                 inner = layer.forward
                 layer.forward = lambda *a, _inner=inner, **kw: widths.append(
                     [g.width for g in kw.get("tinkerd_attention_groups") or []]) or _inner(*a, **kw)
-        for k, m in enumerate(solo):
-            assert_same_result(together[k], alone(hybrid_engine, ForwardBackwardOp(m, data[k], "cross_entropy")))
-            assert_identical(state(hybrid_engine, fused[k]), state(hybrid_engine, m), f"{m} after round {round_}")
-        step(hybrid_engine, [OptimStepOp(m, ADAM) for m in fused])
-        for k, m in enumerate(solo):
-            alone(hybrid_engine, OptimStepOp(m, ADAM))
-            assert_identical(state(hybrid_engine, fused[k]), state(hybrid_engine, m), f"{m} after optim_step {round_}")
+        assert_each_as_alone(hybrid_engine, solo, fused, data, together, f"round {round_}")
     assert [w for w in widths if w] == [[13, 17, 11]] * len(layers) * 2  # rounds 1 and 2, every layer
