@@ -43,7 +43,7 @@ def hybrid_engine(models_dir):
 
 
 def greedy(engine, base: str) -> tuple[list[int], list[float]]:
-    """The base model's greedy continuation of a prompt longer than gpt-oss's sliding window."""
+    """The base model's greedy continuation of a prompt (longer than gpt-oss's sliding window)."""
     op = SampleOp(base, None, np.arange(100, 124, dtype=np.int64), SamplingParams(max_tokens=6, temperature=0.0))
     seq = run_sample(engine, op).sequences[0]
     return list(seq.tokens), list(seq.logprobs)
@@ -134,6 +134,7 @@ def test_hybrid_runs_in_one_pass_equal_each_alone_with_each_runs_deltanet_layers
     """Qwen3.5 (Gated DeltaNet and full-attention layers): each run's linear-attention layers run on
     its rows at its own width (the calls recorded), and its results and state equal its op alone."""
     widths = []
+    sampled = greedy(hybrid_engine, HYBRID)  # before the layers are switched for shared passes
     solo, fused = twins(hybrid_engine, "hybrid-cotrain", HYBRID)
     rt = hybrid_engine.runtime_of(fused[0])
     layers = [m for m in rt.model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
@@ -149,3 +150,4 @@ def test_hybrid_runs_in_one_pass_equal_each_alone_with_each_runs_deltanet_layers
                     [g.width for g in kw.get("tinkerd_attention_groups") or []]) or _inner(*a, **kw)
         assert_each_as_alone(hybrid_engine, solo, fused, data, together, f"round {round_}")
     assert [w for w in widths if w] == [[13, 17, 11]] * len(layers) * 2  # rounds 1 and 2, every layer
+    assert greedy(hybrid_engine, HYBRID) == sampled  # outside a shared pass a layer is its own forward
