@@ -155,8 +155,8 @@ def test_a_shared_pass_on_cuda_gives_each_run_what_it_gets_alone_to_rounding(eng
     batched LoRA GEMMs (engine/lora/batched.py), on CUDA too. "moe": the mixed runs on a Qwen3-MoE
     (on a GPU one GEMM per expert for all runs' tokens, engine/lora/experts.py), fp32 only: in bf16 a
     router logit rounded another way can send a token to another expert; "gpt_oss" likewise (its
-    eager attention with sinks per run, cotrain.grouped_attention). "hybrid": the mixed runs
-    on a Qwen3.5 (each run's Gated DeltaNet layers on its own rows, cotrain.grouped_linear_attention)."""
+    eager attention with sinks per run, grouped.grouped_attention). "hybrid": the mixed runs
+    on a Qwen3.5 (each run's Gated DeltaNet layers on its own rows, grouped.grouped_linear_attention)."""
     from tinkerd.engine.lora import batched
 
     if shapes in ("moe", "gpt_oss") and dtype == "bfloat16":

@@ -18,12 +18,12 @@ reduces over stays its own:
   of the [V, H] weight is streamed once for all runs' blocks, not once per run; per extra run of
   8 tokens on SmolLM2, 1 thread, that was 15-20 ms of the ~80 it added to the pass);
 - one backward runs through the body for all runs at once: the base weights are frozen, so nothing
-  sums across rows there, and each adapter's grads come only from its own rows.
-
-- attention runs per run, on its rows at its own width with the mask its op alone gets
-  (`grouped_attention`): SDPA's CPU kernel blocks its softmax sums by the key length, so the same
-  row padded to another width comes out different in the last bits (measured: 9, 13 and 21 tokens
-  padded to 40 all differed). Consecutive runs of one width share a call (`_attention_calls`).
+  sums across rows there, and each adapter's grads come only from its own rows;
+- the layers whose numbers for a row depend on the other rows of their batch run per run, each on
+  its rows at its own width (engine/grouped.py): attention (SDPA, or gpt-oss's eager attention with
+  sinks), linear attention (Qwen3.5's Gated DeltaNet); and a MoE's routed experts
+  (engine/lora/experts.py) take each run's tokens on an expert as their own GEMMs, in the order its
+  op alone has them. Each op's routing metrics count its own real tokens.
 
 What a run shares is the number of rows of the body's frozen GEMMs, which changes no bit of a row
 there from 4 rows up; MKL's sgemm takes another kernel below 4 rows (measured on SmolLM2's and the
@@ -39,21 +39,10 @@ Each op is validated alone first, so a bad datum fails only its own op (UserErro
 run; a failure of the shared pass itself (out of memory, a bug) falls back to running each op alone,
 so one op cannot fail its batch-mates. Checks after the pass (engine/finite.py) are per op too.
 
-- a Qwen3-MoE's routed experts (engine/lora/experts.py) run each run's tokens on an expert as their
-  own GEMMs, in the order its op alone has them: an expert's rows would otherwise mix runs, and a
-  run with 1-3 tokens on an expert gets MKL's small-GEMM rounding alone. What such a pass shares
-  is the rest: attention's and the router's projections, the norms, the head. Each op's routing
-  metrics count its own real tokens.
-
-- a hybrid model's linear-attention layers (Qwen3.5's Gated DeltaNet: a causal conv and a chunked
-  scan along each row) run per run, each on its rows at its own width with its LoRA alone
-  (`grouped_linear_attention`): over the padded width the scan rounds a row another way.
-
 Which ops go together (`pass_key`): ForwardBackwardOps on one base model of full-attention layers,
 with sliding-window or linear-attention ones beside them (dense, or a MoE of `SHARED_MOE`), with
-SDPA attention or gpt-oss's eager one (its sinks), of distinct runs, all forward_backward or all
-forward. Other losses, ranks, lengths and datum counts mix freely: the loss runs per run.
-Qwen3.5-MoE (its shared expert, see SHARED_MOE) runs one op per pass.
+SDPA attention or gpt-oss's eager one, of distinct runs, all forward_backward or all forward.
+Other losses, ranks, lengths and datum counts mix freely: the loss runs per run.
 
 Shapes: B rows (datums of all runs), T widest row, M real positions of all runs, H hidden.
 """
@@ -61,15 +50,14 @@ Shapes: B rows (datums of all runs), T widest row, M real positions of all runs,
 from __future__ import annotations
 
 import logging
-import sys
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 import torch
 
-from tinkerd.engine import buckets, head, training
+from tinkerd.engine import buckets, grouped, head, training
+from tinkerd.engine.grouped import GROUPED, AttentionGroup
 from tinkerd.engine.head import HeadPass, head_lora
 from tinkerd.engine.lora.layers import SlotGroup
 from tinkerd.errors import TinkerdError
@@ -83,129 +71,13 @@ log = logging.getLogger(__name__)
 
 # Below this many tokens an op's body GEMMs take another MKL kernel than in a bigger batch (docstring).
 MIN_TOKENS = 4
-# The attention implementation a model gets once it runs a shared pass (grouped_attention), by the
-# one it had: SDPA, or eager (gpt-oss: its sinks need transformers' eager function).
-GROUPED = {"sdpa": "tinkerd_grouped_sdpa", "eager": "tinkerd_grouped_eager"}
-
-
-@dataclass(frozen=True)
-class AttentionGroup:
-    """One run's rows in a shared pass, for attention: how many (the runs' rows are consecutive
-    blocks of the batch, in group order), its own width, and whether any of its datums is shorter
-    than that width (then its op alone gets a padding mask)."""
-
-    size: int
-    width: int
-    padded: bool
-
-
-def grouped_attention(module, query, key, value, attention_mask, tinkerd_attention_groups=None, **kwargs):
-    """HF's SDPA (or the model's eager) attention, run per run in a shared pass (module docstring);
-    unchanged otherwise.
-
-    query/key/value [B, heads, T, d], attention_mask None or [B, 1, T, T] (HF's sdpa_mask or
-    eager_mask); returns [B, T, heads, d] as HF's functions do. A run's rows past its width get
-    zeros: they are padding, and every position that reads them masks them out. The runs' blocks
-    are views (one split each of q, k and v) and their outputs one cat: a gather and an out-of-place
-    index_copy per run made a copy of the whole batch's tensors per run, forward and backward."""
-    eager = module.config._attn_implementation == GROUPED["eager"]
-    if eager:  # the model's own (gpt-oss: with its sinks); an eager op alone always has its mask
-        inner = sys.modules[type(module).__module__].eager_attention_forward
-    else:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward as inner
-
-    if not tinkerd_attention_groups:
-        return inner(module, query, key, value, attention_mask, **kwargs)
-    t = query.shape[2]
-    outs, start = [], 0
-    for size, w, unmasked in _attention_calls(tinkerd_attention_groups, attention_mask, kwargs.get("sliding_window"),
-                                              always_masked=eager):
-        q, k, v = (x[start : start + size, :, :w] for x in (query, key, value))
-        mask = None if unmasked else attention_mask[start : start + size, :, :w, :w]
-        o, _ = inner(module, q, k, v, mask, **kwargs)  # [B_k, w, heads, d]
-        outs.append(o if w == t else torch.nn.functional.pad(o, (0, 0, 0, 0, 0, t - w)))
-        start += size
-    return (outs[0] if len(outs) == 1 else torch.cat(outs)), None
-
-
-def _attention_calls(groups: Sequence[AttentionGroup], attention_mask, window,
-                     always_masked: bool = False) -> list[tuple[int, int, bool]]:
-    """(rows, width, unmasked) of each SDPA call: one per run, but consecutive runs of one width and
-    the same need of a mask share one. Each row of a call is its own batch entry for the kernel,
-    blocked by the width alone, so sharing moves no bit (test_cotrain); it spares a call and its
-    pad per run and layer, forward and backward (on a GPU, their kernel launches).
-
-    The op alone gets no mask when none of its datums is padded and no window bites (HF's sdpa_mask
-    skips it for is_causal), so neither here: the same call takes the same kernel. The causal and
-    the masked kernel agreed to the bit on this CPU build (T 6-257, head_dim 16 and 64, 1 thread);
-    nothing promises that of other builds or devices."""
-    calls: list[tuple[int, int, bool]] = []
-    for g in groups:
-        unmasked = attention_mask is None or (not always_masked and not g.padded and (window is None or g.width < window))
-        if calls and calls[-1][1:] == (g.width, unmasked):
-            calls[-1] = (calls[-1][0] + g.size, g.width, unmasked)
-        else:
-            calls.append((g.size, g.width, unmasked))
-    return calls
-
-
-def grouped_linear_attention(module, ctx, hidden_states, cache=None, attention_mask=None,
-                             tinkerd_attention_groups=None, **kwargs):
-    """A linear-attention layer (Qwen3.5's Gated DeltaNet), run per run in a shared pass; its own
-    forward otherwise. Its causal conv and chunked delta rule run along the positions of a row, in
-    chunks laid out from the row's width, so a run's rows padded wider would round differently:
-    each run gets the layer alone, on its rows at its own width, with its LoRA alone (ctx single)
-    and the padding mask its op alone gets (transformers' create_recurrent_attention_mask: none for
-    a batch without padding). What this leaves shared on a hybrid model: the MLPs, the
-    full-attention layers' projections, the norms, the head."""
-    forward = type(module).forward
-    if not tinkerd_attention_groups:
-        return forward(module, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
-    t = hidden_states.shape[1]
-    groups, blocks = ctx.groups, ctx.blocks
-    outs, start = [], 0
-    try:
-        for g, slot_group in zip(tinkerd_attention_groups, groups):
-            w = g.width
-            mask = None if attention_mask is None else attention_mask[start : start + g.size, :w]
-            if mask is not None and (w == 1 or bool(torch.all(mask == 1))):
-                mask = None
-            ctx.groups, ctx.blocks = [SlotGroup(slot_group.slot, None)], False
-            o = forward(module, hidden_states[start : start + g.size, :w], cache=cache, attention_mask=mask, **kwargs)
-            outs.append(o if w == t else torch.nn.functional.pad(o, (0, 0, 0, t - w)))
-            start += g.size
-    finally:
-        ctx.groups, ctx.blocks = groups, blocks
-    return torch.cat(outs)
-
-
-def _use_grouped_attention(rt: "ModelRuntime") -> None:
-    """Switch the model to grouped_attention, which equals HF's SDPA outside shared passes, and its
-    linear-attention layers to grouped_linear_attention; once."""
-    import functools
-
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
-
-    own = rt.model.config._attn_implementation
-    if own in GROUPED.values():
-        return
-    if own not in GROUPED:
-        raise RuntimeError(f"shared passes need SDPA or eager attention, the model uses {own!r}")
-    for module in rt.model.modules():
-        if type(module).__name__.endswith("GatedDeltaNet"):  # an instance attribute: the module tree is unchanged
-            module.forward = functools.partial(grouped_linear_attention, module, rt.ctx)
-    AttentionInterface.register(GROUPED[own], grouped_attention)
-    AttentionMaskInterface.register(GROUPED[own], sdpa_mask if own == "sdpa" else eager_mask)
-    rt.model.set_attn_implementation(GROUPED[own])
-
-
-# MoE families whose shared passes keep each op's bits: routed experts only (MultiLoraExperts splits
-# an expert's tokens by run). Qwen3.5-MoE's shared expert and its [H -> 1] gate are GEMMs over all
-# runs' flattened [B * T, H] tokens whose rows MKL rounds by the row count (tiny model, 102 against
-# 39 rows: the gate off by 3e-8, the expert by 1e-10), so there each run would need its own.
+# MoE families whose shared passes keep each op's bits: MultiLoraExperts splits an expert's tokens
+# by run. Not Qwen3.5-MoE: its shared expert and that expert's [H -> 1] gate are GEMMs over all runs'
+# flattened tokens, which MKL rounds by the row count (tiny model, 102 against 39 rows: the gate off
+# by 3e-8, the expert by 1e-10), and with both run per run the first layer's LoRA grads still moved
+# in the last bits (cause not found).
 SHARED_MOE = frozenset({"qwen3_moe", "gpt_oss"})
-# Families whose eager attention a shared pass runs per run (grouped_attention): gpt-oss's sinks.
+# Families whose eager attention a shared pass runs per run (grouped.grouped_attention): gpt-oss's sinks.
 SHARED_EAGER = frozenset({"gpt_oss"})
 _SHARED_LAYERS = (frozenset({"full_attention"}), frozenset({"full_attention", "sliding_attention"}),
                   frozenset({"full_attention", "linear_attention"}))
@@ -325,7 +197,7 @@ def _shared_pass(rt: "ModelRuntime", parts: list[training.Prepared]):
         groups.append(SlotGroup(p.adapter.slot, rows, total=len(data), width=max(p.lengths)))
         row += len(p.lengths)
     attention = [AttentionGroup(len(p.lengths), g.width, min(p.lengths) < g.width) for g, p in zip(groups, parts)]
-    _use_grouped_attention(rt)
+    grouped.install(rt)
     rt.ctx.groups, rt.ctx.blocks = groups, True  # run by run, consecutive rows
     # Each op's MoE routing metrics over its own real tokens, as alone (training.forward_backward).
     real = [torch.zeros_like(mask, dtype=torch.bool) for _ in parts]

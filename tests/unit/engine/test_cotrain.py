@@ -240,7 +240,7 @@ def test_runs_of_one_shape_take_each_layers_deltas_in_batched_gemms_and_keep_the
 
 
 def test_consecutive_runs_of_one_width_share_an_attention_call_and_keep_their_bits(engine, monkeypatch):
-    """Runs of one width and the same mask need take one SDPA call per layer (cotrain._attention_calls):
+    """Runs of one width and the same mask need take one SDPA call per layer (grouped.attention_calls):
     two unpadded runs of width 12 share one, a padded run of width 12 gets its own (it needs the
     mask, they do not), a run of width 7 its own; each run keeps the bits of its op alone."""
     from transformers.integrations import sdpa_attention
@@ -268,10 +268,10 @@ def test_consecutive_runs_of_one_width_share_an_attention_call_and_keep_their_bi
 
 
 def test_a_sliding_window_that_bites_keeps_a_runs_attention_call_masked():
-    from tinkerd.engine.cotrain import AttentionGroup, _attention_calls
+    from tinkerd.engine.grouped import AttentionGroup, attention_calls
 
     groups = [AttentionGroup(2, 12, False), AttentionGroup(1, 12, False), AttentionGroup(1, 12, True)]
-    assert _attention_calls(groups, None, None) == [(4, 12, True)]  # no mask at all: one call
+    assert attention_calls(groups, None, None) == [(4, 12, True)]  # no mask at all: one call
     mask = torch.ones(4, 1, 12, 12, dtype=torch.bool)
-    assert _attention_calls(groups, mask, None) == [(3, 12, True), (1, 12, False)]
-    assert _attention_calls(groups, mask, 8) == [(4, 12, False)]  # the window bites every run
+    assert attention_calls(groups, mask, None) == [(3, 12, True), (1, 12, False)]
+    assert attention_calls(groups, mask, 8) == [(4, 12, False)]  # the window bites every run

@@ -4,7 +4,7 @@ Qwen3.5 equals each run alone.
 As test_cotrain.py for a dense model: twin adapters, one of each pair trained alone, the other side
 by side in one StepBatch. On the MoE each run's tokens on an expert run as their own GEMMs
 (engine/lora/experts.py: MultiLoraExperts._run_tokens); on Qwen3.5 each run's Gated DeltaNet layers
-run on its own rows at its own width (cotrain.grouped_linear_attention). So each run's loss,
+run on its own rows at its own width (grouped.grouped_linear_attention). So each run's loss,
 logprobs, gradients, weights and router metrics keep the bits of its op alone; the rest of the body
 and the head span the runs. fp32, one thread.
 """
@@ -66,7 +66,7 @@ def gpt_oss_engine(models_dir):
 @pytest.mark.parametrize("base", [MOE, GPT_OSS])
 def test_moe_runs_in_one_pass_equal_each_alone_in_loss_grads_weights_and_routing_metrics(request, base):
     """Qwen3-MoE, and gpt-oss: its eager attention with sinks and sliding-window layers run per run too
-    (cotrain.grouped_attention, always with the mask its op alone gets)."""
+    (grouped.grouped_attention, always with the mask its op alone gets)."""
     moe_engine = request.getfixturevalue("moe_engine" if base == MOE else "gpt_oss_engine")
     sampled = greedy(moe_engine, base)  # before the model's attention is switched for shared passes
     solo, fused = twins(moe_engine, f"moe-cotrain-{base}", base)
@@ -133,9 +133,10 @@ def test_on_a_gpu_an_experts_tokens_of_all_runs_share_its_gemms_and_agree_to_rou
 def test_hybrid_runs_in_one_pass_equal_each_alone_with_each_runs_deltanet_layers_its_own(hybrid_engine):
     """Qwen3.5 (Gated DeltaNet and full-attention layers): each run's linear-attention layers run on
     its rows at its own width (the calls recorded), and its results and state equal its op alone."""
+    base = HYBRID
     widths = []
-    sampled = greedy(hybrid_engine, HYBRID)  # before the layers are switched for shared passes
-    solo, fused = twins(hybrid_engine, "hybrid-cotrain", HYBRID)
+    sampled = greedy(hybrid_engine, base)  # before the layers are switched for shared passes
+    solo, fused = twins(hybrid_engine, f"hybrid-cotrain-{base}", base)
     rt = hybrid_engine.runtime_of(fused[0])
     layers = [m for m in rt.model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
     assert layers
@@ -150,4 +151,4 @@ def test_hybrid_runs_in_one_pass_equal_each_alone_with_each_runs_deltanet_layers
                     [g.width for g in kw.get("tinkerd_attention_groups") or []]) or _inner(*a, **kw)
         assert_each_as_alone(hybrid_engine, solo, fused, data, together, f"round {round_}")
     assert [w for w in widths if w] == [[13, 17, 11]] * len(layers) * 2  # rounds 1 and 2, every layer
-    assert greedy(hybrid_engine, HYBRID) == sampled  # outside a shared pass a layer is its own forward
+    assert greedy(hybrid_engine, base) == sampled  # outside a shared pass a layer is its own forward

@@ -330,7 +330,7 @@ class Sampler:
         else:
             if self.window is not None:
                 mask = window_masks(mask, self.cache.width, self.window, self.hidden.dtype,
-                                    additive=self.text_config._attn_implementation.endswith("eager"))  # also engine/cotrain.py's
+                                    additive=self.text_config._attn_implementation.endswith("eager"))  # also engine/grouped.py's
             out = self.body(
                 input_ids=tokens[:, None], attention_mask=mask, position_ids=positions, cache=self.cache, use_cache=True
             )
