@@ -244,6 +244,7 @@ class MultiLoraExperts(nn.Module):
         y = y * top_k_weights[token_idx, top_k_pos, None]
         out.index_add_(0, token_idx, y.to(out.dtype))
 
+
 def wrap_experts(model: nn.Module, ctx: LoraContext, class_name: str | None,
                  routing: ExpertsRouting) -> dict[str, ExpertsParam]:
     """Replace every module of class `class_name` (a fused-experts class) by MultiLoraExperts.
