@@ -180,9 +180,12 @@ class MultiLoraExperts(nn.Module):
         rows = sum(len(g.rows) for g in groups)  # set_rows puts every row of the batch in one group
         if rows <= 0 or n % rows:
             raise RuntimeError(f"{n} tokens do not split into the {rows} routed rows")
-        per_row = torch.full((rows,), -1, dtype=torch.long)
+        # On the experts' device: the tokens' indices into it are there (LoraContext keeps its row
+        # lists on the CPU), and a CUDA index into a CPU tensor raises.
+        device = self.base.gate_up_proj.device
+        per_row = torch.full((rows,), -1, dtype=torch.long, device=device)
         for g in groups:
-            per_row[g.rows] = g.slot
+            per_row[g.rows.to(device)] = g.slot
         return per_row.repeat_interleave(n // rows)
 
     def _run_tokens(self, n: int) -> list[tuple[int, torch.Tensor]] | None:
