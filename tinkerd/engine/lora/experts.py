@@ -172,21 +172,26 @@ class MultiLoraExperts(nn.Module):
         self.gate_up_bias = getattr(base, "gate_up_proj_bias", None)
         self.down_bias = getattr(base, "down_proj_bias", None)
 
+    def _rows(self, n: int) -> tuple[int, int]:
+        """(batch rows the context's groups cover, tokens per row) of n flattened tokens."""
+        rows = sum(len(g.rows) for g in self.ctx.groups)  # set_rows puts every row of the batch in one group
+        if rows <= 0 or n % rows:
+            raise RuntimeError(f"{n} tokens do not split into the {rows} routed rows")
+        return rows, n // rows
+
     def _token_slots(self, n: int) -> torch.Tensor | None:
         """None when every token uses one slot (ctx.groups[0]), else the slot of each token [n]."""
         groups = self.ctx.groups
         if len(groups) <= 1 and (not groups or groups[0].rows is None):
             return None
-        rows = sum(len(g.rows) for g in groups)  # set_rows puts every row of the batch in one group
-        if rows <= 0 or n % rows:
-            raise RuntimeError(f"{n} tokens do not split into the {rows} routed rows")
+        rows, per = self._rows(n)
         # On the experts' device: the tokens' indices into it are there (LoraContext keeps its row
         # lists on the CPU), and a CUDA index into a CPU tensor raises.
         device = self.base.gate_up_proj.device
         per_row = torch.full((rows,), -1, dtype=torch.long, device=device)
         for g in groups:
             per_row[g.rows.to(device)] = g.slot
-        return per_row.repeat_interleave(n // rows)
+        return per_row.repeat_interleave(per)
 
     def _run_tokens(self, n: int) -> list[tuple[int, torch.Tensor]] | None:
         """In a shared training pass (ctx.blocks: each run's rows a consecutive block, engine/cotrain.py):
@@ -196,14 +201,12 @@ class MultiLoraExperts(nn.Module):
         groups = self.ctx.groups
         if not self.ctx.blocks or len(groups) < 2:
             return None
-        rows = sum(len(g.rows) for g in groups)
-        if n % rows:
-            raise RuntimeError(f"{n} tokens do not split into the {rows} routed rows")
-        t = n // rows
+        rows, t = self._rows(n)
+        device = self.base.gate_up_proj.device
         out = []
         for g in groups:
-            mine = torch.zeros(rows, t, dtype=torch.bool, device=self.base.gate_up_proj.device)
-            mine[g.rows.to(mine.device), : g.width or t] = True
+            mine = torch.zeros(rows, t, dtype=torch.bool, device=device)
+            mine[g.rows.to(device), : g.width or t] = True
             out.append((g.slot, mine.flatten()))
         return out
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tinkerd.engine.grouped import GROUPED
 from tinkerd.engine.lora.layers import pack_for_decode
 from tinkerd.engine.sampler.adapters import acquire_adapter, split_model
 from tinkerd.engine.sampler.decode import FusedDecode
@@ -330,7 +331,7 @@ class Sampler:
         else:
             if self.window is not None:
                 mask = window_masks(mask, self.cache.width, self.window, self.hidden.dtype,
-                                    additive=self.text_config._attn_implementation.endswith("eager"))  # also engine/grouped.py's
+                                    additive=self.text_config._attn_implementation in ("eager", GROUPED["eager"]))
             out = self.body(
                 input_ids=tokens[:, None], attention_mask=mask, position_ids=positions, cache=self.cache, use_cache=True
             )
