@@ -15,7 +15,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from tinkerd.engine import buckets
+from tinkerd.engine import buckets, causal
 from tinkerd.types import CreateModelOp, Datum, ForwardBackwardOp, ForwardBackwardResult, LoraSpec
 
 BASE = "tinkerd/tiny-qwen3"
@@ -110,8 +110,14 @@ def test_logits_and_grads_equal_peft(engine, tiny_model_dir, token_batch, which,
     assert (ours - tinkerd_logits(rt, token_batch, None)).abs().max() > 1e-2
 
     # Two datums of different lengths with any-sign weights through the engine: as one padded batch,
-    # and run in length buckets (engine/buckets.py; forced here, as the batch is small).
-    for lengths, min_padding in (((9, 5), buckets.MIN_PADDING), ((12, 3), 0)):
+    # and run in length buckets (engine/buckets.py; forced here, as the batch is small). From 64
+    # tokens the attention runs in causal query blocks (engine/causal.py), with the padding mask and
+    # without one.
+    blocked = []
+    apply = causal.CausalBlocks.apply
+    monkeypatch.setattr(causal.CausalBlocks, "apply", lambda q, *a: blocked.append(q.shape[2]) or apply(q, *a))
+    for lengths, min_padding in (((9, 5), buckets.MIN_PADDING), ((12, 3), 0), ((100, 70), buckets.MIN_PADDING),
+                                 ((80, 80), buckets.MIN_PADDING)):
         monkeypatch.setattr(buckets, "MIN_PADDING", min_padding)
         assert (buckets.plan(list(lengths)) is not None) == (min_padding == 0)
         reference.zero_grad(set_to_none=True)
@@ -141,6 +147,7 @@ def test_logits_and_grads_equal_peft(engine, tiny_model_dir, token_batch, which,
             assert_close_scaled(a.grad, module.lora_A["default"].weight.grad, f"lora_A grad of {name}")
             assert_close_scaled(b.grad, module.lora_B["default"].weight.grad, f"lora_B grad of {name}")
     assert all(a.grad.abs().max() > 0 for a, _ in adapter.weights.values())
+    assert set(blocked) == {100, 80}
 
 
 def test_rows_routed_to_two_adapters_equal_each_alone(engine, token_batch):

@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 import torch
 
-from tinkerd.engine import buckets, grouped, head, training
+from tinkerd.engine import buckets, causal, grouped, head, training
 from tinkerd.engine.grouped import GROUPED, AttentionGroup
 from tinkerd.engine.head import HeadPass, head_lora
 from tinkerd.engine.lora.layers import SlotGroup
@@ -89,7 +89,7 @@ def fusable(rt: "ModelRuntime") -> bool:
     impl = rt.model.config._attn_implementation
     return (family.layer_types in _SHARED_LAYERS
             and (family.experts_class is None or family.name in SHARED_MOE)
-            and (impl == "sdpa" or impl in GROUPED.values() or (impl == "eager" and family.name in SHARED_EAGER)))
+            and (impl in ("sdpa", causal.IMPLEMENTATION) or impl in GROUPED.values() or (impl == "eager" and family.name in SHARED_EAGER)))
 
 
 def pass_key(engine: "Engine", op: object) -> tuple[str, bool] | None:

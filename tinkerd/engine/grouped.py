@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from tinkerd.engine import causal
 from tinkerd.engine.lora.layers import SlotGroup
 
 if TYPE_CHECKING:
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 
 # The attention implementation a model gets once it runs a shared pass (grouped_attention), by the
 # one it had: SDPA, or eager (gpt-oss: its sinks need transformers' eager function).
-GROUPED = {"sdpa": "tinkerd_grouped_sdpa", "eager": "tinkerd_grouped_eager"}
+GROUPED = {"sdpa": "tinkerd_grouped_sdpa", causal.IMPLEMENTATION: "tinkerd_grouped_sdpa", "eager": "tinkerd_grouped_eager"}
 
 
 @dataclass(frozen=True)
@@ -55,8 +56,8 @@ def grouped_attention(module, query, key, value, attention_mask, tinkerd_attenti
     eager = module.config._attn_implementation == GROUPED["eager"]
     if eager:  # the model's own (gpt-oss: with its sinks); an eager op alone always has its mask
         inner = sys.modules[type(module).__module__].eager_attention_forward
-    else:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward as inner
+    else:  # HF's SDPA, in causal query blocks where the pass asks for them (engine/causal.py)
+        inner = causal.sdpa_attention
 
     if not tinkerd_attention_groups:
         return inner(module, query, key, value, attention_mask, **kwargs)
@@ -145,5 +146,5 @@ def install(rt: "ModelRuntime") -> None:
         if type(module).__name__.endswith("GatedDeltaNet"):
             module.forward = functools.partial(grouped_linear_attention, module, rt.ctx)
     AttentionInterface.register(GROUPED[own], grouped_attention)
-    AttentionMaskInterface.register(GROUPED[own], sdpa_mask if own == "sdpa" else eager_mask)
+    AttentionMaskInterface.register(GROUPED[own], eager_mask if own == "eager" else sdpa_mask)
     rt.model.set_attn_implementation(GROUPED[own])

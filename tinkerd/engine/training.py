@@ -112,7 +112,9 @@ def _hidden(rt: "ModelRuntime", input_ids: torch.Tensor, mask: torch.Tensor, ima
         hidden = rt.model.model(input_ids=input_ids, attention_mask=mask, use_cache=False, **extra).last_hidden_state
         return hidden[mask.bool()]
     decoder = rt.model.get_decoder()
-    hidden = decoder(input_ids=input_ids, attention_mask=mask, use_cache=False, **attention).last_hidden_state  # [B, T, H]
+    # tinkerd_causal_blocks: causal attention in query blocks on a CPU (engine/causal.py).
+    hidden = decoder(input_ids=input_ids, attention_mask=mask, use_cache=False, tinkerd_causal_blocks=True,
+                     **attention).last_hidden_state  # [B, T, H]
     return hidden[mask.bool()]  # datum 0's positions first
 
 

@@ -1,0 +1,108 @@
+"""Causal attention in query blocks (engine/causal.py) against transformers' SDPA attention:
+the same attention and gradients up to rounding where it applies, HF's own call to the bit where
+it does not."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from tinkerd.engine import causal
+
+HEADS, KV_HEADS, DIM = 6, 2, 16
+LAYER = SimpleNamespace(is_causal=True, num_key_value_groups=HEADS // KV_HEADS)
+
+
+def inputs(t: int, dtype=torch.float32, rows: int = 2, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    # [B, T, heads, d] transposed, as HF's attention layers hand them over.
+    q, k, v = (torch.randn(rows, t, h, DIM, generator=gen).to(dtype).transpose(1, 2).requires_grad_()
+               for h in (HEADS, KV_HEADS, KV_HEADS))
+    g = torch.randn(rows, t, HEADS, DIM, generator=gen).to(dtype)
+    return q, k, v, g
+
+
+def run(fn, q, k, v, g, mask, **kw):
+    for x in (q, k, v):
+        x.grad = None
+    out, _ = fn(LAYER, q, k, v, mask, scaling=DIM ** -0.5, dropout=0.0, **kw)
+    out.backward(g)
+    return [out.detach()] + [x.grad.clone() for x in (q, k, v)]
+
+
+def padding_mask(lengths: list[int], t: int, window: int | None = None) -> torch.Tensor:
+    """HF's sdpa_mask for right-padded rows: True = attend (causal, real keys, within the window)."""
+    i, j = torch.arange(t)[:, None], torch.arange(t)[None, :]
+    sees = [(j <= i) & (j < n) & ((i - j < window) if window else True) for n in lengths]
+    return torch.stack(sees)[:, None]  # [B, 1, T, T]
+
+
+@pytest.fixture
+def blocked(monkeypatch):
+    calls = []
+    apply = causal.CausalBlocks.apply
+    monkeypatch.setattr(causal.CausalBlocks, "apply", lambda q, *a: calls.append(q.shape[2]) or apply(q, *a))
+    return calls
+
+
+@pytest.mark.parametrize("t", [64, 100, 257])
+@pytest.mark.parametrize("mask", ["none", "padding", "window", "prefix"])
+def test_blocks_equal_hf_sdpa_and_its_gradients(t, mask, blocked):
+    """Any mask under which no query of a block sees a key past the block's last position: causal,
+    padded, a sliding window, or a prefix seen whole inside the first block."""
+    q, k, v, g = inputs(t)
+    m = {"none": None, "padding": padding_mask([t, t - 37], t), "window": padding_mask([t, t], t, window=40),
+         "prefix": padding_mask([t, t], t)}[mask]
+    if mask == "prefix":
+        m[:, :, :20, :20] = True
+    ours = run(causal.sdpa_attention, q, k, v, g, m, tinkerd_causal_blocks=True)
+    theirs = run(sdpa_attention_forward, q, k, v, g, m)
+    for a, b, what in zip(ours, theirs, ("output", "d q", "d k", "d v")):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=what)
+    assert blocked == [t]
+    assert len(causal.spans(t)) >= 2
+
+
+def test_bf16_blocks_agree_with_fp32_attention(blocked):
+    """bf16 as the bf16 path runs it: against the fp32 attention of the same bf16 inputs, no worse
+    than HF's own bf16 call is."""
+    q, k, v, g = inputs(256, torch.bfloat16)
+    exact = run(sdpa_attention_forward, *(x.detach().float().requires_grad_() for x in (q, k, v)), g.float(), None)
+    ours = run(causal.sdpa_attention, q, k, v, g, None, tinkerd_causal_blocks=True)
+    theirs = run(sdpa_attention_forward, q, k, v, g, None)
+    for a, b, ref in zip(ours, theirs, exact):
+        assert (a.float() - ref).abs().max() <= 2 * max((b.float() - ref).abs().max(), 1e-2)
+    assert blocked == [256]
+
+
+def test_a_rows_bits_depend_on_its_width_alone():
+    """Blocks are cut from the width alone, so a row computes the same bits in any batch of its
+    width (what lets a shared pass keep each run's bits, engine/grouped.py)."""
+    q, k, v, g = inputs(130, rows=3)
+    together = run(causal.sdpa_attention, q, k, v, g, None, tinkerd_causal_blocks=True)
+    one = [x[1:2].detach().requires_grad_() for x in (q, k, v)]
+    alone = run(causal.sdpa_attention, *one, g[1:2], None, tinkerd_causal_blocks=True)
+    for a, b in zip(together, alone):
+        assert torch.equal(a[1:2], b)
+
+
+@pytest.mark.parametrize("case", ["no flag", "short", "sees ahead", "decode", "not causal"])
+def test_any_other_call_is_hfs_own(case, blocked):
+    t = 40 if case == "short" else 96
+    q, k, v, g = inputs(t)
+    mask, kw = None, {"tinkerd_causal_blocks": case != "no flag"}
+    if case == "sees ahead":  # the first 60 positions see each other (an image's tokens, say), past a block
+        mask = padding_mask([t, t], t)
+        mask[:, :, :60, :60] = True
+    if case == "decode":  # one query against cached keys
+        q = q[:, :, -1:].detach().requires_grad_()
+        g = g[:, -1:]
+    hf_kw = {"is_causal": False} if case == "not causal" else {}  # a vision tower's attention
+    ours = run(causal.sdpa_attention, q, k, v, g, mask, **kw, **hf_kw)
+    theirs = run(sdpa_attention_forward, q, k, v, g, mask, **hf_kw)
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)
+    assert blocked == []
