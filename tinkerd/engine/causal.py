@@ -46,16 +46,14 @@ def sdpa_attention(module, query, key, value, attention_mask, tinkerd_causal_blo
     in causal query blocks when the training pass asks for it and the call is one they fit."""
     from transformers.integrations import sdpa_attention as hf
 
-    masks = _block_masks(module, query, key, attention_mask, kwargs) if tinkerd_causal_blocks else None
-    if masks is None:
+    if not (tinkerd_causal_blocks and _fits(module, query, key, attention_mask, kwargs)):
         return hf.sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    out = CausalBlocks.apply(query, key, value, masks, kwargs.get("scaling"))
+    out = CausalBlocks.apply(query, key, value, attention_mask, kwargs.get("scaling"))
     return out.transpose(1, 2), None
 
 
-def _block_masks(module, query, key, attention_mask, kwargs) -> list | None:
-    """Each query block's additive mask over its keys (None: the first block, causal without one),
-    or None when the call is not one the blocks compute exactly."""
+def _fits(module, query, key, attention_mask, kwargs) -> bool:
+    """Whether the blocks compute this call exactly (module docstring)."""
     t = query.shape[2]
     is_causal = kwargs.get("is_causal")
     if is_causal is None:
@@ -63,44 +61,46 @@ def _block_masks(module, query, key, attention_mask, kwargs) -> list | None:
     if (query.device.type != "cpu" or query.dtype not in (torch.float32, torch.bfloat16) or not is_causal
             or key.shape[2] != t or t < 2 * MIN_BLOCK or kwargs.get("dropout", 0.0)
             or any(kwargs.get(k) is not None for k in ("softcap", "position_bias", "s_aux"))):
-        return None
-    blocks = spans(t)
-    if attention_mask is not None:
-        if attention_mask.dtype != torch.bool or attention_mask.shape[-2:] != (t, t):
+        return False
+    if attention_mask is None:
+        return True
+    if attention_mask.dtype != torch.bool or attention_mask.shape[-2:] != (t, t):
+        return False
+    return not any(bool(attention_mask[..., s:e, e:].any()) for s, e in spans(t)[:-1])  # no query sees a later block
+
+
+def _mask(sees: torch.Tensor | None, s: int, e: int, like: torch.Tensor) -> torch.Tensor | None:
+    """Block [s, e)'s additive mask over keys [0, e): from HF's boolean mask `sees`, or causal
+    (None for the first block: the kernel's own is_causal). Made when needed, forward and again
+    backward, not kept: at 2048 tokens the blocks' masks of one layer would hold T^2 / 2 floats per row."""
+    if sees is None:
+        if s == 0:
             return None
-        if any(bool(attention_mask[..., s:e, e:].any()) for s, e in blocks[:-1]):
-            return None  # some query sees a later key: not causal
-    masks: list = []
-    for s, e in blocks:
-        if attention_mask is None:
-            if s == 0:
-                masks.append(None)
-                continue
-            sees = torch.ones(e - s, e, dtype=torch.bool, device=query.device).tril(s)
-        else:
-            sees = attention_mask[..., s:e, :e]
-        # As SDPA itself turns a boolean mask into an additive one (0 / -inf, the query's dtype).
-        masks.append(torch.zeros(sees.shape, dtype=query.dtype, device=query.device).masked_fill_(~sees, float("-inf")))
-    return masks
+        block = torch.ones(e - s, e, dtype=torch.bool, device=like.device).tril(s)
+    else:
+        block = sees[..., s:e, :e]
+    # As SDPA itself turns a boolean mask into an additive one (0 / -inf, the query's dtype).
+    return torch.zeros(block.shape, dtype=like.dtype, device=like.device).masked_fill_(~block, float("-inf"))
 
 
 class CausalBlocks(torch.autograd.Function):
     """The flash kernel per query block, forward and backward; the keys' and values' gradients
     summed over the blocks that see them. q [B, H, T, d]; k, v [B, H_kv, T, d] (grouped-query
-    attention natively, as the kernel does it)."""
+    attention natively, as the kernel does it); sees: HF's boolean mask [B or 1, 1, T, T] or None."""
 
     @staticmethod
-    def forward(ctx, q, k, v, masks, scale):
+    def forward(ctx, q, k, v, sees, scale):
         t = q.shape[2]
         # [B, T, H, d] underneath, as HF hands the output on.
         out = q.new_empty(q.shape[0], t, q.shape[1], q.shape[3]).transpose(1, 2)
         lses = []
-        for (s, e), mask in zip(spans(t), masks):
+        for s, e in spans(t):
+            mask = _mask(sees, s, e, q)
             o, lse = _flash(q[:, :, s:e], k[:, :, :e], v[:, :, :e], 0.0, mask is None, attn_mask=mask, scale=scale)
             out[:, :, s:e] = o
             lses.append(lse)
         ctx.save_for_backward(q, k, v, out, *lses)
-        ctx.masks, ctx.scale = masks, scale
+        ctx.sees, ctx.scale = sees, scale
         return out
 
     @staticmethod
@@ -108,7 +108,8 @@ class CausalBlocks(torch.autograd.Function):
         q, k, v, out, *lses = ctx.saved_tensors
         t = q.shape[2]
         g_q, g_k, g_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        for (s, e), mask, lse in zip(spans(t), ctx.masks, lses):
+        for (s, e), lse in zip(spans(t), lses):
+            mask = _mask(ctx.sees, s, e, q)
             dq, dk, dv = _flash_backward(g[:, :, s:e], q[:, :, s:e], k[:, :, :e], v[:, :, :e], out[:, :, s:e], lse,
                                          0.0, mask is None, attn_mask=mask, scale=ctx.scale)
             g_q[:, :, s:e] = dq
