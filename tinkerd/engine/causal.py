@@ -27,6 +27,8 @@ blocks are cut from the width alone, so a run's rows give the same bits alone an
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 IMPLEMENTATION = "tinkerd_sdpa"
@@ -78,13 +80,18 @@ def _mask(sees: torch.Tensor | None, s: int, e: int, like: torch.Tensor) -> torc
     (None for the first block: the kernel's own is_causal). Made when needed, forward and again
     backward, not kept: at 2048 tokens the blocks' masks of one layer would hold T^2 / 2 floats per row."""
     if sees is None:
-        if s == 0:
-            return None
-        block = torch.ones(e - s, e, dtype=torch.bool, device=like.device).tril(s)
-    else:
-        block = sees[..., s:e, :e]
+        return None if s == 0 else _causal_mask(s, e, like.dtype, like.device)
     # As SDPA itself turns a boolean mask into an additive one (0 / -inf, the query's dtype).
+    block = sees[..., s:e, :e]
     return torch.zeros(block.shape, dtype=like.dtype, device=like.device).masked_fill_(~block, float("-inf"))
+
+
+@functools.lru_cache(maxsize=256)
+def _causal_mask(s: int, e: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Block [s, e)'s causal mask, made once per width for every layer and pass (a training run
+    has a few widths; 256 blocks are ~16 widths of 512 tokens, under 10 MB)."""
+    sees = torch.ones(e - s, e, dtype=torch.bool, device=device).tril(s)
+    return torch.zeros(sees.shape, dtype=dtype, device=device).masked_fill_(~sees, float("-inf"))
 
 
 class CausalBlocks(torch.autograd.Function):
@@ -111,14 +118,19 @@ class CausalBlocks(torch.autograd.Function):
     def backward(ctx, g):
         q, k, v, out, *lses = ctx.saved_tensors
         t = q.shape[2]
-        g_q, g_k, g_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        for (s, e), lse in zip(spans(t), lses):
+        g_q = torch.empty_like(q)
+        g_k = g_v = None
+        # The last block first: it sees every key, so its gradients start the sums.
+        for (s, e), lse in reversed(list(zip(spans(t), lses))):
             mask = _mask(ctx.sees, s, e, q)
             dq, dk, dv = _flash_backward(g[:, :, s:e], q[:, :, s:e], k[:, :, :e], v[:, :, :e], out[:, :, s:e], lse,
                                          0.0, mask is None, attn_mask=mask, scale=ctx.scale)
             g_q[:, :, s:e] = dq
-            g_k[:, :, :e] += dk
-            g_v[:, :, :e] += dv
+            if g_k is None:
+                g_k, g_v = dk, dv
+            else:
+                g_k[:, :, :e] += dk
+                g_v[:, :, :e] += dv
         return g_q, g_k, g_v, None, None
 
 
