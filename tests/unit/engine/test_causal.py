@@ -49,18 +49,23 @@ def blocked(monkeypatch):
 
 
 @pytest.mark.parametrize("t", [64, 100, 257])
-@pytest.mark.parametrize("mask", ["none", "padding", "window", "prefix"])
+@pytest.mark.parametrize("mask", ["none", "padding", "window", "prefix", "left padding", "one for all rows"])
 def test_blocks_equal_hf_sdpa_and_its_gradients(t, mask, blocked):
     """Any mask under which no query of a block sees a key past the block's last position: causal,
-    padded, a sliding window, or a prefix seen whole inside the first block."""
+    padded, a sliding window, a prefix seen whole inside the first block, queries that see no key
+    at all (left padding: SDPA's zeros, no NaN), one mask broadcast over the rows."""
     q, k, v, g = inputs(t)
     m = {"none": None, "padding": padding_mask([t, t - 37], t), "window": padding_mask([t, t], t, window=40),
-         "prefix": padding_mask([t, t], t)}[mask]
+         "prefix": padding_mask([t, t], t), "left padding": padding_mask([t, t], t),
+         "one for all rows": padding_mask([t - 5], t)}[mask]
     if mask == "prefix":
         m[:, :, :20, :20] = True
+    if mask == "left padding":
+        m[1, :, :, :10] = False
     ours = run(causal.sdpa_attention, q, k, v, g, m, tinkerd_causal_blocks=True)
     theirs = run(sdpa_attention_forward, q, k, v, g, m)
     for a, b, what in zip(ours, theirs, ("output", "d q", "d k", "d v")):
+        assert not a.isnan().any(), what
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=what)
     assert blocked == [t]
     assert len(causal.spans(t)) >= 2
