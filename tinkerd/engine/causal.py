@@ -80,18 +80,31 @@ def _mask(sees: torch.Tensor | None, s: int, e: int, like: torch.Tensor) -> torc
     (None for the first block: the kernel's own is_causal). Made when needed, forward and again
     backward, not kept: at 2048 tokens the blocks' masks of one layer would hold T^2 / 2 floats per row."""
     if sees is None:
-        return None if s == 0 else _causal_mask(s, e, like.dtype, like.device)
-    # As SDPA itself turns a boolean mask into an additive one (0 / -inf, the query's dtype).
-    block = sees[..., s:e, :e]
-    return torch.zeros(block.shape, dtype=like.dtype, device=like.device).masked_fill_(~block, float("-inf"))
+        if s == 0:
+            return None
+        if e <= CACHED_KEYS:
+            return _cached_causal_mask(s, e, like.dtype, like.device)
+        sees = torch.ones(e - s, e, dtype=torch.bool, device=like.device).tril(s)
+    else:
+        sees = sees[..., s:e, :e]
+    return _additive(sees, like.dtype)
+
+
+def _additive(sees: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """As SDPA itself turns a boolean mask into an additive one (0 / -inf, the query's dtype)."""
+    return torch.zeros(sees.shape, dtype=dtype, device=sees.device).masked_fill_(~sees, float("-inf"))
+
+
+# Causal blocks' masks over at most this many keys are made once and reused by every layer and
+# pass (a block's mask depends on its span alone): at 2 threads, making them per call cost about
+# what the blocks saved. The cache holds at most 256 blocks of <= 64 x 1024 floats (~16 widths,
+# <= 32 MB); longer ones are made per call, where they are a vanishing share of the attention's work.
+CACHED_KEYS = 1024
 
 
 @functools.lru_cache(maxsize=256)
-def _causal_mask(s: int, e: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Block [s, e)'s causal mask, made once per width for every layer and pass (a training run
-    has a few widths; 256 blocks are ~16 widths of 512 tokens, under 10 MB)."""
-    sees = torch.ones(e - s, e, dtype=torch.bool, device=device).tril(s)
-    return torch.zeros(sees.shape, dtype=dtype, device=device).masked_fill_(~sees, float("-inf"))
+def _cached_causal_mask(s: int, e: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return _additive(torch.ones(e - s, e, dtype=torch.bool, device=device).tril(s), dtype)
 
 
 class CausalBlocks(torch.autograd.Function):

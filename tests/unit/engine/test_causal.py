@@ -48,7 +48,7 @@ def blocked(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("t", [64, 100, 257])
+@pytest.mark.parametrize("t", [64, 100, 257, 1030])  # 1030: blocks of 64, masks past CACHED_KEYS made per call
 @pytest.mark.parametrize("mask", ["none", "padding", "window", "prefix", "left padding", "one for all rows"])
 def test_blocks_equal_hf_sdpa_and_its_gradients(t, mask, blocked):
     """Any mask under which no query of a block sees a key past the block's last position: causal,
