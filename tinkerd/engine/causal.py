@@ -7,8 +7,9 @@ rows, forward + backward) causal 14.2 ms against 13.8 full at 256 tokens, 57.6 a
 Run in blocks of queries, each against the keys up to its own last position (the first block
 causal, the others with the additive mask that block needs), the same kernel does about half the
 work: 256 tokens 14.4 -> 9.9 ms, 512: 55.7 -> 34.6, 1024: 161 -> 127, 2048: 529 -> 500 (there the
-kernel's own skipping already does most of it). On SmolLM2 at 2 x 256 tokens attention is ~10% of a
-LoRA step.
+kernel's own skipping already does most of it). A SmolLM2 rank-32 step (benchmarks/causal_attention.py,
+in-process, alternating): 2 x 256 tokens 1.024x at 1 thread, ~1.01x at 2 (there the blocks' extra
+calls cost about what they save); 2 x 512 at 2 threads 1.054x.
 
 fp32 only: in bf16 the kernel's per-call cost ate the gain (1 thread, the shapes above: 256 tokens
 16.4 -> 18.0 ms, 512: 54.9 -> 49.5, 1024: 132 -> 167), and the keys' gradients summed block by
@@ -17,8 +18,9 @@ block would round in bf16 at every block where the one call rounds once.
 It applies where HF's SDPA call would be a self-attention in which no query of a block sees a key
 past the block's last position: a CPU tensor, as many queries as keys, no dropout, and no mask (HF's
 is_causal) or a boolean one (HF's sdpa_mask, True = attend) that keeps to that: causal, padding,
-sliding windows; a prefix seen whole inside the first block is computed exactly too. Anything else, and every call without `tinkerd_causal_blocks`
-(the sampler's, HF's own), goes to transformers' `sdpa_attention_forward` unchanged. The result is
+sliding windows; a prefix seen whole inside the first block is computed exactly too. Anything else,
+and every call without `tinkerd_causal_blocks` (the sampler's, HF's own), goes to transformers'
+`sdpa_attention_forward` unchanged. The result is
 the same attention up to rounding (each row's softmax now sums over its own keys only; against the
 one-call kernel, 2e-6 on these shapes), and a row's bits depend only on its width, as before: the
 blocks are cut from the width alone, so a run's rows give the same bits alone and in a shared pass
