@@ -77,6 +77,16 @@ def twins(engine, tag: str) -> tuple[list[str], list[str]]:
     return solo, fused
 
 
+def twins_of(engine, tag: str, specs: list[LoraSpec]) -> tuple[list[str], list[str]]:
+    """(solo, fused) twin model ids, one pair per spec, created."""
+    solo, fused = [], []
+    for k, spec in enumerate(specs):
+        for ids, kind in ((solo, "solo"), (fused, "fused")):
+            ids.append(f"{tag}-{k}-{kind}")
+            assert not isinstance(alone(engine, CreateModelOp(ids[-1], BASE, spec)), Exception)
+    return solo, fused
+
+
 def data_of(k: int, round_: int) -> list[Datum]:
     return sft_data(100 * round_ + k, lengths=RUNS[k][2])
 
@@ -247,11 +257,7 @@ def test_consecutive_runs_of_one_width_share_an_attention_call_and_keep_their_bi
 
     lengths = ((12, 12), (12, 12), (9, 12), (7,))
     specs = [LoraSpec(rank=4 * (k + 1), alpha=16.0, seed=30 + k) for k in range(len(lengths))]
-    solo, fused = [], []
-    for k, spec in enumerate(specs):
-        for ids, kind in ((solo, "solo"), (fused, "fused")):
-            ids.append(f"cotrain-attn-{k}-{kind}")
-            assert not isinstance(alone(engine, CreateModelOp(ids[-1], BASE, spec)), Exception)
+    solo, fused = twins_of(engine, "cotrain-attn", specs)
     calls = []
     forward = sdpa_attention.sdpa_attention_forward
     monkeypatch.setattr(sdpa_attention, "sdpa_attention_forward",
@@ -284,11 +290,7 @@ def test_runs_wide_enough_for_causal_query_blocks_keep_their_bits(engine, monkey
 
     lengths = ((100, 96), (64, 64), (90,))
     specs = [LoraSpec(rank=4 * (k + 1), alpha=16.0, seed=40 + k) for k in range(len(lengths))]
-    solo, fused = [], []
-    for k, spec in enumerate(specs):
-        for ids, kind in ((solo, "solo"), (fused, "fused")):
-            ids.append(f"cotrain-blocks-{k}-{kind}")
-            assert not isinstance(alone(engine, CreateModelOp(ids[-1], BASE, spec)), Exception)
+    solo, fused = twins_of(engine, "cotrain-blocks", specs)
     widths = []
     apply = causal.CausalBlocks.apply
     monkeypatch.setattr(causal.CausalBlocks, "apply", lambda q, *a: widths.append(q.shape[2]) or apply(q, *a))
