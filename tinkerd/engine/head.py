@@ -72,6 +72,16 @@ def tiled(rt: "ModelRuntime", loras: list) -> bool:
             and all(lora is None or lora[0].dtype == torch.float32 for lora in loras))
 
 
+def direct_b_grad(rows: int) -> bool:
+    """Whether a head LoRA's B gradient over a block of `rows` is made as d^T @ xs into B's own
+    layout, rather than as xs^T @ d and transposed at the end. SmolLM2's 6 tiles of 8192 (fp32,
+    rank 32), ms per block, xs^T @ d + transpose against d^T @ xs: 1 thread 8 rows 2.63 / 0.47,
+    128 rows 9.6 / 8.6, 256 rows 18.6 / 16.7, 384 rows 24.9 / 26.9, 512 rows 31.2 / 39.4;
+    2 threads 8 rows 4.0 / 0.47, 256 rows 14.6 / 10.2, 512 rows 31.8 / 21.0. Alone and in a shared
+    pass a run's blocks have the same rows, so they take the same way."""
+    return rows <= 256 or torch.get_num_threads() > 1
+
+
 def row_blocks(m: int) -> list[int]:
     """Sizes of the blocks one run's m rows go through the head in: at most ROW_BLOCK each, as even
     as can be (1025 rows: 342 + 342 + 341), so none is one of the few rows MKL serves with another
@@ -210,11 +220,12 @@ class HeadPass:
         g2 = g if g.dim() == 2 else g[:, None]
         totals = [g2[blk.at].sum(-1, keepdim=True).neg() for blk in runs]  # d lse: every target's logprob has -lse
         q: list = [None] * len(runs)  # per block: d loss / d xs [R, r]
-        # Per block: d loss / d B transposed, [r, V]. Made as xs^T @ d per tile, not d^T @ xs: read
-        # transposed, d's rows lie 8192 floats (32 KB, a power of two) apart, and MKL's fp32 GEMM ran
-        # at 3-17 GFLOP/s on them on this CPU (the same d with rows 16 floats longer: ~40, as
-        # xs^T @ d runs): SmolLM2, 1 thread, 2 x 256 tokens, 509 -> 65 ms per step.
+        # Per block: d loss / d B, made tile by tile either as d^T @ xs straight into B's layout
+        # [V, r], or as xs^T @ d into [r, V] and transposed once at the end (direct_b_grad says
+        # which). The two give the same bits on this CPU (every block size measured); which is
+        # faster depends on the block's rows and the threads.
         g_bt: list = [None] * len(runs)
+        direct = [direct_b_grad(blk.at.stop - blk.at.start) for blk in runs]
         for t, tile in enumerate(self.tiles):
             z = self.kept[k][t] if self.kept is not None else self._logits(x, runs, xs, tile)
             d = z
@@ -232,8 +243,12 @@ class HeadPass:
                     continue
                 b, d_blk = blk.lora[1], d[blk.at]
                 q[i] = d_blk @ b[tile] if q[i] is None else q[i].addmm_(d_blk, b[tile])
-                g_bt[i] = b.new_empty(b.shape[::-1]) if g_bt[i] is None else g_bt[i]
-                torch.mm(xs[i].t(), d_blk, out=g_bt[i][:, tile])
+                if direct[i]:
+                    g_bt[i] = b.new_empty(b.shape) if g_bt[i] is None else g_bt[i]
+                    torch.mm(d_blk.t(), xs[i], out=g_bt[i][tile])
+                else:
+                    g_bt[i] = b.new_empty(b.shape[::-1]) if g_bt[i] is None else g_bt[i]
+                    torch.mm(xs[i].t(), d_blk, out=g_bt[i][:, tile])
             if self.kept is not None:
                 self.kept[k][t] = None  # freed as it goes
         out = []
@@ -244,7 +259,7 @@ class HeadPass:
             a, _, scaling = blk.lora
             g_u = q[i] if scaling == 1.0 else q[i] * scaling  # xs = (x @ A^T) * scaling
             g_x[blk.at].addmm_(g_u, a)
-            out.append((g_u.t() @ x[blk.at], g_bt[i].t().contiguous()))
+            out.append((g_u.t() @ x[blk.at], g_bt[i] if direct[i] else g_bt[i].t().contiguous()))
         return out
 
     @staticmethod

@@ -33,9 +33,12 @@ def _runtime(vocab: int, hidden: int, lora: LoraWeights | None):
 
 @pytest.mark.parametrize("soft", [False, True])
 @pytest.mark.parametrize("scaling", [None, 1.0, 0.75])
-def test_tiled_head_equals_a_float64_reference(monkeypatch, soft, scaling):
+@pytest.mark.parametrize("direct", [False, True])
+def test_tiled_head_equals_a_float64_reference(monkeypatch, soft, scaling, direct):
     """Logprobs, d hidden and the head LoRA's grads of the written-out backward, over several row
-    blocks and vocabulary tiles (targets in every tile), against autograd in float64."""
+    blocks and vocabulary tiles (targets in every tile), against autograd in float64; B's gradient
+    made either way (head.direct_b_grad), in B's layout."""
+    monkeypatch.setattr(head, "direct_b_grad", lambda rows: direct)
     monkeypatch.setattr(head, "ROW_BLOCK", 16)
     monkeypatch.setattr(head, "TILE_CELLS", 16 * 700)
     monkeypatch.setattr(head, "MIN_TILE", 1)
@@ -68,6 +71,8 @@ def test_tiled_head_equals_a_float64_reference(monkeypatch, soft, scaling):
     for ours, ref in zip([g_x, *g_params], want):
         assert ours.dtype == torch.float32
         assert (ours.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    for ours, p in zip(g_params, params):
+        assert ours.stride() == p.stride()  # fused CPU AdamW reads a gradient in its parameter's memory order
 
 
 def _data(loss_fn: str, soft: bool = False) -> list[Datum]:
