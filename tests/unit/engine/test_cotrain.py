@@ -222,25 +222,18 @@ def bf16_engine(models_dir):
                                                            ((16.0, 16.0, 16.0), True, "bfloat16")])
 def test_runs_of_one_shape_take_each_layers_deltas_in_batched_gemms_and_keep_their_bits(request, monkeypatch, alphas,
                                                                                        batched_layers, dtype):
-    """Runs whose blocks have the same rows, width and rank get every layer's LoRA deltas from one
-    batched GEMM per product, and each its bits alone: results, gradients and weights after two
-    rounds, with powers-of-two scalings 1, 4 and 2 (or all 2). A scaling of 1.5 (PEFT scales the
-    output then) keeps the per-run GEMMs. In fp32 the batched GEMMs sum into the base output
-    (engine/lora/fused.py: baddbmm_ against each run's addmm_ alone); in bf16 the fp32 master A/B
-    are cast for the pass and their gradients cast back, as alone (engine/lora/batched.py)."""
-    from tinkerd.engine.lora import batched, fused as fused_linear
+    """Runs whose blocks have the same rows, width and rank (engine/lora/batched.py) get every
+    layer's LoRA deltas from one batched GEMM per product, and each its bits alone: results,
+    gradients and weights after two rounds, with powers-of-two scalings 1, 4 and 2 (or all 2). A
+    scaling of 1.5 (PEFT scales the output then) keeps the per-run GEMMs. In bf16 the fp32 master
+    A/B are cast for the pass and their gradients cast back, as alone."""
+    from tinkerd.engine.lora import batched
 
     engine = request.getfixturevalue("engine" if dtype == "float32" else "bf16_engine")
 
     calls = []
-    if dtype == "float32":
-        apply = fused_linear.LoraLinear.apply
-        monkeypatch.setattr(fused_linear.LoraLinear, "apply",
-                            lambda x, w, bias, parts, together, *ab: (together and calls.append(len(parts)))
-                            or apply(x, w, bias, parts, together, *ab))
-    else:
-        deltas = batched.same_shape_deltas
-        monkeypatch.setattr(batched, "same_shape_deltas", lambda x, loras: calls.append(len(loras)) or deltas(x, loras))
+    deltas = batched.same_shape_deltas
+    monkeypatch.setattr(batched, "same_shape_deltas", lambda x, loras: calls.append(len(loras)) or deltas(x, loras))
     specs = [LoraSpec(rank=8, alpha=alpha, seed=20 + k, train_unembed=k != 2) for k, alpha in enumerate(alphas)]
     solo, fused = [], []
     for k, spec in enumerate(specs):
