@@ -224,8 +224,9 @@ class HeadPass:
         # [V, r], or as xs^T @ d into [r, V] and transposed once at the end (direct_b_grad says
         # which). The two give the same bits on this CPU (every block size measured); which is
         # faster depends on the block's rows and the threads.
-        g_bt: list = [None] * len(runs)
         direct = [direct_b_grad(blk.at.stop - blk.at.start) for blk in runs]
+        g_b = [None if blk.lora is None else blk.lora[1].new_empty(blk.lora[1].shape[::1 if way else -1])
+               for blk, way in zip(runs, direct)]
         for t, tile in enumerate(self.tiles):
             z = self.kept[k][t] if self.kept is not None else self._logits(x, runs, xs, tile)
             d = z
@@ -244,11 +245,9 @@ class HeadPass:
                 b, d_blk = blk.lora[1], d[blk.at]
                 q[i] = d_blk @ b[tile] if q[i] is None else q[i].addmm_(d_blk, b[tile])
                 if direct[i]:
-                    g_bt[i] = b.new_empty(b.shape) if g_bt[i] is None else g_bt[i]
-                    torch.mm(d_blk.t(), xs[i], out=g_bt[i][tile])
+                    torch.mm(d_blk.t(), xs[i], out=g_b[i][tile])
                 else:
-                    g_bt[i] = b.new_empty(b.shape[::-1]) if g_bt[i] is None else g_bt[i]
-                    torch.mm(xs[i].t(), d_blk, out=g_bt[i][:, tile])
+                    torch.mm(xs[i].t(), d_blk, out=g_b[i][:, tile])
             if self.kept is not None:
                 self.kept[k][t] = None  # freed as it goes
         out = []
@@ -259,7 +258,7 @@ class HeadPass:
             a, _, scaling = blk.lora
             g_u = q[i] if scaling == 1.0 else q[i] * scaling  # xs = (x @ A^T) * scaling
             g_x[blk.at].addmm_(g_u, a)
-            out.append((g_u.t() @ x[blk.at], g_bt[i] if direct[i] else g_bt[i].t().contiguous()))
+            out.append((g_u.t() @ x[blk.at], g_b[i] if direct[i] else g_b[i].t().contiguous()))
         return out
 
     @staticmethod
