@@ -12,6 +12,16 @@ the same losses (twin adapters: same rank and seed).
     python benchmarks/shared_pass.py --threads 2 --rounds 3 --tenants 1 2 4 8
     python benchmarks/shared_pass.py --dtype bfloat16       # the bf16 engine
     python benchmarks/shared_pass.py --toy qwen3_moe --datums 1 --tokens 8 --threads 2 --rounds 5 --tenants 1 4
+    python benchmarks/shared_pass.py --merged --datums 1 --tokens 8 --threads 2 --rounds 8 --tenants 1 4
+
+`--merged` also times one adapter trained on all N runs' datums in one op (a "merged" run: the
+shared pass's base-model work with one adapter's), to split a shared round into what the base model
+costs and what each adapter adds. A closed-loop client of N sharing a pass waits a whole round, so
+the latency ratio N tenants / 1 tenant cannot drop below merged round / solo round however cheap
+the adapters are; and since an adapter's AdamW update is memory-bound (it reads and writes weights,
+gradients and both moments: ~320 MB a step for SmolLM2's rank-32 adapter with its head LoRA), a
+floor that keeps the adapters' own optim_steps is merged round + (N - 1) optim_steps of the shared
+round. Measured on this 2-core CPU: docs/architecture.md section 9.
 
 `--toy FAMILY` runs a random toy model of that family instead (benchmarks/moe.py's `build`: 4 layers,
 hidden 256, vocab 8192, 8 experts top-2): qwen3_moe, qwen3_5 (hybrid) or gpt_oss, the families
@@ -81,6 +91,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                     help="bfloat16: the --dtype bfloat16 engine (bf16 base, fp32 master adapters)")
+    ap.add_argument("--merged", action="store_true",
+                    help="also time one adapter on all N runs' datums in one op: the latency floors (module docstring)")
     ap.add_argument("--per-run-loras", action="store_true",
                     help="turn engine/lora/batched.py off: every run's LoRA products as its own GEMMs")
     args = ap.parse_args()
@@ -108,6 +120,9 @@ def main() -> None:
             model_id = f"{mode}-{k}"
             engine.run_ops([CreateModelOp(model_id, args.model, LoraSpec(rank=args.rank, alpha=32.0, seed=k))])
             ids.setdefault(mode, []).append(model_id)
+    if args.merged:
+        engine.run_ops([CreateModelOp("merged-0", args.model, LoraSpec(rank=args.rank, alpha=32.0, seed=0))])
+        ids["merged"] = ["merged-0"]
     data = [batch(k, args.datums, args.tokens, rt.vocab_size) for k in range(max(args.tenants))]
     round_s(engine, ids["shared"][:2], data, True)  # warm-up: allocator, oneDNN primitives
     round_s(engine, ids["apart"][:2], data, False)
@@ -116,9 +131,14 @@ def main() -> None:
     for r in range(args.rounds):
         for n in args.tenants:
             order = ("shared", "apart") if r % 2 == 0 else ("apart", "shared")
+            if args.merged:
+                order = (*order, "merged") if r % 2 == 0 else ("merged", *order)
             losses = {}
             for mode in order:
-                fb_s, s, losses[mode] = round_s(engine, ids[mode][:n], data, mode == "shared")
+                if mode == "merged":  # one adapter, every run's datums: [sum(data[:n], [])]
+                    fb_s, s, _ = round_s(engine, ids[mode], [sum(data[:n], [])], True)
+                else:
+                    fb_s, s, losses[mode] = round_s(engine, ids[mode][:n], data, mode == "shared")
                 times.setdefault((n, mode), []).append(s)
                 fb_times.setdefault((n, mode), []).append(fb_s)
             # Twins on the same data, in lock-step: shared equals apart to the bit (engine/cotrain.py).
@@ -135,6 +155,23 @@ def main() -> None:
             shared = n * per_round / statistics.median(table[(n, "shared")])
             solo = solo or apart
             print(f"{n:>7} {apart:>12.1f} {shared:>13.1f} {shared / apart:>13.3f} {shared / solo:>19.3f}")
+    if args.merged:
+        print_floors(args.tenants, times, fb_times)
+
+
+def print_floors(tenants: list[int], times: dict, fb_times: dict) -> None:
+    """A shared round's latency against one tenant's, and its floors (module docstring), in ms."""
+    med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    fb = {k: 1e3 * statistics.median(v) for k, v in fb_times.items()}
+    solo = med[(tenants[0], "shared")]
+    print(f"latency of a round against {tenants[0]} tenant(s) ({solo:.0f} ms), engine only")
+    print(f"{'tenants':>7} {'shared ms':>10} {'ratio':>6} {'merged ms':>10} {'floor: merged':>14} "
+          f"{'optim/adapter ms':>17} {'floor: + optims':>16}")
+    for n in tenants:
+        shared, merged = med[(n, "shared")], med[(n, "merged")]
+        optim = (shared - fb[(n, "shared")]) / n  # the shared round's optim_steps, one per adapter
+        print(f"{n:>7} {shared:>10.0f} {shared / solo:>6.2f} {merged:>10.0f} {merged / solo:>14.2f} "
+              f"{optim:>17.1f} {(merged + (n - 1) * optim) / solo:>16.2f}")
 
 
 if __name__ == "__main__":
