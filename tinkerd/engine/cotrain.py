@@ -28,7 +28,10 @@ reduces over stays its own:
 What a run shares is the number of rows of the body's frozen GEMMs, which changes no bit of a row
 there from 4 rows up; MKL's sgemm takes another kernel below 4 rows (measured on SmolLM2's and the
 tiny model's shapes, fp32, one thread: 1-3 rows differ from the same rows inside a bigger batch),
-so an op of fewer than 4 tokens runs alone. The body's elementwise ops also span the runs; a
+so an op of fewer than 4 tokens runs alone. That is this BLAS on this CPU at one thread: before a
+model's first shared pass the engine probes its GEMMs' shapes on the machine it runs on, with its
+threads (engine/rowbits.py; MKL at 2 threads rounds GEMMs of 5-7 and 9-11 rows another way too),
+and ops join a pass only where neither the pass nor any of them alone has a GEMM of such a row count. The body's elementwise ops also span the runs; a
 vectorised exp (SiLU's) rounds the last elements of a tensor that fill no whole vector another way,
 but a row of the body is [T, features] with the features a multiple of the vector width, so no row
 of a run lands there in one batch and not in the other. On fp32 CPU no bit of any run's logprobs, loss or grads
@@ -116,13 +119,30 @@ def passes(engine: "Engine", run: Sequence[tuple[str, object]]) -> list[list[tup
     key, taken = None, set()
     for ticket, op in run:
         mine = pass_key(engine, op)
-        if out and mine is not None and mine == key and op.model_id not in taken:
+        if (out and mine is not None and mine == key and op.model_id not in taken
+                and _rows_share(engine.runtimes[mine[0]], out[-1], op)):
             out[-1].append((ticket, op))
         else:
             out.append([(ticket, op)])
             key, taken = mine, set()
         taken.add(getattr(op, "model_id", None))
     return out
+
+
+def _rows_share(rt: "ModelRuntime", stretch: list[tuple[str, object]], op: ForwardBackwardOp) -> bool:
+    """Whether `op` may join the pass of `stretch`: no GEMM of that pass, and none of its ops' GEMMs
+    alone, has a row count at which this machine's BLAS gives a row other bits than in a big batch
+    (rt.odd_rows, probed once per model when a second op first could join a pass: engine/rowbits.py).
+    The body's GEMMs have datums x widest datum rows, the head's its blocks' (head.gemm_rows)."""
+    odd = rt.odd_rows
+    if odd is None:
+        return False
+    ops = [o for _, o in stretch] + [op]
+    tokens = [sum(len(d.tokens) for d in o.data) for o in ops]
+    rows = [len(o.data) * max(len(d.tokens) for d in o.data) for o in ops]
+    rows.append(sum(len(o.data) for o in ops) * max(len(d.tokens) for o in ops for d in o.data))
+    rows += head.gemm_rows(tokens) + [n for m in tokens for n in head.gemm_rows([m])]
+    return odd.isdisjoint(rows)
 
 
 def run_ops(engine: "Engine", run: Sequence[tuple[str, object]], guarded) -> tuple[list[tuple[str, object]], list[int]]:

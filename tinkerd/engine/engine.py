@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from tinkerd.artifacts import ArtifactStore, LocalArtifactStore
-from tinkerd.engine import causal, cotrain
+from tinkerd.engine import causal, cotrain, rowbits
 from tinkerd.engine.lora.experts import ExpertsRouting, wrap_experts
 from tinkerd.engine.lora.layers import LoraContext, MultiLoraLinear, wrap_model, targets_for
 from tinkerd.engine.lora.pool import AdapterPool
@@ -44,6 +44,8 @@ class ModelRuntime:
     precision: Precision = Precision()  # device and compute dtype (engine/precision.py)
     # Where sampler checkpoints are read from (the engine's store, tinkerd/artifacts.py).
     artifacts: ArtifactStore = field(default_factory=lambda: LocalArtifactStore("/"))
+    # engine/rowbits.py's verdicts by torch thread count (odd_rows).
+    odd_rows_by_threads: dict[int, frozenset[int] | None] = field(default_factory=dict, repr=False)
 
     @property
     def name(self) -> str:
@@ -56,6 +58,16 @@ class ModelRuntime:
     @property
     def vocab_size(self) -> int:
         return self.model.get_output_embeddings().out_features
+
+    @property
+    def odd_rows(self) -> frozenset[int] | None:
+        """Row counts at which this machine's GEMMs give a row of this model other bits than in a big
+        batch, at the current thread count, which no GEMM of a shared training pass may have
+        (engine/cotrain.py); None: no shared pass here. Probed on first use (engine/rowbits.py)."""
+        threads = torch.get_num_threads()
+        if threads not in self.odd_rows_by_threads:
+            self.odd_rows_by_threads[threads] = rowbits.odd_rows(self)
+        return self.odd_rows_by_threads[threads]
 
     @cached_property
     def tokenizer(self):

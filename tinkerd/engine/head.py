@@ -82,12 +82,32 @@ def direct_b_grad(rows: int) -> bool:
     return rows <= 256 or torch.get_num_threads() > 1
 
 
+def tiles(vocab: int) -> list[slice]:
+    """The tiled path's vocabulary tiles: TILE_CELLS / ROW_BLOCK columns each (at least MIN_TILE),
+    whatever the number of rows, so a row's logits come from the same GEMMs alone and in a shared pass."""
+    width = min(vocab, max(MIN_TILE, TILE_CELLS // ROW_BLOCK))
+    return [slice(j, min(j + width, vocab)) for j in range(0, vocab, width)]
+
+
 def row_blocks(m: int) -> list[int]:
     """Sizes of the blocks one run's m rows go through the head in: at most ROW_BLOCK each, as even
     as can be (1025 rows: 342 + 342 + 341), so none is one of the few rows MKL serves with another
     kernel (engine/cotrain.py: MIN_TOKENS) and a block's rows give the same bits in any GEMM."""
     n = max(1, -(-m // ROW_BLOCK))
     return [m // n + (1 if i < m % n else 0) for i in range(n)]
+
+
+def gemm_rows(ms: list[int]) -> list[int]:
+    """Rows of each of the head's GEMMs over runs of `ms` rows side by side: HeadPass._gemm_blocks'
+    packing (each run's row_blocks, consecutive ones together while they fit in ROW_BLOCK rows)."""
+    rows: list[int] = []
+    for m in ms:
+        for n in row_blocks(m):
+            if rows and rows[-1] + n <= ROW_BLOCK:
+                rows[-1] += n
+            else:
+                rows.append(n)
+    return rows
 
 
 @dataclass(frozen=True)
@@ -123,8 +143,7 @@ class HeadPass:
         if self.tiled:
             self.weight = rt.model.get_output_embeddings().weight  # [V, H]
             self.blocks = self._gemm_blocks()
-            width = min(vocab, max(MIN_TILE, TILE_CELLS // ROW_BLOCK))
-            self.tiles = [slice(j, min(j + width, vocab)) for j in range(0, vocab, width)]
+            self.tiles = tiles(vocab)
             with torch.no_grad():
                 done = [self._block_forward(span, runs) for span, runs in self.blocks]
             self.kept = [tiles for _, _, tiles in done] if self.keep else None

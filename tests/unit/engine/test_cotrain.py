@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from tinkerd.engine import head
+from tinkerd.engine import cotrain, head
 from tinkerd.errors import UserError
 from tinkerd.types import AdamParams, CreateModelOp, Datum, ForwardBackwardOp, LoraSpec, OptimStepOp, StepBatch
 
@@ -166,6 +166,63 @@ def test_an_op_under_min_tokens_runs_alone_and_the_rest_still_share(engine):
         assert_same_result(results[k], alone(engine, ForwardBackwardOp(solo[k], data_of(k, 0), "cross_entropy")))
 
 
+@pytest.fixture
+def two_threads():
+    """The engine at 2 torch threads for one test (MKL splits small GEMMs between threads)."""
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(1)
+
+
+def test_at_two_threads_an_op_whose_gemm_rows_round_otherwise_runs_alone(engine, two_threads):
+    """engine/rowbits.py: at 2 threads MKL gives a GEMM of 5-7 or 9-11 rows other bits than the same
+    rows inside a bigger batch, so a 6-token op that shared a pass (32 rows here) got other numbers
+    than alone. The probe finds those row counts on the machine; an op whose rows alone, or whose
+    pass's, are among them runs alone, the others still share, and each gets its bits alone."""
+    odd = engine.runtime(BASE).odd_rows
+    assert odd is not None and {1, 2, 3} <= odd  # MKL's small-GEMM kernel at any thread count
+    solo, fused = twins(engine, "cotrain-2t")
+    data = [sft_data(71, lengths=(6,)), sft_data(72, lengths=(8,)), sft_data(73, lengths=(8, 8))]
+    ops = [ForwardBackwardOp(m, data[k], "cross_entropy") for k, m in enumerate(fused)]
+    together, shared = step(engine, ops)
+    assert shared == ([2] if 6 in odd else [3])
+    assert_each_as_alone(engine, solo, fused, data, together, "a pass at 2 threads")
+
+
+def test_the_probe_sends_ops_of_odd_row_counts_alone_and_turns_a_model_off_when_they_do_not_settle(engine, monkeypatch):
+    """A BLAS faked inside the probe: one that rounds GEMMs of 5 or 6 rows another way keeps 8-token
+    ops sharing and sends 5- and 6-token ones alone; one that does so for every 5th row count turns
+    the model's shared passes off. No op is refused either way."""
+    from tinkerd.engine import rowbits
+
+    rt = engine.runtime(BASE)
+    forward = rowbits._forward
+
+    def skewed(odd_if):
+        def gemm(x, w, b):
+            y = forward(x, w, b)
+            return y.add(1e-3) if odd_if(x.shape[0]) else y
+        return gemm
+
+    solo, _ = twins(engine, "cotrain-odd")
+    for odd_if, found, expected in ((lambda m: m in (5, 6), {5, 6}, [1, 1, 2]), (lambda m: m % 5 == 0, None, [1, 1, 1, 1])):
+        monkeypatch.setattr(rowbits, "_forward", skewed(odd_if))
+        monkeypatch.setattr(rt, "odd_rows_by_threads", {})
+        ops = [ForwardBackwardOp(m, sft_data(81 + k, lengths=(n,)), "cross_entropy")
+               for k, (m, n) in enumerate(((solo[0], 5), (solo[1], 6), (solo[2], 8), (solo[0], 8)))]
+        assert rt.odd_rows is None if found is None else found <= rt.odd_rows  # with MKL's own (1-3 rows)
+        assert [len(p) for p in cotrain.passes(engine, [(str(i), op) for i, op in enumerate(ops)])] == expected
+
+
+def test_the_heads_gemm_rows_are_the_ones_its_pass_runs():
+    """head.gemm_rows (what cotrain checks against the probe) packs blocks as HeadPass does."""
+    from types import SimpleNamespace
+
+    for ms in ([8], [8, 8, 8, 8], [300, 300], [5, 700, 12], [1025, 3, 511, 2]):
+        spans = head.HeadPass._gemm_blocks(SimpleNamespace(parts=[(m, None) for m in ms]))
+        assert head.gemm_rows(ms) == [span.stop - span.start for span, _ in spans]
+
+
 @pytest.mark.parametrize("row_block, keep", [(512, True), (64, True), (64, False), (16, True)])
 def test_the_runs_share_the_heads_gemms_and_each_gets_its_bits_alone(engine, monkeypatch, row_block, keep):
     """The head runs once over every run's rows (engine/head.py): each tile's GEMM takes the
@@ -216,17 +273,20 @@ def bf16_engine(models_dir):
     return eng
 
 
-@pytest.mark.parametrize("alphas, batched_layers, dtype", [((8.0, 32.0, 16.0), True, "float32"),
-                                                           ((8.0, 12.0, 16.0), False, "float32"),
-                                                           ((8.0, 32.0, 16.0), True, "bfloat16"),
-                                                           ((16.0, 16.0, 16.0), True, "bfloat16")])
+@pytest.mark.parametrize("alphas, batched_layers, dtype, rank", [((8.0, 32.0, 16.0), True, "float32", 8),
+                                                                 ((8.0, 12.0, 16.0), False, "float32", 8),
+                                                                 ((32.0, 32.0, 32.0), False, "float32", 1),
+                                                                 ((8.0, 32.0, 16.0), True, "bfloat16", 8),
+                                                                 ((16.0, 16.0, 16.0), True, "bfloat16", 8)])
 def test_runs_of_one_shape_take_each_layers_deltas_in_batched_gemms_and_keep_their_bits(request, monkeypatch, alphas,
-                                                                                       batched_layers, dtype):
+                                                                                       batched_layers, dtype, rank):
     """Runs whose blocks have the same rows, width and rank (engine/lora/batched.py) get every
     layer's LoRA deltas from one batched GEMM per product, and each its bits alone: results,
     gradients and weights after two rounds, with powers-of-two scalings 1, 4 and 2 (or all 2). A
-    scaling of 1.5 (PEFT scales the output then) keeps the per-run GEMMs. In bf16 the fp32 master
-    A/B are cast for the pass and their gradients cast back, as alone."""
+    scaling of 1.5 (PEFT scales the output then) keeps the per-run GEMMs, and so does rank 1, where
+    MKL's mm takes a matrix-vector kernel whose bits the batched GEMM does not keep (batched.keeps_bits
+    finds that on the machine; before it, rank-1 runs that shared a pass lost their bits alone). In
+    bf16 the fp32 master A/B are cast for the pass and their gradients cast back, as alone."""
     from tinkerd.engine.lora import batched
 
     engine = request.getfixturevalue("engine" if dtype == "float32" else "bf16_engine")
@@ -234,11 +294,11 @@ def test_runs_of_one_shape_take_each_layers_deltas_in_batched_gemms_and_keep_the
     calls = []
     deltas = batched.same_shape_deltas
     monkeypatch.setattr(batched, "same_shape_deltas", lambda x, loras: calls.append(len(loras)) or deltas(x, loras))
-    specs = [LoraSpec(rank=8, alpha=alpha, seed=20 + k, train_unembed=k != 2) for k, alpha in enumerate(alphas)]
+    specs = [LoraSpec(rank=rank, alpha=alpha, seed=20 + k, train_unembed=k != 2) for k, alpha in enumerate(alphas)]
     solo, fused = [], []
     for k, spec in enumerate(specs):
         for ids, kind in ((solo, "solo"), (fused, "fused")):
-            ids.append(f"cotrain-same-{dtype}-{alphas}-{k}-{kind}")
+            ids.append(f"cotrain-same-{dtype}-{alphas}-{rank}-{k}-{kind}")
             assert not isinstance(alone(engine, CreateModelOp(ids[-1], BASE, spec)), Exception)
     for round_ in range(2):  # round 0: B = 0, so A's gradients are 0; round 1 trains everything
         data = [sft_data(200 + 10 * round_ + k, lengths=(9, 13)) for k in range(len(specs))]

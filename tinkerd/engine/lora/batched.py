@@ -12,8 +12,9 @@ So this Function computes, per run, exactly the products autograd computes for t
 the same operands in the same order and transposition (torch's mm_mat1_backward and
 mm_mat2_backward for x @ A^T and u @ B^T): u = x A^T, delta = (s u) B^T; backward d(su) = d B,
 dB = d^T (s u), du = s d(su), dx = du A, dA = du^T x. MKL's batched GEMM gives each matrix the
-bits of the single GEMM, in fp32 and bf16 (tests/unit/engine/test_cotrain.py checks the whole pass
-against each op alone in both). Its gradients come out in each parameter's own layout: fused AdamW
+bits of the single GEMM, in fp32 and bf16, at most shapes but not all (rank 1; at 2 threads ranks
+5-7 and 9-11), so `fits` takes a shape only once `keeps_bits` has checked it on the machine
+(tests/unit/engine/test_cotrain.py checks the whole pass against each op alone in both). Its gradients come out in each parameter's own layout: fused AdamW
 on CPU needs that (engine/adam.py: add_grad), and autograd's bmm backward gives A's gradient
 transposed.
 
@@ -24,6 +25,8 @@ one bmm per product instead of one mm per run.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -82,4 +85,36 @@ def fits(x: torch.Tensor, groups: list, loras: list) -> bool:
     t = x.shape[1]
     return (all(group.rows.shape[0] == rows and (group.width or t) == t for group in groups)
             and all(lw.a.shape == shape and lw.a.dtype == master and lw.b.dtype == master
-                    and power_of_two(lw.scaling) for lw in loras))
+                    and power_of_two(lw.scaling) for lw in loras)
+            and keeps_bits(len(loras), rows * t, x.shape[-1], loras[0].b.shape[0], shape[0],
+                           tuple(lw.scaling for lw in loras), x.dtype, master, torch.get_num_threads()))
+
+
+@functools.lru_cache(maxsize=1024)
+def keeps_bits(g: int, m: int, in_features: int, out_features: int, rank: int, scalings: tuple[float, ...],
+               dtype: torch.dtype, master: torch.dtype, threads: int) -> bool:
+    """Whether SameShapeDeltas gives each of g runs of m rows the bits its per-run path (lora_delta
+    through autograd) gives alone, forward and backward, on random numbers of these shapes, on this
+    machine: asked once per shape (`threads` keys the cache). MKL's batched GEMM keeps mm's bits at
+    most shapes but not all: at rank 1 (mm takes a matrix-vector kernel) at any thread count, and at
+    2 threads at ranks 5-7 and 9-11 (d A's GEMM has rank rows: engine/rowbits.py) and at 6 rows. Where
+    it does not, the layer takes the per-run GEMMs."""
+    from tinkerd.engine.precision import lora_delta
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(g, m, in_features, generator=gen).to(dtype)
+    d = torch.randn(g, m, out_features, generator=gen).to(dtype)
+    a = [torch.randn(rank, in_features, generator=gen).div_(in_features ** 0.5).to(master) for _ in range(g)]
+    b = [torch.randn(out_features, rank, generator=gen).div_(rank ** 0.5).to(master) for _ in range(g)]
+    with torch.enable_grad():
+        xb, ab, bb = x.clone().requires_grad_(), [t.clone().requires_grad_() for t in a], [t.clone().requires_grad_() for t in b]
+        together = SameShapeDeltas.apply(xb, scalings, *ab, *bb)
+        together.backward(d)
+        for i in range(g):
+            xi, ai, bi = x[i].clone().requires_grad_(), a[i].clone().requires_grad_(), b[i].clone().requires_grad_()
+            alone = lora_delta(xi, ai.to(dtype), bi.to(dtype), scalings[i])
+            alone.backward(d[i])
+            if not all(torch.equal(p, q) for p, q in ((together[i], alone), (xb.grad[i], xi.grad), (ab[i].grad, ai.grad),
+                                                      (bb[i].grad, bi.grad))):
+                return False
+    return True

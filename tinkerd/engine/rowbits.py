@@ -1,0 +1,126 @@
+"""At which row counts this machine's GEMMs give a row of a model's linears other bits than in a big batch.
+
+A shared training pass (engine/cotrain.py) runs the frozen linears of the body once over every
+run's rows, and the head's GEMMs over consecutive blocks of several runs. Each run gets the bits of
+its op alone only if a row's output is the same in the GEMM its op runs alone and in the shared
+one. That is a property of the BLAS, of the kernels it picks for the CPU it finds and of the thread
+count, not of torch. MKL's sgemm on this project's CI machine (fp32, SmolLM2's shapes): at 1, 3 or
+4 threads a GEMM of 1-3 rows takes another kernel than a bigger one; at 2 or 8 threads one of 1-3,
+5-7 or 9-11 rows does too; from 12 rows up a row's bits never moved. A shared pass that took a
+6-token op at 2 threads gave that run other numbers than its op alone, silently; recovery's replay
+and "equals an uninterrupted run" rest on those bits.
+
+So before a model's first shared pass the engine asks, once per model and thread count, for every
+distinct linear of the body (forward x W^T with its bias, and the input gradient dY W) and for the
+head's tiles (x W_tile^T, and dY W_tile accumulated as the tiled head does, engine/head.py): which
+row counts up to SCAN_ROWS, as a GEMM of their own and at an offset inside one, give other bits
+than the same rows of a GEMM of BATCH_ROWS rows (the "odd" row counts). cotrain then shares a pass
+only where no GEMM of it, and none of its ops' GEMMs alone, has an odd row count. A model with an
+odd count beyond SCAN_ROWS / 2, or whose first 64 rows differ from the same rows of a bigger
+batch, gets no shared pass (the pattern did not settle where probed). Either way each op gets its
+bits alone; only throughput across tenants is lost, and the engine logs what decided it.
+
+It is a probe, not a proof: row counts beyond SCAN_ROWS, and batches other than those tried, are
+taken to behave like the big batch. ~1 s on SmolLM2-135M (the head's 8192-wide tile is most of
+it); the cost grows with the layers' widths. On CUDA no shared pass keeps a run's bits (cuBLAS
+rounds by the batch, tests/gpu) and none is promised there, so nothing is probed.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from tinkerd.engine import head
+
+if TYPE_CHECKING:
+    from tinkerd.engine.engine import ModelRuntime
+
+log = logging.getLogger(__name__)
+
+SCAN_ROWS = 32
+BATCH_ROWS = head.ROW_BLOCK
+
+Gemm = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
+def _forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.nn.functional.linear(x, w, bias)
+
+
+def _input_grad(dy: torch.Tensor, w: torch.Tensor, _bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.mm(dy, w)
+
+
+def _head_input_grad(dy: torch.Tensor, w: torch.Tensor, _bias: torch.Tensor | None) -> torch.Tensor:
+    # The tiled head's backward adds each tile's d @ W_tile into d hidden (HeadPass._block_backward).
+    return torch.mm(dy, w).addmm_(dy, w)
+
+
+def odd_rows(rt: "ModelRuntime") -> frozenset[int] | None:
+    """The row counts (up to SCAN_ROWS) at which some GEMM a shared pass of `rt` spans gives a row
+    other bits than inside a big batch, on this machine and thread count; None: no shared pass for
+    this model here (module docstring). Empty on CUDA (nothing is promised there)."""
+    if rt.precision.device != "cpu":
+        return frozenset()
+    odd: set[int] = set()
+    for what, shape, dtype, bias, gemm in _probes(rt):
+        got = _odd(shape, dtype, bias, gemm, torch.get_num_threads())
+        if got is None:
+            log.warning("shared training passes are off for %s: on this machine %s of a [%d, %d] %s weight gives "
+                        "a row other bits in batches of different sizes; each of its ops runs in its own pass (the "
+                        "same results, without the throughput across tenants)", rt.name, what, shape[0], shape[1],
+                        str(dtype).removeprefix("torch."))
+            return None
+        odd |= got
+    log.info("shared training passes of %s at %d threads avoid GEMMs of %s rows: there a row gets other bits "
+             "than in a bigger batch", rt.name, torch.get_num_threads(), sorted(odd) or "no")
+    return frozenset(odd)
+
+
+def _probes(rt: "ModelRuntime") -> list[tuple[str, tuple[int, int], torch.dtype, bool, Gemm]]:
+    """(what, weight shape, dtype, has a bias, gemm) of every distinct GEMM a shared pass spans."""
+    out_head = rt.model.get_output_embeddings()
+    head_linear = getattr(out_head, "base", out_head)
+    seen, probes = set(), []
+    for module in rt.model.modules():
+        if not isinstance(module, torch.nn.Linear) or module is head_linear:
+            continue
+        key = (tuple(module.weight.shape), module.weight.dtype, module.bias is not None)
+        if key not in seen:
+            seen.add(key)
+            probes.append(("the forward", *key, _forward))
+            probes.append(("the input gradient", *key, _input_grad))
+    if isinstance(head_linear, torch.nn.Linear):
+        vocab, hidden = head_linear.weight.shape
+        for width in sorted({t.stop - t.start for t in head.tiles(vocab)}):
+            key = ((width, hidden), head_linear.weight.dtype, False)
+            probes.append(("the head's forward", *key, _forward))
+            probes.append(("the head's input gradient", *key, _head_input_grad))
+    return probes
+
+
+@functools.lru_cache(maxsize=256)
+def _odd(shape: tuple[int, int], dtype: torch.dtype, bias: bool, gemm: Gemm, threads: int) -> frozenset[int] | None:
+    """The row counts up to SCAN_ROWS whose rows, as a GEMM of their own or at an offset of one,
+    get other bits than the same rows inside BATCH_ROWS; None if one is beyond SCAN_ROWS / 2 (the
+    pattern has not settled), or if a batch of 64 rows differs. `threads` keys the cache: a BLAS
+    splits a GEMM between threads by its size."""
+    out_features, in_features = shape
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(shape, generator=g).div_(in_features ** 0.5).to(dtype)
+    b = torch.randn(out_features, generator=g).to(dtype) if bias else None
+    x = torch.randn(BATCH_ROWS, out_features if gemm is not _forward else in_features, generator=g).to(dtype)
+    with torch.no_grad():
+        whole = gemm(x, w, b)
+        if not torch.equal(gemm(x[:64], w, b), whole[:64]):
+            return None
+        odd = set()
+        for m in range(1, SCAN_ROWS + 1):
+            at = (37 * m) % (BATCH_ROWS - m)  # offsets vary with m: a run's rows sit anywhere in a pass
+            if not (torch.equal(gemm(x[:m], w, b), whole[:m]) and torch.equal(gemm(x[at:at + m], w, b), whole[at:at + m])):
+                odd.add(m)
+    return None if odd and max(odd) > SCAN_ROWS // 2 else frozenset(odd)
