@@ -309,6 +309,22 @@ def test_runs_of_one_shape_take_each_layers_deltas_in_batched_gemms_and_keep_the
         assert_each_as_alone(engine, solo, fused, data, together, f"round {round_}")
 
 
+def test_the_batched_path_asks_keeps_bits_on_the_cpu_only(monkeypatch):
+    """On the CPU batched.fits takes a shape only once keeps_bits says its bits hold; elsewhere (CUDA,
+    here the meta device) no bits are promised and nothing is probed."""
+    from types import SimpleNamespace
+
+    from tinkerd.engine.lora import batched
+
+    asked = []
+    monkeypatch.setattr(batched, "keeps_bits", lambda *a: asked.append(a) or False)
+    groups = [SimpleNamespace(rows=torch.zeros(2), width=None)] * 2
+    loras = [SimpleNamespace(a=torch.zeros(4, 8), b=torch.zeros(16, 4), scaling=2.0)] * 2
+    assert not batched.fits(torch.zeros(4, 5, 8), groups, loras)
+    assert asked == [(2, 10, 8, 16, 4, (2.0, 2.0), torch.float32, torch.float32, torch.get_num_threads())]
+    assert batched.fits(torch.zeros(4, 5, 8, device="meta"), groups, loras) and len(asked) == 1
+
+
 def test_consecutive_runs_of_one_width_share_an_attention_call_and_keep_their_bits(engine, monkeypatch):
     """Runs of one width and the same mask need take one SDPA call per layer (grouped.attention_calls):
     two unpadded runs of width 12 share one, a padded run of width 12 gets its own (it needs the

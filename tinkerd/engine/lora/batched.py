@@ -77,8 +77,9 @@ def same_shape_deltas(xs: torch.Tensor, loras: list) -> torch.Tensor:
 
 def fits(x: torch.Tensor, groups: list, loras: list) -> bool:
     """Whether same_shape_deltas takes this layer: more than one group, every one with an adapter of
-    this layer, the same rank, master dtype and rows, at the batch's width, and a power-of-two
-    scaling (another scales the output, in PEFT's order)."""
+    this layer, the same rank, master dtype and rows, at the batch's width, a power-of-two scaling
+    (another scales the output, in PEFT's order), and on the CPU shapes whose bits keeps_bits found
+    kept on this machine."""
     if len(groups) < 2 or any(lw is None for lw in loras):
         return False
     rows, shape, master = groups[0].rows.shape[0], loras[0].a.shape, loras[0].a.dtype
@@ -86,8 +87,9 @@ def fits(x: torch.Tensor, groups: list, loras: list) -> bool:
     return (all(group.rows.shape[0] == rows and (group.width or t) == t for group in groups)
             and all(lw.a.shape == shape and lw.a.dtype == master and lw.b.dtype == master
                     and power_of_two(lw.scaling) for lw in loras)
-            and keeps_bits(len(loras), rows * t, x.shape[-1], loras[0].b.shape[0], shape[0],
-                           tuple(lw.scaling for lw in loras), x.dtype, master, torch.get_num_threads()))
+            and (x.device.type != "cpu"  # on CUDA no bits are kept either way (module docstring)
+                 or keeps_bits(len(loras), rows * t, x.shape[-1], loras[0].b.shape[0], shape[0],
+                               tuple(lw.scaling for lw in loras), x.dtype, master, torch.get_num_threads())))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -98,7 +100,7 @@ def keeps_bits(g: int, m: int, in_features: int, out_features: int, rank: int, s
     machine: asked once per shape (`threads` keys the cache). MKL's batched GEMM keeps mm's bits at
     most shapes but not all: at rank 1 (mm takes a matrix-vector kernel) at any thread count, and at
     2 threads at ranks 5-7 and 9-11 (d A's GEMM has rank rows: engine/rowbits.py) and at 6 rows. Where
-    it does not, the layer takes the per-run GEMMs."""
+    it does not, the layer takes the per-run GEMMs. CPU tensors: `fits` asks only for a CPU pass."""
     from tinkerd.engine.precision import lora_delta
 
     gen = torch.Generator().manual_seed(0)
