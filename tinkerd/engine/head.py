@@ -97,17 +97,22 @@ def row_blocks(m: int) -> list[int]:
     return [m // n + (1 if i < m % n else 0) for i in range(n)]
 
 
-def gemm_rows(ms: list[int]) -> list[int]:
-    """Rows of each of the head's GEMMs over runs of `ms` rows side by side: HeadPass._gemm_blocks'
-    packing (each run's row_blocks, consecutive ones together while they fit in ROW_BLOCK rows)."""
-    rows: list[int] = []
-    for m in ms:
+def packing(ms: list[int]) -> list[list[tuple[int, int]]]:
+    """Per head GEMM over runs of `ms` rows side by side, its blocks as (run, rows): each run's
+    row_blocks, consecutive ones of several runs together while they fit in ROW_BLOCK rows."""
+    gemms: list[list[tuple[int, int]]] = []
+    for k, m in enumerate(ms):
         for n in row_blocks(m):
-            if rows and rows[-1] + n <= ROW_BLOCK:
-                rows[-1] += n
+            if gemms and sum(rows for _, rows in gemms[-1]) + n <= ROW_BLOCK:
+                gemms[-1].append((k, n))
             else:
-                rows.append(n)
-    return rows
+                gemms.append([(k, n)])
+    return gemms
+
+
+def gemm_rows(ms: list[int]) -> list[int]:
+    """Rows of each of the head's GEMMs over runs of `ms` rows side by side (packing)."""
+    return [sum(rows for _, rows in gemm) for gemm in packing(ms)]
 
 
 @dataclass(frozen=True)
@@ -191,19 +196,16 @@ class HeadPass:
     # -- tiled
 
     def _gemm_blocks(self) -> list[tuple[slice, list[_Block]]]:
-        """(rows of `hidden`, the runs' blocks in them) per head GEMM: each run's row_blocks, and
-        consecutive ones of several runs together while they fit in ROW_BLOCK rows."""
+        """(rows of `hidden`, the runs' blocks in them) per head GEMM, as `packing` lays them out."""
         out: list[tuple[slice, list[_Block]]] = []
         start = 0
-        for k, (m, lora) in enumerate(self.parts):
-            for n in row_blocks(m):
-                if out and out[-1][0].stop - out[-1][0].start + n <= ROW_BLOCK:
-                    span, runs = out[-1]
-                    at = span.stop - span.start
-                    out[-1] = (slice(span.start, span.stop + n), runs + [_Block(slice(at, at + n), k, lora)])
-                else:
-                    out.append((slice(start, start + n), [_Block(slice(0, n), k, lora)]))
-                start += n
+        for gemm in packing([m for m, _ in self.parts]):
+            blocks, at = [], 0
+            for k, n in gemm:
+                blocks.append(_Block(slice(at, at + n), k, self.parts[k][1]))
+                at += n
+            out.append((slice(start, start + at), blocks))
+            start += at
         return out
 
     def _block_forward(self, span: slice, runs: list[_Block]):
