@@ -31,6 +31,10 @@ engine included) / the GEMM's FLOP per CPU-second.
     python benchmarks/training.py --threads 1,2 --dtypes float32,bfloat16 --rounds 3
     python benchmarks/training.py --baseline-tree /work/main       # + the same server from main
     python benchmarks/training.py --train-unembed                  # LoRA on lm_head too, both sides
+    python benchmarks/training.py --rows 8 --tokens 319 --group-size 8 --prompt-tokens 256 --threads 2
+        # GRPO-shaped: 8 samples of one 256-token prompt. tinkerd runs the shared prompt once
+        # (engine/prefixes.py); F and the % of ceiling still count every row's work, the work a
+        # plain pass does, so they exceed what the machine could do without the sharing.
 
 Concurrent tenants on one base model: benchmarks/training_tenants.py.
 """
@@ -165,9 +169,15 @@ def engine_seconds(url: str) -> dict[str, tuple[float, float]]:
     return {k: (v[0], v[1]) for k, v in out.items()}
 
 
-def make_batch(vocab: int, rows: int, tokens: int, seed: int = 0) -> np.ndarray:
+def make_batch(vocab: int, rows: int, tokens: int, seed: int = 0, group: int = 1, prompt: int = 0) -> np.ndarray:
+    """[rows, tokens + 1] random tokens; with `group` > 1 each `group` consecutive rows share their
+    first `prompt` tokens (GRPO's samples of one prompt)."""
     rng = np.random.default_rng(seed)
-    return rng.integers(0, vocab, size=(rows, tokens + 1))
+    batch = rng.integers(0, vocab, size=(rows, tokens + 1))
+    if group > 1:
+        for start in range(0, rows, group):
+            batch[start : start + group, :prompt] = batch[start, :prompt]
+    return batch
 
 
 def step_flops(config, rank: int, rows: int, tokens: int, unembed: bool = False) -> float:
@@ -272,7 +282,7 @@ def run_config(args, base: Path, dtype: str, threads: int) -> dict:
         model_dir = cache_dir_for(args.model, base / "models")
         model_dir = str(model_dir) if model_dir.exists() else args.model
         config = AutoConfig.from_pretrained(model_dir)
-        batch = make_batch(config.vocab_size, args.rows, args.tokens)
+        batch = make_batch(config.vocab_size, args.rows, args.tokens, group=args.group_size, prompt=args.prompt_tokens)
         sides = {"tinkerd (SDK->HTTP->engine)": TinkerdSDK(servers["tinkerd"].url, args.model, args.rank, batch, args.train_unembed)}
         if "baseline" in servers:
             sides[f"tinkerd @ {args.baseline_tree}"] = TinkerdSDK(servers["baseline"].url, args.model, args.rank, batch,
@@ -290,7 +300,8 @@ def run_config(args, base: Path, dtype: str, threads: int) -> dict:
     ceiling, cpu_ceiling = (max(p[i] for p in probes) for i in (0, 1))
     flops = step_flops(config, args.rank, args.rows, args.tokens, args.train_unembed)
     tokens = args.rows * args.tokens
-    print(f"\n== dtype={dtype} threads={threads} model={args.model} engine={args.engine} batch={args.rows}x{args.tokens} "
+    shared = f" in groups of {args.group_size} sharing {args.prompt_tokens} tokens" if args.group_size > 1 else ""
+    print(f"\n== dtype={dtype} threads={threads} model={args.model} engine={args.engine} batch={args.rows}x{args.tokens}{shared} "
           f"rank={args.rank}{' +lm_head' if args.train_unembed else ''} steps/side={args.rounds * args.steps} cpus={os.cpu_count()}")
     print(f"load average before: {load_before}, after: {load_average()}; CPU used by other processes during the "
           f"run: {run.other_cpu_s:.1f} s over {run.wall_s:.1f} s wall")
@@ -328,6 +339,9 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--rank", type=int, default=32)
+    ap.add_argument("--group-size", type=int, default=1,
+                    help="GRPO-shaped rows: each this many consecutive rows share their first --prompt-tokens tokens")
+    ap.add_argument("--prompt-tokens", type=int, default=0)
     ap.add_argument("--threads", default="1", help="comma-separated thread counts, one interleaved run each")
     ap.add_argument("--dtypes", default="float32", help="comma-separated: float32,bfloat16")
     ap.add_argument("--rounds", type=int, default=4, help="A B rounds; each side runs --steps steps per round")

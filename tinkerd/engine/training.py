@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from tinkerd.engine import adam, buckets, checkpoints, datums, finite
+from tinkerd.engine import adam, buckets, checkpoints, datums, finite, prefixes
 from tinkerd.engine.head import HeadPass, head_lora
 from tinkerd.engine.losses import DATUM_INDEX, LossFn, custom, get_loss
 from tinkerd.engine.sharding import DataParallel
@@ -111,11 +111,19 @@ def _hidden(rt: "ModelRuntime", input_ids: torch.Tensor, mask: torch.Tensor, ima
         extra.pop("rope_deltas")
         hidden = rt.model.model(input_ids=input_ids, attention_mask=mask, use_cache=False, **extra).last_hidden_state
         return hidden[mask.bool()]
-    decoder = rt.model.get_decoder()
-    # tinkerd_causal_blocks: causal attention in query blocks on a CPU (engine/causal.py).
-    hidden = decoder(input_ids=input_ids, attention_mask=mask, use_cache=False, tinkerd_causal_blocks=True,
-                     **attention).last_hidden_state  # [B, T, H]
+    hidden = _decoder(rt)(input_ids=input_ids, attention_mask=mask, use_cache=False, **attention)  # [B, T, H]
     return hidden[mask.bool()]  # datum 0's positions first
+
+
+def _decoder(rt: "ModelRuntime"):
+    """The text decoder as a training pass calls it: keyword arguments in, last hidden state [B, T, H] out."""
+    decoder = rt.model.get_decoder()
+
+    def run(**kwargs) -> torch.Tensor:
+        # tinkerd_causal_blocks: causal attention in query blocks on a CPU (engine/causal.py).
+        return decoder(tinkerd_causal_blocks=True, **kwargs).last_hidden_state
+
+    return run
 
 
 def _logprobs_and_grads(rt, input_ids, mask, inputs, loss: LossFn, config, params, forward_only: bool, ranks=None,
@@ -134,11 +142,13 @@ def _logprobs_and_grads(rt, input_ids, mask, inputs, loss: LossFn, config, param
     """
     targets = inputs["target_tokens"] if ranks is None else ranks.local(inputs["target_tokens"])
     with torch.set_grad_enabled(not forward_only):
-        # `body`: the hidden states some other way (engine/buckets.py: the datums in length buckets).
-        hidden = _hidden(rt, input_ids, mask, images) if body is None else body()  # [M, H]
+        # `body`: the hidden states some other way (engine/buckets.py: the datums in length buckets;
+        # engine/prefixes.py: one row per distinct position, with `rows` saying which is whose).
+        hidden = _hidden(rt, input_ids, mask, images) if body is None else body()  # [M, H] (or [R, H], rows)
+    hidden, rows = hidden if isinstance(hidden, tuple) else (hidden, None)
     m = hidden.shape[0] if ranks is None else ranks.count  # a rank without datums runs one dummy token
-    unembed = HeadPass(rt, hidden[:m].detach(), targets, keep=not forward_only)
-    target_logprobs = unembed.logprobs
+    unembed = HeadPass(rt, hidden[:m].detach(), targets if rows is None else targets[rows.first], keep=not forward_only)
+    target_logprobs = unembed.logprobs if rows is None else unembed.logprobs[rows.index]
     if ranks is not None:
         target_logprobs = ranks.gather(target_logprobs)
     if forward_only:
@@ -149,6 +159,8 @@ def _logprobs_and_grads(rt, input_ids, mask, inputs, loss: LossFn, config, param
     (g_lp,) = torch.autograd.grad(loss_sum, lp_leaf)
     if ranks is not None:
         g_lp = ranks.local(g_lp)
+    if rows is not None:  # a shared row's gradient: the sum of its datum positions'
+        g_lp = g_lp.new_zeros((m, *g_lp.shape[1:])).index_add_(0, rows.index, g_lp)
     head_params = [p for p in params if any(p is t for t in _head_lora(rt))]
     g_head, head_grads = unembed.backward(g_lp, head_params)
     g_hidden = g_head if m == hidden.shape[0] else torch.cat([g_head, hidden.new_zeros((hidden.shape[0] - m, hidden.shape[1]))])
@@ -230,9 +242,16 @@ def forward_backward(engine: "Engine", op: ForwardBackwardOp) -> ForwardBackward
     # With several ranks (engine/sharding.py) this rank's block of datums; the loss sees them all.
     ranks = None if engine.group is None else DataParallel(engine.group, p.lengths)
     mine = op.data if ranks is None else op.data[slice(*ranks.block)]
-    groups = buckets.plan(p.lengths) if ranks is None and buckets.eligible(rt, mine) else None
-    input_ids, mask = padded_tokens(rt, mine) if groups is None else (None, None)
-    body = None if groups is None else lambda: _bucketed_hidden(rt, mine, groups)
+    # Datums that share their first tokens run them once (engine/prefixes.py); else, of very
+    # different lengths, in length buckets (engine/buckets.py); else as one padded batch.
+    shared = prefixes.plan(mine) if ranks is None and prefixes.eligible(rt, mine) else None
+    groups = buckets.plan(p.lengths) if shared is None and ranks is None and buckets.eligible(rt, mine) else None
+    input_ids, mask = padded_tokens(rt, mine) if groups is None and shared is None else (None, None)
+    body = None
+    if shared is not None:
+        body = lambda: prefixes.hidden(rt, mine, shared, p.inputs["target_tokens"], _decoder(rt))  # noqa: E731
+    elif groups is not None:
+        body = lambda: _bucketed_hidden(rt, mine, groups)  # noqa: E731
     rt.ctx.set_single(p.adapter.slot)
     try:
         # Into fresh tensors first: .grad is touched only after the whole batch succeeded.

@@ -1,0 +1,142 @@
+"""Datums that share their first tokens run them once (engine/prefixes.py), with the plain pass's
+numbers: loss, per-token logprobs and LoRA gradients within fp32 rounding of the same datums as one
+padded batch, for an RL loss (GRPO-shaped groups) and cross-entropy, forward and forward_backward."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tinkerd.engine import buckets, cotrain, prefixes
+from tinkerd.types import Datum, ForwardBackwardOp
+
+from tests.parity.test_lora_parity import assert_close_scaled
+from tests.unit.engine.test_training import adapter_of, create, run, sft_datum
+
+VOCAB = 150_000
+MIN_SAVED = prefixes.MIN_SAVED
+
+
+def grpo_data(seed: int, prompts=(40, 28), samples: int = 4, completion=(6, 11)) -> list[Datum]:
+    """`samples` datums per prompt: the prompt, then a completion of its own; importance_sampling's
+    inputs with advantage 0 on the prompt's positions, as the cookbook builds them."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for p in prompts:
+        prompt = rng.integers(0, VOCAB, p)
+        for _ in range(samples):
+            seq = np.concatenate([prompt, rng.integers(0, VOCAB, int(rng.integers(*completion)) + 1)])
+            n = len(seq) - 1
+            adv = np.zeros(n, np.float32)
+            adv[p - 1 :] = rng.normal()
+            out.append(Datum(tokens=seq[:-1], loss_fn_inputs={
+                "target_tokens": seq[1:], "logprobs": rng.normal(-3, 1, n).astype(np.float32), "advantages": adv}))
+    return out
+
+
+def test_the_plan_groups_datums_by_their_shared_prefix():
+    data = grpo_data(0)
+    groups = prefixes.plan(data)
+    assert [g.members for g in groups] == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    # The prompt, plus any first completion tokens every sample happens to share (none here).
+    assert [g.prefix for g in groups] == [40, 28]
+    # Nothing shared: no plan.
+    assert prefixes.plan([sft_datum(np.random.default_rng(i).integers(0, VOCAB, 60)) for i in range(4)]) is None
+    # Shared, but too little of the batch to be worth it: 16 tokens of 200-token datums.
+    rng = np.random.default_rng(1)
+    head = rng.integers(0, VOCAB, 16)
+    few = [sft_datum(np.concatenate([head, rng.integers(0, VOCAB, 185)])) for _ in range(4)]
+    assert prefixes.plan(few) is None
+    # A datum that shares nothing rides along alone, split where it pads no prefix.
+    lone = sft_datum(np.random.default_rng(7).integers(0, VOCAB, 90))
+    groups = prefixes.plan(data + [lone])
+    assert sorted(g.members for g in groups) == [(0, 1, 2, 3), (4, 5, 6, 7), (8,)]
+    assert {g.members: g.prefix for g in groups}[(8,)] == 40
+    # A group does not take in a datum that would shrink what it saves: three datums that share a
+    # 20-token system prompt with the first group, then 30 tokens of their own, form their own group.
+    system, own = data[0].tokens[:20], rng.integers(0, VOCAB, 30)
+    mixed = data[:4] + [sft_datum(np.concatenate([system, own, rng.integers(0, VOCAB, 9)])) for _ in range(3)]
+    assert sorted((g.members, g.prefix) for g in prefixes.plan(mixed)) == [((0, 1, 2, 3), 40), ((4, 5, 6), 50)]
+
+
+def _pass(engine, model_id, data, shared: bool, monkeypatch, loss: str = "importance_sampling",
+          forward_only: bool = False):
+    monkeypatch.setattr(prefixes, "MIN_SAVED", MIN_SAVED if shared else 2.0)
+    calls = []
+    hook = engine.runtime_of(model_id).model.get_decoder().register_forward_hook(lambda *_: calls.append(1))
+    try:
+        result = run(engine, ForwardBackwardOp(model_id, data, loss, forward_only=forward_only))
+    finally:
+        hook.remove()
+    adapter = adapter_of(engine, model_id)
+    grads = [None if t.grad is None else t.grad.clone() for t in adapter.parameters()]
+    for t in adapter.parameters():
+        t.grad = None
+    adapter.pending_grads = 0
+    return len(calls), result, grads
+
+
+def _assert_same(got, want, got_grads, want_grads):
+    assert got.metrics["loss:sum"] == pytest.approx(want.metrics["loss:sum"], rel=1e-5, abs=1e-5)
+    assert len(got.loss_fn_outputs) == len(want.loss_fn_outputs)
+    for a, b in zip(got.loss_fn_outputs, want.loss_fn_outputs):
+        assert a["logprobs"].shape == b["logprobs"].shape
+        np.testing.assert_allclose(a["logprobs"], b["logprobs"], rtol=1e-5, atol=1e-5)
+    for a, b in zip(got_grads, want_grads):
+        if b is None:
+            assert a is None
+        else:
+            assert_close_scaled(a, b, "a LoRA gradient")
+
+
+@pytest.mark.parametrize("loss", ["importance_sampling", "cross_entropy"])
+def test_grpo_groups_run_their_prompt_once_with_the_plain_passs_numbers(engine, monkeypatch, loss):
+    data = grpo_data(3)
+    if loss == "cross_entropy":  # every position weighted: the prompt's rows carry gradient too
+        data = [sft_datum(np.concatenate([d.tokens, d.loss_fn_inputs["target_tokens"][-1:]])) for d in data]
+    create(engine, f"prefix-{loss}", seed=5)
+    n_shared, got, got_grads = _pass(engine, f"prefix-{loss}", data, True, monkeypatch, loss)
+    n_plain, want, want_grads = _pass(engine, f"prefix-{loss}", data, False, monkeypatch, loss)
+    # Two decoder calls (the prompts, then the completions) against one padded batch.
+    assert (n_shared, n_plain) == (2, 1)
+    assert any(g is not None and g.abs().max() > 0 for g in want_grads)
+    _assert_same(got, want, got_grads, want_grads)
+    # The same op again runs the same calls: a replay after a crash gives the same bits.
+    _, again, again_grads = _pass(engine, f"prefix-{loss}", data, True, monkeypatch, loss)
+    assert again.metrics == got.metrics
+    assert all(torch.equal(a, b) for a, b in zip(again_grads, got_grads) if b is not None)
+    # A prefix-shared op does not share a pass with other runs.
+    assert cotrain.pass_key(engine, ForwardBackwardOp(f"prefix-{loss}", data, loss)) is None
+
+
+def test_forward_only_and_targets_that_differ_inside_the_prefix(engine, monkeypatch):
+    """A group's prefix rows whose targets differ between its datums get a head row per datum: here
+    two samples of each prompt are scored against other targets at some prompt positions."""
+    data = grpo_data(4, prompts=(36, 30, 24), samples=3, completion=(3, 20))
+    for i in (1, 5):
+        t = data[i].loss_fn_inputs["target_tokens"].copy()
+        t[[2, 17]] = (t[[2, 17]] + 1) % VOCAB
+        data[i] = Datum(tokens=data[i].tokens, loss_fn_inputs={**data[i].loss_fn_inputs, "target_tokens": t})
+    create(engine, "prefix-forward", seed=6)
+    for forward_only in (True, False):
+        n_shared, got, got_grads = _pass(engine, "prefix-forward", data, True, monkeypatch, forward_only=forward_only)
+        n_plain, want, want_grads = _pass(engine, "prefix-forward", data, False, monkeypatch, forward_only=forward_only)
+        assert (n_shared, n_plain) == (2, 1)
+        _assert_same(got, want, got_grads, want_grads)
+        assert forward_only == all(g is None for g in got_grads)
+
+
+def test_suffixes_of_very_different_lengths_go_in_buckets(engine, monkeypatch):
+    """Completions from 3 to 400 tokens: the suffixes' pass is cut into length buckets, with the plain
+    pass's numbers."""
+    rng = np.random.default_rng(8)
+    prompt = rng.integers(0, VOCAB, 200)
+    completions = (3, 400, 9, 380, 5, 7, 390, 4)
+    data = [sft_datum(np.concatenate([prompt, rng.integers(0, VOCAB, n + 1)])) for n in completions]
+    assert prefixes.plan(data) is not None
+    create(engine, "prefix-ragged", seed=7)
+    n_shared, got, got_grads = _pass(engine, "prefix-ragged", data, True, monkeypatch, "cross_entropy")
+    n_plain, want, want_grads = _pass(engine, "prefix-ragged", data, False, monkeypatch, "cross_entropy")
+    assert n_shared == 1 + len(buckets.plan(list(completions)))  # the prompt, then each bucket of completions
+    _assert_same(got, want, got_grads, want_grads)
