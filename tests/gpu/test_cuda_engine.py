@@ -9,7 +9,8 @@ What it pins there:
 - sampling from the trained weights on the device returns the CPU's greedy tokens (fp32);
 - a shared pass of several runs (engine/cotrain.py) gives each run what it gets alone, to rounding
   (bit for bit on the CPU only);
-- an op alone repeats to the bit (what recovery's replay needs).
+- an op alone repeats to the bit (what recovery's replay needs);
+- a GRPO group's shared prompt run once (engine/prefixes.py) agrees with the CPU's plain pass.
 
 The first GPU run found an fp32 forward_backward that failed on CUDA (engine/head.py built a
 tensor on the CPU): bf16 never takes that path, so the SDK loop in bf16 had hidden it.
@@ -234,3 +235,42 @@ def test_a_forward_backward_whose_gradient_overflows_is_refused_on_cuda(engines)
     with pytest.raises(UserError, match=r"gradient of \S+\.lora_[AB] is|loss is"):
         run(engine, ForwardBackwardOp("overflow", [good, Datum(bad.tokens, inputs)], "cross_entropy"))
     assert engine.runtime(base).pool.get("overflow").pending_grads == 0
+
+
+def grpo_data(seed: int, prompt: int = 40, samples: int = 6) -> list[Datum]:
+    """`samples` completions of one prompt, importance_sampling's inputs (advantage 0 on the prompt)."""
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(0, 150_000, prompt)
+    out = []
+    for _ in range(samples):
+        seq = np.concatenate([shared, rng.integers(0, 150_000, int(rng.integers(4, 12)) + 1)])
+        n = len(seq) - 1
+        adv = np.zeros(n, np.float32)
+        adv[prompt - 1 :] = rng.normal()
+        out.append(Datum(tokens=seq[:-1], loss_fn_inputs={
+            "target_tokens": seq[1:], "logprobs": rng.normal(-3, 1, n).astype(np.float32), "advantages": adv}))
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_grpo_group_runs_its_prompt_once_on_cuda_as_on_the_cpu(engines, dtype, monkeypatch):
+    """engine/prefixes.py on the device (its KV cache, the selected prefix rows per datum), with and
+    without the sharing, against the CPU's plain pass."""
+    from tinkerd.engine import prefixes
+
+    base, data, got = "tinkerd/tiny-qwen3", grpo_data(9), {}
+    assert prefixes.plan(data) is not None
+    saved = prefixes.MIN_SAVED
+    for k, device in enumerate(("cpu", DEVICE)):
+        engine = engines[device, dtype]
+        engine.load_base_model(base)
+        for shared in (True, False):
+            monkeypatch.setattr(prefixes, "MIN_SAVED", saved if shared else 2.0)
+            model_id = f"{device}-prefix-{dtype}-{k}-{shared}"
+            run(engine, CreateModelOp(model_id, base, LoraSpec(rank=8, alpha=16.0, seed=7)))
+            got[device, shared] = run(engine, ForwardBackwardOp(model_id, data, "importance_sampling"))
+    want = got["cpu", False]
+    for key, result in got.items():
+        assert result.metrics["loss:sum"] == pytest.approx(want.metrics["loss:sum"], rel=LOSS_RTOL[dtype], abs=1e-5), key
+        for a, b in zip(want.loss_fn_outputs, result.loss_fn_outputs):
+            np.testing.assert_allclose(b["logprobs"], a["logprobs"], atol=LOGPROB_ATOL[dtype])
