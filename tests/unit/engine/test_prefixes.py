@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from tinkerd.engine import buckets, cotrain, prefixes
+from tinkerd.engine import buckets, cotrain, prefixes, training
 from tinkerd.types import Datum, ForwardBackwardOp
 
 from tests.parity.test_lora_parity import assert_close_scaled
@@ -96,7 +96,15 @@ def test_grpo_groups_run_their_prompt_once_with_the_plain_passs_numbers(engine, 
     if loss == "cross_entropy":  # every position weighted: the prompt's rows carry gradient too
         data = [sft_datum(np.concatenate([d.tokens, d.loss_fn_inputs["target_tokens"][-1:]])) for d in data]
     create(engine, f"prefix-{loss}", seed=5)
+    head_rows = []
+    real_head = training.HeadPass
+    monkeypatch.setattr(training, "HeadPass", lambda rt, hidden, *a, **k: head_rows.append(len(hidden)) or real_head(rt, hidden, *a, **k))
     n_shared, got, got_grads = _pass(engine, f"prefix-{loss}", data, True, monkeypatch, loss)
+    monkeypatch.setattr(training, "HeadPass", real_head)
+    # The head's rows: each prompt's positions but its last once (their targets agree), then per
+    # sample its last prompt position (its own first token as target) and its completion.
+    groups = prefixes.plan(data)
+    assert head_rows == [sum(g.prefix - 1 + sum(len(data[i].tokens) - g.prefix + 1 for i in g.members) for g in groups)]
     n_plain, want, want_grads = _pass(engine, f"prefix-{loss}", data, False, monkeypatch, loss)
     # Two decoder calls (the prompts, then the completions) against one padded batch.
     assert (n_shared, n_plain) == (2, 1)
@@ -139,4 +147,28 @@ def test_suffixes_of_very_different_lengths_go_in_buckets(engine, monkeypatch):
     n_shared, got, got_grads = _pass(engine, "prefix-ragged", data, True, monkeypatch, "cross_entropy")
     n_plain, want, want_grads = _pass(engine, "prefix-ragged", data, False, monkeypatch, "cross_entropy")
     assert n_shared == 1 + len(buckets.plan(list(completions)))  # the prompt, then each bucket of completions
+    _assert_same(got, want, got_grads, want_grads)
+
+
+def test_soft_targets_share_the_rows_whose_candidates_agree(engine, monkeypatch):
+    """target_tokens [N, K] (cross-entropy's soft targets): a prompt position is one head row when
+    every datum of the group has the same K candidates there; one datum differs at one candidate."""
+    rng = np.random.default_rng(11)
+    prompt, k = rng.integers(0, VOCAB, 30), 3
+    candidates = rng.integers(0, VOCAB, (29, k))  # the prompt's positions but its last
+    data = []
+    for s in range(4):
+        seq = np.concatenate([prompt, rng.integers(0, VOCAB, 8)])
+        targets = np.concatenate([candidates, rng.integers(0, VOCAB, (len(seq) - 29, k))])
+        if s == 2:
+            targets = targets.copy()
+            targets[10, 1] = (targets[10, 1] + 1) % VOCAB
+        data.append(Datum(tokens=seq, loss_fn_inputs={"target_tokens": targets,
+                                                      "weights": rng.random(targets.shape).astype(np.float32)}))
+    groups = prefixes.plan(data)
+    assert [(g.prefix, g.members) for g in groups] == [(30, (0, 1, 2, 3))]
+    create(engine, "prefix-soft", seed=8)
+    n_shared, got, got_grads = _pass(engine, "prefix-soft", data, True, monkeypatch, "cross_entropy")
+    n_plain, want, want_grads = _pass(engine, "prefix-soft", data, False, monkeypatch, "cross_entropy")
+    assert (n_shared, n_plain) == (2, 1)
     _assert_same(got, want, got_grads, want_grads)
