@@ -1,8 +1,9 @@
 """HPC-AI's `hpcai` 0.2.0 client (a fork of tinker SDK 0.1.5) and its bundled cookbook recipe,
 unmodified, against the shared tinkerd (docs/compatibility.md, "The hpcai client").
 
-The client pins numpy<2, so it runs in a venv of its own: built over the system site-packages with
-exactly requirements/hpcai.txt installed --no-deps, under .venvs/ at a path keyed by that file's hash
+The client pins numpy<2, so it runs in a venv of its own: built over the system site-packages and
+this interpreter's (a .pth line: the tests may run from a virtualenv) with exactly
+requirements/hpcai.txt installed --no-deps, under .venvs/ at a path keyed by that file's hash
 (kept between runs; 330 MB, most of it pyarrow; 13.5 s of CPU and 50 s wall to build at load 12 on 2
 shared cores). It must build (pip reaches PyPI in CI): if it cannot, the tests fail rather than skip.
 
@@ -42,8 +43,13 @@ TOKENS = [9707, 11, 1879, 0, 220, 3555, 13, 1416, 2585, 525, 498, 30, 100, 200, 
 PROMPT = TOKENS[:8]
 
 
+# Written once the venv's pip install has finished: a run killed mid-install (Ctrl-C, a timeout)
+# leaves a venv with hpcai in it but not all its dependencies, which must be rebuilt, not reused.
+BUILT = VENV / ".built"
+
+
 def _client_version() -> str | None:
-    if not PYTHON.exists():
+    if not PYTHON.exists() or not BUILT.exists():
         return None
     # From the installed metadata: importing hpcai imports torch (seconds), and the tests import it anyway.
     proc = subprocess.run([str(PYTHON), "-c", "import importlib.metadata as m; d = m.distribution('hpcai'); "
@@ -58,17 +64,32 @@ def hpcai_python() -> Path:
         steps = [[sys.executable, "-m", "venv", "--clear", "--system-site-packages", str(VENV)],
                  [str(PYTHON), "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps",
                   "-r", str(REQUIREMENTS)]]
-        for cmd in steps:
+        for k, cmd in enumerate(steps):
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
             if proc.returncode != 0:
                 pytest.fail(f"cannot build the hpcai venv: {' '.join(cmd)} exited {proc.returncode}\n"
                             f"{proc.stdout}\n{proc.stderr}")
+            if k == 0:
+                _see_this_environment()
+        BUILT.touch()
     version, numpy_version, where = (_client_version() or "? ? ?").split(" ", 2)
     assert (version, numpy_version) == ("0.2.0", "1.26.4") and Path(where).is_relative_to(VENV), (version, where)
     pulled = [p.name for p in VENV.glob("lib/python*/site-packages/*")
               if p.name.split("-")[0] in ("torch", "transformers")]
     assert not pulled, f"the venv installed its own {pulled}"
     return PYTHON
+
+
+def _see_this_environment() -> None:
+    """Put this interpreter's site-packages after the venv's own. `--system-site-packages` shows the
+    venv only the base interpreter's, and where the tests run from a virtualenv (the README's test
+    command in a fresh one) tinkerd's dependencies (httpx, torch, transformers) live in that
+    virtualenv instead. A .pth line is appended to sys.path, so the venv's pinned numpy still wins."""
+    import sysconfig
+
+    paths = dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib"))
+    (site,) = VENV.glob("lib/python*/site-packages")
+    (site / "tinkerd_outer_env.pth").write_text("".join(f"{p}\n" for p in paths))
 
 
 def _env(server) -> dict:
