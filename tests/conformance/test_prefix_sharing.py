@@ -10,6 +10,7 @@ import pytest
 import tinker
 from tinker import types
 
+from tests import grpo
 from tests.conformance.conftest import TINY
 from tests.serverproc import API_KEY
 from tinkerd.engine import prefixes
@@ -20,17 +21,9 @@ PROMPT, SAMPLES = 48, 8
 
 def _group(seed: int) -> list[types.Datum]:
     rng = np.random.default_rng(seed)
-    prompt = rng.integers(1, 150_000, PROMPT)
-    out = []
-    for _ in range(SAMPLES):
-        seq = np.concatenate([prompt, rng.integers(1, 150_000, int(rng.integers(4, 13)) + 1)])
-        n = len(seq) - 1
-        advantages = np.zeros(n, np.float32)
-        advantages[PROMPT - 1 :] = rng.normal()
-        out.append(types.Datum(model_input=types.ModelInput.from_ints(seq[:-1].tolist()), loss_fn_inputs={
-            "target_tokens": seq[1:].tolist(), "logprobs": rng.normal(-3, 1, n).astype(np.float32).tolist(),
-            "advantages": advantages.tolist()}))
-    return out
+    return [types.Datum(model_input=types.ModelInput.from_ints(t.tolist()),
+                        loss_fn_inputs={k: v.tolist() for k, v in inputs.items()})
+            for t, inputs in grpo.samples(rng, rng.integers(1, 150_000, PROMPT), SAMPLES, (4, 13))]
 
 
 def test_a_grpo_group_equals_each_sample_alone_and_trains(server):

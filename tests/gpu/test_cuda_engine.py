@@ -30,6 +30,8 @@ from tinkerd.engine.sampler.sample import run_sample
 from tinkerd.types import (AdamParams, CreateModelOp, Datum, ForwardBackwardOp, LoraSpec, OptimStepOp, SampleOp,
                            SamplingParams, SaveWeightsOp, StepBatch)
 
+from tests import grpo
+
 # TINKERD_TEST_DEVICE=cpu runs the same checks CPU against CPU: a dry run of this file's own logic.
 DEVICE = os.environ.get("TINKERD_TEST_DEVICE", "cuda")
 pytestmark = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -238,18 +240,8 @@ def test_a_forward_backward_whose_gradient_overflows_is_refused_on_cuda(engines)
 
 
 def grpo_data(seed: int, prompt: int = 40, samples: int = 6) -> list[Datum]:
-    """`samples` completions of one prompt, importance_sampling's inputs (advantage 0 on the prompt)."""
     rng = np.random.default_rng(seed)
-    shared = rng.integers(0, 150_000, prompt)
-    out = []
-    for _ in range(samples):
-        seq = np.concatenate([shared, rng.integers(0, 150_000, int(rng.integers(4, 12)) + 1)])
-        n = len(seq) - 1
-        adv = np.zeros(n, np.float32)
-        adv[prompt - 1 :] = rng.normal()
-        out.append(Datum(tokens=seq[:-1], loss_fn_inputs={
-            "target_tokens": seq[1:], "logprobs": rng.normal(-3, 1, n).astype(np.float32), "advantages": adv}))
-    return out
+    return [Datum(tokens=t, loss_fn_inputs=i) for t, i in grpo.samples(rng, rng.integers(0, 150_000, prompt), samples, (4, 12))]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

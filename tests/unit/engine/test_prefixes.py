@@ -11,6 +11,7 @@ import torch
 from tinkerd.engine import buckets, cotrain, prefixes, training
 from tinkerd.types import Datum, ForwardBackwardOp
 
+from tests import grpo
 from tests.parity.test_lora_parity import assert_close_scaled
 from tests.unit.engine.test_training import adapter_of, create, run, sft_datum
 
@@ -19,20 +20,10 @@ MIN_SAVED = prefixes.MIN_SAVED
 
 
 def grpo_data(seed: int, prompts=(40, 28), samples: int = 4, completion=(6, 11)) -> list[Datum]:
-    """`samples` datums per prompt: the prompt, then a completion of its own; importance_sampling's
-    inputs with advantage 0 on the prompt's positions, as the cookbook builds them."""
+    """`samples` datums per prompt (tests/grpo.py)."""
     rng = np.random.default_rng(seed)
-    out = []
-    for p in prompts:
-        prompt = rng.integers(0, VOCAB, p)
-        for _ in range(samples):
-            seq = np.concatenate([prompt, rng.integers(0, VOCAB, int(rng.integers(*completion)) + 1)])
-            n = len(seq) - 1
-            adv = np.zeros(n, np.float32)
-            adv[p - 1 :] = rng.normal()
-            out.append(Datum(tokens=seq[:-1], loss_fn_inputs={
-                "target_tokens": seq[1:], "logprobs": rng.normal(-3, 1, n).astype(np.float32), "advantages": adv}))
-    return out
+    return [Datum(tokens=t, loss_fn_inputs=i) for p in prompts
+            for t, i in grpo.samples(rng, rng.integers(0, VOCAB, p), samples, completion)]
 
 
 def test_the_plan_groups_datums_by_their_shared_prefix():
