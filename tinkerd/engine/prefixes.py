@@ -4,9 +4,9 @@ GRPO, the cookbook's RL, trains on groups of samples of one prompt: 8 datums of 
 completion tokens repeat the prompt 8 times, and a causal model computes the same hidden states for
 the same leading tokens whatever follows them. So the prompt goes through the decoder once per group
 and each sample's own tokens after it, reading the prompt's keys and values; the body runs 256 + 8 x 64
-positions instead of 8 x 320 (3.4x fewer), and the head as many rows.
+positions instead of 8 x 320 (3.3x fewer), and the head about as many rows.
 
-How, in two decoder calls (`hidden`):
+How (`hidden`), in two decoder calls, or one more per extra length bucket of the suffixes:
 1. The groups' shared prefixes, right-padded to the longest, with a KV cache (transformers'
    DynamicCache, its tensors still in the autograd graph).
 2. The datums' suffixes, each with its group's cached prefix keys and values (the cache's rows
