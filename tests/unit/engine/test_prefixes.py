@@ -169,13 +169,16 @@ def test_soft_targets_share_the_rows_whose_candidates_agree(engine, monkeypatch)
 def test_llama_shares_the_prompt_and_moe_hybrid_and_vlm_keep_the_plain_pass(engine, monkeypatch, base):
     """Llama shares the prompt with the plain pass's numbers; an MoE, a hybrid linear-attention and a
     vision-language model keep the plain pass (their bodies are laid out by one padded batch)."""
-    from tinkerd.types import CreateModelOp, LoraSpec
+    from tinkerd.types import CreateModelOp, LoraSpec, UnloadModelOp
 
     engine.load_base_models([base])
     model_id = f"prefix-{base.rsplit('/', 1)[1]}"
     run(engine, CreateModelOp(model_id, base, LoraSpec(rank=8, alpha=32.0, seed=9)))
     data = grpo_data(12)
-    n_shared, got, got_grads = _pass(engine, model_id, data, True, monkeypatch)
-    n_plain, want, want_grads = _pass(engine, model_id, data, False, monkeypatch)
+    try:
+        n_shared, got, got_grads = _pass(engine, model_id, data, True, monkeypatch)
+        n_plain, want, want_grads = _pass(engine, model_id, data, False, monkeypatch)
+    finally:  # the session's engine is shared: later tests count the adapters resident on it
+        run(engine, UnloadModelOp(model_id))
     assert (n_shared, n_plain) == ((2, 1) if base == "tinkerd/tiny-llama" else (1, 1))
     _assert_same(got, want, got_grads, want_grads)
