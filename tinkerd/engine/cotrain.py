@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 import torch
 
-from tinkerd.engine import buckets, causal, grouped, head, prefixes, training
+from tinkerd.engine import causal, grouped, head, training
 from tinkerd.engine.grouped import GROUPED, AttentionGroup
 from tinkerd.engine.head import HeadPass, head_lora
 from tinkerd.engine.lora.layers import SlotGroup
@@ -107,9 +107,7 @@ def pass_key(engine: "Engine", op: object) -> tuple[str, bool] | None:
         return None
     if any(d.images for d in op.data):  # the vision-language body runs per op (training._hidden)
         return None
-    if buckets.eligible(rt, op.data) and buckets.plan([len(d.tokens) for d in op.data]) is not None:  # length buckets, alone
-        return None
-    if prefixes.eligible(rt, op.data) and prefixes.plan(op.data) is not None:  # shared prefixes, alone
+    if training.own_body(rt, op.data) is not None:  # length buckets or shared prefixes: alone
         return None
     return base, op.forward_only
 

@@ -142,9 +142,9 @@ def _logprobs_and_grads(rt, input_ids, mask, inputs, loss: LossFn, config, param
     """
     targets = inputs["target_tokens"] if ranks is None else ranks.local(inputs["target_tokens"])
     with torch.set_grad_enabled(not forward_only):
-        # `body`: the hidden states some other way (engine/buckets.py: the datums in length buckets;
-        # engine/prefixes.py: one row per distinct position, with `rows` saying which is whose).
-        hidden = _hidden(rt, input_ids, mask, images) if body is None else body()  # [M, H] (or [R, H], rows)
+        # `body`: the hidden states some other way (own_body: the datums in length buckets, or one
+        # row per distinct position with `rows` saying which is whose).
+        hidden = _hidden(rt, input_ids, mask, images) if body is None else body(targets)  # [M, H] (or [R, H], rows)
     hidden, rows = hidden if isinstance(hidden, tuple) else (hidden, None)
     m = hidden.shape[0] if ranks is None else ranks.count  # a rank without datums runs one dummy token
     unembed = HeadPass(rt, hidden[:m].detach(), targets if rows is None else targets[rows.first], keep=not forward_only)
@@ -242,16 +242,8 @@ def forward_backward(engine: "Engine", op: ForwardBackwardOp) -> ForwardBackward
     # With several ranks (engine/sharding.py) this rank's block of datums; the loss sees them all.
     ranks = None if engine.group is None else DataParallel(engine.group, p.lengths)
     mine = op.data if ranks is None else op.data[slice(*ranks.block)]
-    # Datums that share their first tokens run them once (engine/prefixes.py); else, of very
-    # different lengths, in length buckets (engine/buckets.py); else as one padded batch.
-    shared = prefixes.plan(mine) if ranks is None and prefixes.eligible(rt, mine) else None
-    groups = buckets.plan(p.lengths) if shared is None and ranks is None and buckets.eligible(rt, mine) else None
-    input_ids, mask = padded_tokens(rt, mine) if groups is None and shared is None else (None, None)
-    body = None
-    if shared is not None:
-        body = lambda: prefixes.hidden(rt, mine, shared, p.inputs["target_tokens"], _decoder(rt))  # noqa: E731
-    elif groups is not None:
-        body = lambda: _bucketed_hidden(rt, mine, groups)  # noqa: E731
+    body = own_body(rt, mine) if ranks is None else None
+    input_ids, mask = padded_tokens(rt, mine) if body is None else (None, None)
     rt.ctx.set_single(p.adapter.slot)
     try:
         # Into fresh tensors first: .grad is touched only after the whole batch succeeded.
@@ -265,6 +257,19 @@ def forward_backward(engine: "Engine", op: ForwardBackwardOp) -> ForwardBackward
     finally:
         rt.ctx.clear()
     return finish_forward_backward(p, target_logprobs, loss_sum, metrics, grads)
+
+
+def own_body(rt: "ModelRuntime", data: list[Datum]):
+    """How the decoder runs an op's datums when not as one padded batch, as `body(targets)` for
+    _logprobs_and_grads, or None: datums that share their first tokens run them once
+    (engine/prefixes.py); else datums of very different lengths run in length buckets
+    (engine/buckets.py). Either lays out rows by the op's own datums, so such an op runs alone
+    (cotrain.pass_key)."""
+    if prefixes.eligible(rt, data) and (shared := prefixes.plan(data)) is not None:
+        return lambda targets: prefixes.hidden(rt, data, shared, targets, _decoder(rt))
+    if buckets.eligible(rt, data) and (groups := buckets.plan([len(d.tokens) for d in data])) is not None:
+        return lambda targets: _bucketed_hidden(rt, data, groups)
+    return None
 
 
 def _bucketed_hidden(rt: "ModelRuntime", data: list[Datum], groups: list[list[int]]) -> torch.Tensor:
