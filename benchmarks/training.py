@@ -27,6 +27,11 @@ share is F / median step / ceiling. On a loaded machine wall times inflate, so t
 also given per CPU-second: F / median CPU-seconds of a step (this process and the servers, the
 engine included) / the GEMM's FLOP per CPU-second.
 
+The floor. The same run also times the step's GEMMs, attention kernel and AdamW alone, on the
+model's own shapes, with nothing between them (benchmarks/step_floor.py), after the steps. Each
+side's step is printed as a multiple of it, and HF's step over the floor is the most any server
+that does this work can show against that HF loop on this machine.
+
     python benchmarks/training.py                                  # SmolLM2-135M, 2 x 256, 1 thread, fp32
     python benchmarks/training.py --threads 1,2 --dtypes float32,bfloat16 --rounds 3
     python benchmarks/training.py --baseline-tree /work/main       # + the same server from main
@@ -53,10 +58,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from step_floor import Floor, describe  # noqa: E402
 from tests.serverproc import API_KEY, ServerProcess, share_models, start_server  # noqa: E402
 from tinkerd.engine.malloc import keep_freed_memory, with_huge_pages  # noqa: E402
 
@@ -297,6 +304,7 @@ def run_config(args, base: Path, dtype: str, threads: int) -> dict:
                          {side: srv.proc.pid for side, srv in zip(sides, servers.values())})
         engine1 = {k: engine_seconds(srv.url) for k, srv in servers.items()}
         probes.append(gemm_rate(args.rows * args.tokens, config.hidden_size, DTYPES[dtype]))
+        floor = Floor(config, args.rows, args.tokens, args.rank, args.train_unembed, DTYPES[dtype]).parts()
     ceiling, cpu_ceiling = (max(p[i] for p in probes) for i in (0, 1))
     flops = step_flops(config, args.rank, args.rows, args.tokens, args.train_unembed)
     tokens = args.rows * args.tokens
@@ -307,13 +315,14 @@ def run_config(args, base: Path, dtype: str, threads: int) -> dict:
           f"run: {run.other_cpu_s:.1f} s over {run.wall_s:.1f} s wall")
     print(f"F = {flops / 1e9:.1f} GFLOP per step; ceiling ({dtype} GEMM, {threads} threads) {ceiling / 1e9:.1f} GFLOP "
           f"per second of wall time, {cpu_ceiling / 1e9:.1f} per CPU-second")
+    print(f"{describe(floor)}: this step's GEMMs, attention and AdamW alone (benchmarks/step_floor.py)")
     rates, cpu_rates = {}, {}
     for name, ts in run.times.items():
         med, cpu = float(np.median(ts)), float(np.median(run.cpu[name]))
         rates[name], cpu_rates[name] = tokens / med, tokens / cpu
         print(f"{name:36s} median step {med * 1e3:8.1f} ms  {rates[name]:8.1f} tokens/s  "
               f"{100 * flops / med / ceiling:5.1f}% of ceiling   CPU {cpu:6.2f} s/step  {cpu_rates[name]:7.1f} tokens/CPU-s  "
-              f"{100 * flops / cpu / cpu_ceiling:5.1f}% of the CPU-time ceiling")
+              f"{100 * flops / cpu / cpu_ceiling:5.1f}% of the CPU-time ceiling   {med / floor['floor']:.3f}x the floor")
     # Where each server's step goes: the engine's own time per op (its /metrics) and the rest
     # (SDK, HTTP, control, the pipe to the engine process, snapshots written inline).
     for (server, e1), name in zip(engine1.items(), run.times):
@@ -327,6 +336,8 @@ def run_config(args, base: Path, dtype: str, threads: int) -> dict:
     pairs = [(n, names[-1]) for n in names[:-1]] + ([(names[0], names[1])] if len(names) == 3 else [])
     for a, b in pairs:
         print(f"ratio {a} / {b}: {rates[a] / rates[b]:.3f} (wall), {cpu_rates[a] / cpu_rates[b]:.3f} (CPU)")
+    hf = float(np.median(run.times[names[-1]]))
+    print(f"a step at the floor would be {hf / floor['floor']:.3f}x {names[-1]} (wall): the most a server that runs all of it can show here")
     return {"dtype": dtype, "threads": threads, "rates": rates, "cpu_rates": cpu_rates,
             "pct": {n: 100 * flops * r / tokens / ceiling for n, r in rates.items()},
             "cpu_pct": {n: 100 * flops * r / tokens / cpu_ceiling for n, r in cpu_rates.items()}}
