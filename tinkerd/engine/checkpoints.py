@@ -142,14 +142,20 @@ def onto_layers(weights: dict[str, tuple[torch.Tensor, torch.Tensor]],
     return {by_hosted.get(n, n): ab for n, ab in weights.items()}
 
 
-def lora_tensors(adapter: Adapter) -> dict[str, torch.Tensor]:
-    """The adapter's A and B under PEFT key names, fp32 copies (the live tensors keep training)."""
-    tensors = {}
+def lora_tensors(adapter: Adapter, copy: bool = True) -> dict[str, torch.Tensor]:
+    """The adapter's A and B under PEFT key names, fp32 copies (the live tensors keep training);
+    copy=False: the live fp32 tensors themselves where they are already so laid out, for a caller
+    that serialises them before the adapter's next step; still a copy where a tensor shares memory
+    with one before it (a DeltaNet's one A stored for each of q, k and v), which safetensors refuses."""
+    tensors, seen = {}, set()
     for name in sorted(adapter.weights):
         for layout_name, a, b in _file_layout(name, adapter):
             file_name = hosted_name(layout_name)
-            tensors[f"{_KEY_PREFIX}{file_name}{_A_SUFFIX}"] = a.detach().float().contiguous().clone()
-            tensors[f"{_KEY_PREFIX}{file_name}{_B_SUFFIX}"] = b.detach().float().contiguous().clone()
+            for suffix, t in ((_A_SUFFIX, a), (_B_SUFFIX, b)):
+                t = t.detach().float().contiguous()
+                storage = t.untyped_storage().data_ptr()
+                tensors[f"{_KEY_PREFIX}{file_name}{suffix}"] = t.clone() if copy or storage in seen else t
+                seen.add(storage)
     return tensors
 
 
@@ -197,7 +203,7 @@ def save_adapter_to(store: ArtifactStore, key: str, adapter: Adapter, base_model
 
 def adapter_files(adapter: Adapter, base_model: str, with_optimizer: bool) -> dict[str, bytes]:
     """A checkpoint's files (see the module docstring), serialised."""
-    return capture(adapter, base_model, with_optimizer).files()
+    return capture(adapter, base_model, with_optimizer, copy=False).files()
 
 
 @dataclass
@@ -261,8 +267,10 @@ class Staging:
         return memoryview(self._buf)[:self._pos]
 
 
-def capture(adapter: Adapter, base_model: str, with_optimizer: bool) -> Captured:
-    """Copy what a checkpoint of `adapter` holds now (Captured)."""
+def capture(adapter: Adapter, base_model: str, with_optimizer: bool, copy: bool = True) -> Captured:
+    """Copy what a checkpoint of `adapter` holds now (Captured). copy=False: the live tensors, for a
+    caller that serialises them before the adapter's next step (engine/snapshots.py): a snapshot
+    then makes no copy of the ~120 MB state that it serialises at once anyway."""
     if with_optimizer and adapter.optimizer is None:
         raise UserError(f"model {adapter.key!r} has no optimizer state to save")
     meta = {
@@ -276,9 +284,11 @@ def capture(adapter: Adapter, base_model: str, with_optimizer: bool) -> Captured
     if with_optimizer:
         # state_dict() hands out the live moments, which the next optim_step updates in place.
         state = _canonical_optimizer_state(adapter)
-        state["state"] = {i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
-                          for i, s in state["state"].items()}
-    return Captured(lora_tensors(adapter), peft_config(adapter.spec, sorted(adapter.weights), base_model), meta, state)
+        if copy:
+            state["state"] = {i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+                              for i, s in state["state"].items()}
+    return Captured(lora_tensors(adapter, copy), peft_config(adapter.spec, sorted(adapter.weights), base_model), meta,
+                    state)
 
 
 def _local(dir_path: str | os.PathLike) -> tuple[LocalArtifactStore, str]:

@@ -2,10 +2,19 @@
 
 A snapshot after an optim_step is ~120 MB for a rank-32 SmolLM2 adapter with its AdamW state:
 serialising and fsyncing it took 0.5-1.4 s of the step on a loaded 2-core machine, more than the
-optimizer update itself. The step now only copies the state (checkpoints.capture: one memcpy of
-weights and moments, tens of ms); a single background thread serialises the copy, writes it through
-the ArtifactStore (temp dir, fsync, rename: visible whole or not at all) and then drops the older
-snapshots beside it. The op's result goes back meanwhile.
+optimizer update itself. The step serialises the state into memory (safetensors, torch.save,
+straight from the live tensors: together ~50-100 ms for that adapter, once per snapshot
+interval); a single background thread writes the files through the ArtifactStore (temp dir,
+fsync, rename: visible whole or not at all) and then drops the older snapshots beside it. The op's
+result goes back meanwhile.
+
+Why the serialising is not in the background too: both serialisers hold the GIL for tens of ms at a
+time (a probe thread woke up to 15-21 ms late during them), and the training pass needs the GIL
+between its kernels, the forward for every op and the backward for every Python autograd node (each
+LoRA linear's, engine/lora/fused.py). Written beside the next step, a serialising snapshot made the
+steps of a server with those nodes 4-6% slower on average (SmolLM2, 2 threads). The background
+thread now only writes the files: os.write releases the GIL, and the copies into the O_DIRECT
+buffer (tinkerd/artifacts.py) hold it for one 8 MB piece at a time.
 
 Why recovery stays exact: the write-ahead log, not the snapshot, is the source of truth. Recovery
 lists only whole artifacts and starts from the newest one whose op is stored as complete, then
@@ -22,7 +31,7 @@ What stays synchronous, and why:
   state must be on disk first.
 Both wait for the write in flight first (`wait`), so writes of one store never overlap and the
 older-snapshot cleanup runs in order. At most one write is in flight: a new one waits for the one
-before, so the memory held is one copy of one adapter's state plus its serialised files.
+before, so the memory held is one adapter's serialised files.
 """
 
 from __future__ import annotations
@@ -46,7 +55,12 @@ KEEP = 2
 def write(store: ArtifactStore, key: str, captured: checkpoints.Captured,
           staging: checkpoints.Staging | None = None) -> None:
     """Write one snapshot (artifact `key`, `.../<model_id>/seq-<n>`) and drop all but the KEEP newest."""
-    store.put(key, captured.files(staging))
+    put(store, key, captured.files(staging))
+
+
+def put(store: ArtifactStore, key: str, files: dict) -> None:
+    """Write a snapshot's serialised files as `key`; drop all but the KEEP newest beside it."""
+    store.put(key, files)
     run = key.rsplit("/", 1)[0]
     for old in [k for k in store.list(run) if k.rsplit("/", 1)[1].startswith("seq-")][:-KEEP]:
         store.delete(old)
@@ -68,20 +82,21 @@ class SnapshotWriter:
         self._lock = threading.Lock()
 
     def write_later(self, key: str, adapter: Adapter, base_model: str) -> None:
-        """Copy `adapter`'s weights and AdamW state now; write them as the snapshot `key` in the
+        """Serialise `adapter`'s weights and AdamW state now; write them as the snapshot `key` in the
         background. A write that fails is logged: recovery then starts from the snapshot before."""
         self.wait()  # before the copy: a step outrunning the writer waits rather than piling up copies
         started = time.perf_counter()
-        captured = checkpoints.capture(adapter, base_model, with_optimizer=True)
+        files = checkpoints.capture(adapter, base_model, with_optimizer=True, copy=False).files(self._staging)
         self._spend(time.perf_counter() - started)
-        self._pending = self._thread.submit(self._write_logged, key, captured)
+        self._pending = self._thread.submit(self._write_logged, key, files)
 
     def write_now(self, key: str, adapter: Adapter, base_model: str) -> None:
         """Write the snapshot `key` before returning; raises what the write raised."""
         self.wait()
         started = time.perf_counter()
         try:
-            write(self.store, key, checkpoints.capture(adapter, base_model, with_optimizer=True), self._staging)
+            write(self.store, key, checkpoints.capture(adapter, base_model, with_optimizer=True, copy=False),
+                  self._staging)
         finally:
             self._spend(time.perf_counter() - started)
 
@@ -105,10 +120,10 @@ class SnapshotWriter:
         self.wait()
         self._thread.shutdown(wait=True)
 
-    def _write_logged(self, key: str, captured: checkpoints.Captured) -> None:
+    def _write_logged(self, key: str, files: dict) -> None:
         started = time.thread_time()
         try:
-            write(self.store, key, captured, self._staging)
+            put(self.store, key, files)
         except Exception:
             log.exception("recovery snapshot %s failed", key)
         finally:

@@ -107,3 +107,22 @@ def test_the_steps_report_what_the_snapshots_took(engine, gated, tmp_path):
     later = engine.step(StepBatch())
     assert later.snapshot_s > 0  # the write
     assert engine.step(StepBatch()).snapshot_s == 0.0
+
+
+def test_a_snapshot_is_serialised_on_the_step_and_only_written_beside_the_next(engine, gated, tmp_path, monkeypatch):
+    """The serialisers hold the GIL for tens of ms, which a pass with Python autograd nodes
+    (engine/lora/fused.py) would wait on: they run in the optim_step's own thread, and the
+    background thread gets bytes to write."""
+    threads = []
+    files = checkpoints.Captured.files
+    monkeypatch.setattr(checkpoints.Captured, "files",
+                        lambda self, *a, **k: threads.append(threading.current_thread()) or files(self, *a, **k))
+    create(engine, "snap-s", seed=5)
+    run(engine, ForwardBackwardOp("snap-s", sft_data(3), "cross_entropy"))
+    key = str(tmp_path / "snap-s" / "seq-000000000002")
+    run(engine, OptimStepOp("snap-s", ADAM, snapshot_dir=key))
+    assert threads == [threading.current_thread()]
+    assert gated.entered.wait(TIMEOUT_S)
+    gated.gate.set()
+    engine.snapshots.wait()
+    assert checkpoints.read_adapter(key).step == 1

@@ -75,11 +75,11 @@ def same_shape_deltas(xs: torch.Tensor, loras: list) -> torch.Tensor:
     return delta.view(*xs.shape[:-1], delta.shape[-1])
 
 
-def fits(x: torch.Tensor, groups: list, loras: list) -> bool:
+def fits(x: torch.Tensor, groups: list, loras: list, probe=None) -> bool:
     """Whether same_shape_deltas takes this layer: more than one group, every one with an adapter of
     this layer, the same rank, master dtype and rows, at the batch's width, a power-of-two scaling
     (another scales the output, in PEFT's order), and on the CPU shapes whose bits keeps_bits found
-    kept on this machine."""
+    kept on this machine (`probe`: another path's check of the same shapes, engine/lora/fused.py's)."""
     if len(groups) < 2 or any(lw is None for lw in loras):
         return False
     rows, shape, master = groups[0].rows.shape[0], loras[0].a.shape, loras[0].a.dtype
@@ -88,8 +88,8 @@ def fits(x: torch.Tensor, groups: list, loras: list) -> bool:
             and all(lw.a.shape == shape and lw.a.dtype == master and lw.b.dtype == master
                     and power_of_two(lw.scaling) for lw in loras)
             and (x.device.type != "cpu"  # on CUDA no bits are kept either way (module docstring)
-                 or keeps_bits(len(loras), rows * t, x.shape[-1], loras[0].b.shape[0], shape[0],
-                               tuple(lw.scaling for lw in loras), x.dtype, master, torch.get_num_threads())))
+                 or (probe or keeps_bits)(len(loras), rows * t, x.shape[-1], loras[0].b.shape[0], shape[0],
+                                          tuple(lw.scaling for lw in loras), x.dtype, master, torch.get_num_threads())))
 
 
 @functools.lru_cache(maxsize=1024)

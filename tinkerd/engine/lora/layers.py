@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from tinkerd.engine.lora import batched, deltanet
+from tinkerd.engine.lora import batched, deltanet, fused
 from tinkerd.engine.precision import lora_delta, lora_delta_add
 
 log = logging.getLogger(__name__)
@@ -165,6 +165,12 @@ class MultiLoraLinear(nn.Module):
             else:
                 out = self.base(x)
             return self._add_adapters_inplace(x, out)
+        groups = self.ctx.groups
+        if self.ctx.blocks or (len(groups) == 1 and groups[0].rows is None):
+            loras = [self.adapters.get(group.slot) for group in groups]
+            if fused.fits(x, self.base, loras):  # one autograd node, deltas summed in by the GEMMs
+                return fused.lora_linear(x, self.base, fused.parts_of(x, groups, loras), loras,
+                                         self.ctx.blocks and batched.fits(x, groups, loras, probe=fused.keeps_bits))
         out = self.base(x)
         if self.ctx.blocks and x.dim() == 3:
             return self._add_blocks(x, out)

@@ -1,0 +1,197 @@
+"""A training pass's LoRA linear as one autograd node whose GEMMs add the deltas in place.
+
+Through autograd a LoRA linear is `base(x) + (s * x A^T) B^T`: the delta's GEMM writes a fresh
+[M, out] tensor and an add makes a third, and in the backward the base's and the adapter's input
+gradients are again two fresh [M, in] tensors that autograd sums. Here the base output takes each
+run's delta through the GEMM itself (`addmm_`, beta 1: the product is summed into the output
+while it is still in cache), and the backward's input gradient takes each run's share the same
+way. SmolLM2-135M, rank 32, 2 x 256 tokens, forward_backward + optim_step in process (medians of
+alternating steps, huge pages): 2 threads 1972 -> 1900 ms, 1 thread 3378 -> 3313 ms; 4 runs of
+1 x 8 tokens in one shared pass, 2 threads, 467 -> 460 ms. Its backward is Python, so it needs the
+GIL at every layer: nothing else in the engine process may hold the GIL for long while a pass runs
+(engine/snapshots.py serialises on the step for that reason). A prototype with the same node but `mm` then an in-place
+add gained nothing (2528 -> 2540 ms at 2 threads, against 2389 with addmm_): it is the summing
+inside the GEMM, not the fewer autograd nodes, that counts.
+
+Every training forward of an fp32 layer with a 3-D input goes through here, a run alone (one part,
+every row) as well as a shared pass (engine/cotrain.py: one part per run, its block of rows at its
+own width), and each part gets the same calls on the same operands whichever it is: its rows'
+base output or input gradient (a row's bits do not depend on the other rows of the base GEMM),
+then `addmm_` with its own A, B and M rows. A part narrower than the batch (padded to the widest
+run) has its block copied out, summed into, and copied back, so its GEMMs see its M rows alone.
+Runs of one shape use `baddbmm_` over all their blocks at once instead (`batched.fits`), where
+`keeps_bits` found that it gives each matrix `addmm_`'s bits on this machine's MKL
+(tests/unit/engine/test_cotrain.py checks the whole pass against each op alone). A bf16 layer with fp32 master A/B keeps the autograd path
+(lora/layers.py), as do 2-D inputs (a MoE block's shared expert, whose rows are routed per token).
+
+Scaling: a power of two scales x A^T exactly, as in lora_delta (engine/precision.py); any other
+multiplies the product instead (addmm_'s alpha), PEFT's order.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tinkerd.engine.precision import power_of_two
+
+
+@dataclass(frozen=True)
+class Part:
+    """One run's rows of the layer's input [B, T, in]: batch rows [start, stop), its first `width`
+    positions (the rest is padding), and its adapter's scaling."""
+
+    start: int
+    stop: int
+    width: int
+    scaling: float
+
+
+class LoraLinear(torch.autograd.Function):
+    """x [B, T, in] through the frozen base (weight, bias) plus each part's LoRA delta: A_1..A_k
+    [R, in] then B_1..B_k [out, R] after the parts. `batched`: the parts are equal blocks of full
+    width covering x in order, with one rank and power-of-two scalings."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, parts: tuple[Part, ...], batched: bool, *ab):
+        k = len(parts)
+        a_s, b_s = ab[:k], ab[k:]
+        y = F.linear(x, weight, bias)
+        if batched:
+            xb = x.view(k, -1, x.shape[-1])
+            a, b = torch.stack(a_s), torch.stack(b_s)
+            us = torch.bmm(xb, a.transpose(1, 2))
+            scales = [p.scaling for p in parts]
+            if scales != [1.0] * k:
+                us = us * (scales[0] if len(set(scales)) == 1 else us.new_tensor(scales)[:, None, None])
+            y.view(k, -1, y.shape[-1]).baddbmm_(us, b.transpose(1, 2))
+            ctx.save_for_backward(x, weight, a, b, us)
+        else:
+            kept = []
+            for p, a, b in zip(parts, a_s, b_s):
+                xs = _rows(x, p)
+                u = xs @ a.t()
+                us = u * p.scaling if power_of_two(p.scaling) and p.scaling != 1.0 else u
+                _add_into(y, p, us, b.t(), _alpha(p))
+                kept += [xs if p.width < x.shape[1] else None, us]
+            ctx.save_for_backward(x, weight, *a_s, *b_s, *[t for t in kept if t is not None])
+            ctx.narrow = [p.width < x.shape[1] for p in parts]
+        ctx.parts, ctx.batched = parts, batched
+        return y
+
+    @staticmethod
+    def backward(ctx, d):
+        parts, k = ctx.parts, len(ctx.parts)
+        x, weight, *rest = ctx.saved_tensors
+        d = d.contiguous()
+        dx = d.matmul(weight) if ctx.needs_input_grad[0] else None
+        if ctx.batched:
+            a, b, us = rest
+            db = d.view(k, -1, d.shape[-1])
+            g_b = torch.bmm(db.transpose(1, 2), us)
+            d_u = torch.bmm(db, b)
+            scales = [p.scaling for p in parts]
+            if scales != [1.0] * k:
+                d_u = d_u * (scales[0] if len(set(scales)) == 1 else d_u.new_tensor(scales)[:, None, None])
+            if dx is not None:
+                dx.view(k, -1, dx.shape[-1]).baddbmm_(d_u, a)
+            g_a = torch.bmm(d_u.transpose(1, 2), x.view(k, -1, x.shape[-1]))
+            return (dx, None, None, None, None, *g_a.unbind(0), *g_b.unbind(0))
+        a_s, b_s, kept = rest[:k], rest[k:2 * k], iter(rest[2 * k:])
+        g_as, g_bs = [], []
+        for p, a, b, narrow in zip(parts, a_s, b_s, ctx.narrow):
+            xs = next(kept) if narrow else _rows(x, p)
+            us = next(kept)
+            dp = _rows(d, p)
+            g_b = dp.t() @ us
+            alpha = _alpha(p)
+            g_bs.append(g_b if alpha == 1.0 else g_b * alpha)
+            d_u = dp @ b
+            if p.scaling != 1.0:
+                d_u = d_u * p.scaling
+            if dx is not None:
+                _add_into(dx, p, d_u, a, 1.0)
+            g_as.append(d_u.t() @ xs)
+        return (dx, None, None, None, None, *g_as, *g_bs)
+
+
+def _alpha(p: Part) -> float:
+    """The factor addmm_ applies to the product u B^T: 1 where the scaling went into u."""
+    return 1.0 if power_of_two(p.scaling) else p.scaling
+
+
+def _rows(t: torch.Tensor, p: Part) -> torch.Tensor:
+    """The part's [M, dim] rows of t [B, T, dim]: a view at full width, a copy when narrower."""
+    block = t[p.start:p.stop]
+    if p.width < t.shape[1]:
+        block = block[:, :p.width]
+    return block.reshape(-1, t.shape[-1])
+
+
+def _add_into(out: torch.Tensor, p: Part, m1: torch.Tensor, m2: torch.Tensor, alpha: float) -> None:
+    """out's rows of part p += alpha * m1 @ m2, as one addmm_ over the part's M rows."""
+    block = out[p.start:p.stop, :p.width]
+    if block.is_contiguous():  # full width, or a single row
+        block.view(-1, out.shape[-1]).addmm_(m1, m2, alpha=alpha)
+        return
+    flat = block.reshape(-1, out.shape[-1]).addmm_(m1, m2, alpha=alpha)  # a copy of the rows
+    block.copy_(flat.view(block.shape))
+
+
+def parts_of(x: torch.Tensor, groups: list, loras: list) -> tuple[Part, ...]:
+    """The parts of a layer's input for its routing groups (LoraContext.groups: one with every row
+    alone, or consecutive blocks of a shared pass) and their adapters on this layer (None: none)."""
+    if len(groups) == 1 and groups[0].rows is None:
+        lw = loras[0]
+        return () if lw is None else (Part(0, x.shape[0], x.shape[1], lw.scaling),)
+    parts, start = [], 0
+    for group, lw in zip(groups, loras):
+        stop = start + group.rows.shape[0]
+        if lw is not None:
+            parts.append(Part(start, stop, group.width or x.shape[1], lw.scaling))
+        start = stop
+    return tuple(parts)
+
+
+@functools.lru_cache(maxsize=1024)
+def keeps_bits(g: int, m: int, in_features: int, out_features: int, rank: int, scalings: tuple[float, ...],
+               dtype: torch.dtype, master: torch.dtype, threads: int) -> bool:
+    """Whether LoraLinear over g runs of one shape in batched GEMMs (baddbmm_) gives each run the bits
+    of its part alone (addmm_), forward and backward, on random numbers of these shapes, on this
+    machine: batched.fits asks it instead of batched.keeps_bits for this node (same signature, same
+    cache key). MKL's batched GEMM does not keep mm's bits at every shape (batched.keeps_bits)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(g, m, in_features, generator=gen).to(dtype)
+    w = torch.randn(out_features, in_features, generator=gen).div_(in_features ** 0.5).to(dtype)
+    d = torch.randn(g, m, out_features, generator=gen).to(dtype)
+    a = [torch.randn(rank, in_features, generator=gen).div_(in_features ** 0.5).to(master) for _ in range(g)]
+    b = [torch.randn(out_features, rank, generator=gen).div_(rank ** 0.5).to(master) for _ in range(g)]
+    parts = tuple(Part(i, i + 1, m, s) for i, s in enumerate(scalings))
+    with torch.enable_grad():
+        xb, ab, bb = x.clone().requires_grad_(), [t.clone().requires_grad_() for t in a], [t.clone().requires_grad_() for t in b]
+        together = LoraLinear.apply(xb, w, None, parts, True, *ab, *bb)
+        together.backward(d)
+        for i in range(g):
+            xi, ai, bi = x[i:i + 1].clone().requires_grad_(), a[i].clone().requires_grad_(), b[i].clone().requires_grad_()
+            alone = LoraLinear.apply(xi, w, None, (Part(0, 1, m, scalings[i]),), False, ai, bi)
+            alone.backward(d[i:i + 1])
+            if not all(torch.equal(p, q) for p, q in ((together[i:i + 1], alone), (xb.grad[i:i + 1], xi.grad),
+                                                      (ab[i].grad, ai.grad), (bb[i].grad, bi.grad))):
+                return False
+    return True
+
+
+def fits(x: torch.Tensor, base: torch.nn.Linear, loras: list) -> bool:
+    """Whether this layer's training forward takes LoraLinear: a 3-D input, a frozen base, and
+    every adapter on it in the input's dtype (fp32 masters on a bf16 base keep autograd's path)."""
+    return (x.dim() == 3 and not base.weight.requires_grad and (base.bias is None or not base.bias.requires_grad)
+            and any(lw is not None for lw in loras)
+            and all(lw is None or (lw.a.dtype == x.dtype and lw.b.dtype == x.dtype) for lw in loras))
+
+
+def lora_linear(x: torch.Tensor, base: torch.nn.Linear, parts: tuple[Part, ...], loras: list, batched: bool) -> torch.Tensor:
+    present = [lw for lw in loras if lw is not None]
+    return LoraLinear.apply(x, base.weight, base.bias, parts, batched, *(lw.a for lw in present), *(lw.b for lw in present))
