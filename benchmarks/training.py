@@ -320,7 +320,8 @@ def run_config(args, base: Path, dtype: str, threads: int) -> dict:
     for name, ts in run.times.items():
         med, cpu = float(np.median(ts)), float(np.median(run.cpu[name]))
         rates[name], cpu_rates[name] = tokens / med, tokens / cpu
-        print(f"{name:36s} median step {med * 1e3:8.1f} ms  {rates[name]:8.1f} tokens/s  "
+        q1, q3 = np.percentile(ts, [25, 75]) * 1e3  # this VM's steps move 5-10% from run to run: the spread says how much
+        print(f"{name:36s} median step {med * 1e3:8.1f} ms (quartiles {q1:.0f}-{q3:.0f})  {rates[name]:8.1f} tokens/s  "
               f"{100 * flops / med / ceiling:5.1f}% of ceiling   CPU {cpu:6.2f} s/step  {cpu_rates[name]:7.1f} tokens/CPU-s  "
               f"{100 * flops / cpu / cpu_ceiling:5.1f}% of the CPU-time ceiling   {med / floor['floor']:.3f}x the floor")
     # Where each server's step goes: the engine's own time per op (its /metrics) and the rest
