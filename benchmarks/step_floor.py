@@ -77,29 +77,24 @@ class Floor:
         self.adamw = torch.optim.AdamW(params, lr=1e-4, fused=True)
 
     def body(self) -> None:
+        kept = []  # each linear's x A^T, kept for its backward as autograd keeps it
         for layer in range(self.layers):
             for k, (i, o) in enumerate(self.shapes):
                 x = self.x[i]
                 F.linear(x, self.w[layer][k])
-                (x @ self.a[layer][k].t()) @ self.b[layer][k].t()
+                kept.append(x @ self.a[layer][k].t())
+                kept[-1] @ self.b[layer][k].t()
         for layer in reversed(range(self.layers)):
-            for k, (i, o) in enumerate(self.shapes):
-                x, d = self.x[i], self.d[o]
+            for k, (i, o) in reversed(list(enumerate(self.shapes))):
+                x, d, u = self.x[i], self.d[o], kept.pop()
                 frozen_input = layer == 0 and k < 3
                 if not frozen_input:
                     d @ self.w[layer][k]
-                u = x @ self.a[layer][k].t()  # kept from the forward in a real step: not timed twice
                 d.t() @ u
                 d_u = d @ self.b[layer][k]
                 d_u.t() @ x
                 if not frozen_input:
                     d_u @ self.a[layer][k]
-
-    def lora_inputs(self) -> None:
-        """The adapter's x A^T of every linear: timed alone to take out of `body` (a step keeps it)."""
-        for layer in range(self.layers):
-            for k, (i, _) in enumerate(self.shapes):
-                self.x[i] @ self.a[layer][k].t()
 
     def head(self) -> None:
         h = self.config.hidden_size
@@ -137,8 +132,7 @@ class Floor:
 
     def parts(self, repeats: int = 3) -> dict[str, float]:
         """Seconds of each part, best of `repeats` (after one warm-up), and their sum as "floor"."""
-        fns = {"body": self.body, "lora_inputs": self.lora_inputs, "head": self.head,
-               "attention": self.attention, "adamw": self.adam}
+        fns = {"body": self.body, "head": self.head, "attention": self.attention, "adamw": self.adam}
         best = {name: float("inf") for name in fns}
         for r in range(repeats + 1):
             for name, fn in fns.items():
@@ -146,7 +140,6 @@ class Floor:
                 fn()
                 if r:
                     best[name] = min(best[name], time.perf_counter() - start)
-        best["body"] -= best.pop("lora_inputs")  # body recomputes x A^T in its backward
         best["floor"] = sum(best.values())
         return best
 

@@ -84,7 +84,7 @@ class SnapshotWriter:
     def write_later(self, key: str, adapter: Adapter, base_model: str) -> None:
         """Serialise `adapter`'s weights and AdamW state now; write them as the snapshot `key` in the
         background. A write that fails is logged: recovery then starts from the snapshot before."""
-        self.wait()  # before the copy: a step outrunning the writer waits rather than piling up copies
+        self.wait()  # the write in flight holds the staging buffer the files are serialised into
         started = time.perf_counter()
         files = checkpoints.capture(adapter, base_model, with_optimizer=True, copy=False).files(self._staging)
         self._spend(time.perf_counter() - started)

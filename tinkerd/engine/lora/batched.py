@@ -92,6 +92,18 @@ def fits(x: torch.Tensor, groups: list, loras: list, probe=None) -> bool:
                                           tuple(lw.scaling for lw in loras), x.dtype, master, torch.get_num_threads())))
 
 
+def probe_operands(g: int, m: int, in_features: int, out_features: int, rank: int, dtype: torch.dtype,
+                   master: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, list, list]:
+    """A bit probe's random input x [g, m, in], output gradient d [g, m, out] and g adapters' A
+    [rank, in] and B [out, rank], the same numbers every call (keeps_bits, fused.keeps_bits)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(g, m, in_features, generator=gen).to(dtype)
+    d = torch.randn(g, m, out_features, generator=gen).to(dtype)
+    a = [torch.randn(rank, in_features, generator=gen).div_(in_features ** 0.5).to(master) for _ in range(g)]
+    b = [torch.randn(out_features, rank, generator=gen).div_(rank ** 0.5).to(master) for _ in range(g)]
+    return x, d, a, b
+
+
 @functools.lru_cache(maxsize=1024)
 def keeps_bits(g: int, m: int, in_features: int, out_features: int, rank: int, scalings: tuple[float, ...],
                dtype: torch.dtype, master: torch.dtype, threads: int) -> bool:
@@ -103,11 +115,7 @@ def keeps_bits(g: int, m: int, in_features: int, out_features: int, rank: int, s
     it does not, the layer takes the per-run GEMMs. CPU tensors: `fits` asks only for a CPU pass."""
     from tinkerd.engine.precision import lora_delta
 
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(g, m, in_features, generator=gen).to(dtype)
-    d = torch.randn(g, m, out_features, generator=gen).to(dtype)
-    a = [torch.randn(rank, in_features, generator=gen).div_(in_features ** 0.5).to(master) for _ in range(g)]
-    b = [torch.randn(out_features, rank, generator=gen).div_(rank ** 0.5).to(master) for _ in range(g)]
+    x, d, a, b = probe_operands(g, m, in_features, out_features, rank, dtype, master)
     with torch.enable_grad():
         xb, ab, bb = x.clone().requires_grad_(), [t.clone().requires_grad_() for t in a], [t.clone().requires_grad_() for t in b]
         together = SameShapeDeltas.apply(xb, scalings, *ab, *bb)

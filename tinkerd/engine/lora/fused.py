@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tinkerd.engine.lora.batched import probe_operands
 from tinkerd.engine.precision import power_of_two
 
 
@@ -163,12 +164,9 @@ def keeps_bits(g: int, m: int, in_features: int, out_features: int, rank: int, s
     of its part alone (addmm_), forward and backward, on random numbers of these shapes, on this
     machine: batched.fits asks it instead of batched.keeps_bits for this node (same signature, same
     cache key). MKL's batched GEMM does not keep mm's bits at every shape (batched.keeps_bits)."""
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(g, m, in_features, generator=gen).to(dtype)
+    x, d, a, b = probe_operands(g, m, in_features, out_features, rank, dtype, master)
+    gen = torch.Generator().manual_seed(1)
     w = torch.randn(out_features, in_features, generator=gen).div_(in_features ** 0.5).to(dtype)
-    d = torch.randn(g, m, out_features, generator=gen).to(dtype)
-    a = [torch.randn(rank, in_features, generator=gen).div_(in_features ** 0.5).to(master) for _ in range(g)]
-    b = [torch.randn(out_features, rank, generator=gen).div_(rank ** 0.5).to(master) for _ in range(g)]
     parts = tuple(Part(i, i + 1, m, s) for i, s in enumerate(scalings))
     with torch.enable_grad():
         xb, ab, bb = x.clone().requires_grad_(), [t.clone().requires_grad_() for t in a], [t.clone().requires_grad_() for t in b]
