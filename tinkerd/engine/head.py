@@ -16,7 +16,11 @@ and 58 of its ~330 GFLOP), so how they are cut matters:
   (fp32, [512, 576] x [576, 8192] at 130 GFLOP/s on 2 threads, [128, 576] x [576, 49152] at 93),
   and the in-place softmax saves autograd's [M, V] temporaries. 512 positions of SmolLM2 through
   the head and back, median of 6: 1 thread 876 -> 783 ms, 1070 -> 876 with a rank-32 LoRA on the
-  head (the SDK's default, train_unembed); 2 threads 581 -> 462 and 688 -> 516.
+  head (the SDK's default, train_unembed); 2 threads 581 -> 462 and 688 -> 516. Tiles of 2048
+  columns (4 MB at 512 rows) rather than 8192 (16 MB) took that pass, fwd + bwd, median of 10,
+  from 653 to 610 ms at 1 thread (683 -> 634 with the head LoRA) and from 342 to 328 at 2 (376 ->
+  337); the forward GEMM alone 277 -> 260 and 177 -> 151 ms (AMD EPYC, 2 MB L2 a core, 32 MB
+  L3). At 32 and 128 rows 2-7% faster, at 8 rows the same.
 - Otherwise (a bf16 head, Gemma's logit softcap, a head with a bias): rows in chunks through
   autograd, the path HF's own forward takes, to the bit.
 
@@ -40,15 +44,17 @@ if TYPE_CHECKING:
 # Up to this many [M, V] cells (256 MB fp32) the logits are kept rather than recomputed: the second
 # head forward was 6% of a SmolLM2 step (2 x 256 tokens: 29 of ~330 GFLOP).
 KEEP_CELLS = 1 << 26
-# Tiled: rows per block, and logits cells per GEMM (16 MB fp32: the tile is still in cache when the
-# logsumexp and, in the backward, the softmax pass over it run).
+# Tiled: rows per block, and logits cells per GEMM (4 MB fp32: the tile is in cache when the
+# logsumexp and, in the backward, the softmax pass over it run, and MKL writes it faster than a
+# 16 MB one; module docstring).
 ROW_BLOCK = 512
-TILE_CELLS = 1 << 22
+TILE_CELLS = 1 << 20
 MIN_TILE = 2048
-# Autograd chunks: 2^22 cells each, but never fewer rows than this: the head's GEMMs run far below
+# Autograd chunks: CHUNK_CELLS cells each, but never fewer rows than this: the head's GEMMs run far below
 # the machine's rate on a few rows (1 thread, 512 rows through the head and back: at 49k vocab
 # 633 ms in 85-row chunks, 514 in 128; at 152k, 27-row chunks took 6.0 s against 3.4 s in 128).
 CHUNK_MIN_ROWS = 128
+CHUNK_CELLS = 1 << 22
 
 
 def head_lora(rt: "ModelRuntime", slot: int | None = None) -> tuple[torch.Tensor, torch.Tensor, float] | None:
@@ -77,8 +83,11 @@ def direct_b_grad(rows: int) -> bool:
     layout, rather than as xs^T @ d and transposed at the end. SmolLM2's 6 tiles of 8192 (fp32,
     rank 32), ms per block, xs^T @ d + transpose against d^T @ xs: 1 thread 8 rows 2.63 / 0.47,
     128 rows 9.6 / 8.6, 256 rows 18.6 / 16.7, 384 rows 24.9 / 26.9, 512 rows 31.2 / 39.4;
-    2 threads 8 rows 4.0 / 0.47, 256 rows 14.6 / 10.2, 512 rows 31.8 / 21.0. Alone and in a shared
-    pass a run's blocks have the same rows, so they take the same way."""
+    2 threads 8 rows 4.0 / 0.47, 256 rows 14.6 / 10.2, 512 rows 31.8 / 21.0. With the 24 tiles of
+    2048 since, a whole head backward (its logits recomputed) the same way: 1 thread 8 rows 28.0 /
+    23.6, 256 rows 309 / 309, 512 rows 590 / 596; 2 threads 8 rows 19.5 / 15.0, 512 rows 328 / 323,
+    so the rule stands. Alone and in a shared pass a run's blocks have the same rows, so they take
+    the same way."""
     return rows <= 256 or torch.get_num_threads() > 1
 
 
@@ -155,7 +164,7 @@ class HeadPass:
             self.lse = [lse for _, lse, _ in done]
             self.logprobs = torch.cat([lp for lp, _, _ in done] + [self._empty()])
         else:
-            rows = max(CHUNK_MIN_ROWS, TILE_CELLS // vocab)
+            rows = max(CHUNK_MIN_ROWS, CHUNK_CELLS // vocab)
             self.blocks = [slice(i, min(i + rows, m)) for i in range(0, m, rows)]
             self.kept = [self._chunk_graph(c) for c in self.blocks] if self.keep else None
             with torch.no_grad():

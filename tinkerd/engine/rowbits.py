@@ -21,7 +21,7 @@ batch, gets no shared pass (the pattern did not settle where probed). Either way
 bits alone; only throughput across tenants is lost, and the engine logs what decided it.
 
 It is a probe, not a proof: row counts beyond SCAN_ROWS, and batches other than those tried, are
-taken to behave like the big batch. ~1 s on SmolLM2-135M (the head's 8192-wide tile is most of
+taken to behave like the big batch. ~1 s on SmolLM2-135M (the head's tile is most of
 it); the cost grows with the layers' widths. On CUDA no shared pass keeps a run's bits (cuBLAS
 rounds by the batch, tests/gpu) and none is promised there, so nothing is probed.
 """

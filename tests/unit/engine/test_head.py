@@ -119,7 +119,8 @@ def test_kept_logits_give_the_bits_of_a_recomputed_head(engine, monkeypatch, pat
     logprobs, loss and every LoRA grad (the head's own included) equal the recomputing path's."""
     rt = engine.runtime(BASE)
     monkeypatch.setattr(head, "ROW_BLOCK", 16)  # 39 positions: 3 blocks
-    monkeypatch.setattr(head, "TILE_CELLS", 16 * 40_000 if path == "tiled" else rt.vocab_size * 8)  # 4 tiles; 5 chunks
+    monkeypatch.setattr(head, "TILE_CELLS", 16 * 40_000)  # tiled: 4 tiles
+    monkeypatch.setattr(head, "CHUNK_CELLS", rt.vocab_size * 8)  # autograd: 5 chunks
     monkeypatch.setattr(head, "CHUNK_MIN_ROWS", 8)
     computed = []  # head GEMMs of the whole vocabulary: tiles of a block, or autograd chunks
     if path == "tiled":
