@@ -1,7 +1,8 @@
 """The floor of a LoRA training step on this machine: its GEMMs, attention and AdamW alone.
 
 What any implementation of a Llama-shaped model's LoRA step runs, whatever it does around it,
-timed here with nothing in between, on the model's own shapes:
+timed here with nothing in between, on the model's own shapes, through the GEMM functions the
+engine calls (engine/gemm.py: oneDNN's for the base weights where it is on):
 
 - body: every decoder linear's forward GEMM and the GEMM of its input gradient (none for layer 0's
   q/k/v, whose input is the frozen embedding), and each adapter's four products forward and back
@@ -31,9 +32,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
-from tinkerd.engine import causal, head  # noqa: E402
+from tinkerd.engine import causal, gemm, head  # noqa: E402
 
 
 def linears(config) -> list[tuple[int, int]]:
@@ -48,6 +48,7 @@ class Floor:
     def __init__(self, config, rows: int, tokens: int, rank: int, unembed: bool = False,
                  dtype: torch.dtype = torch.float32):
         self.config, self.rows, self.tokens, self.dtype = config, rows, tokens, dtype
+        gemm.onednn()  # its one-time check of the op runs here, not inside a timed part
         m = rows * tokens
         self.shapes = linears(config)
         self.layers = config.num_hidden_layers
@@ -81,7 +82,7 @@ class Floor:
         for layer in range(self.layers):
             for k, (i, o) in enumerate(self.shapes):
                 x = self.x[i]
-                F.linear(x, self.w[layer][k])
+                gemm.linear(x, self.w[layer][k])
                 kept.append(x @ self.a[layer][k].t())
                 kept[-1] @ self.b[layer][k].t()
         for layer in reversed(range(self.layers)):
@@ -89,7 +90,7 @@ class Floor:
                 x, d, u = self.x[i], self.d[o], kept.pop()
                 frozen_input = layer == 0 and k < 3
                 if not frozen_input:
-                    d @ self.w[layer][k]
+                    gemm.input_grad(d, self.w[layer][k])
                 d.t() @ u
                 d_u = d @ self.b[layer][k]
                 d_u.t() @ x
@@ -105,13 +106,10 @@ class Floor:
             xs, us = x[at:at + n], (u[at:at + n] if u is not None else None)
             g_x, g_u = torch.empty_like(xs), None
             for t, tile in enumerate(head.tiles(self.config.vocab_size)):
-                z = xs @ self.head_w[tile].t()  # the logits tile, then (in the engine) d logits in its place
+                z = gemm.linear(xs, self.head_w[tile])  # the logits tile, then (in the engine) d logits in its place
                 if us is not None:
                     z.addmm_(us, self.head_lora[1][tile].t())
-                if t == 0:
-                    torch.mm(z, self.head_w[tile], out=g_x)
-                else:
-                    g_x.addmm_(z, self.head_w[tile])
+                gemm.add_input_grad(g_x, z, self.head_w[tile], first=t == 0)
                 if us is not None:
                     g_u = z @ self.head_lora[1][tile] if g_u is None else g_u.addmm_(z, self.head_lora[1][tile])
                     z.t() @ us

@@ -65,6 +65,7 @@ import torch  # noqa: E402
 
 from step_floor import Floor, describe  # noqa: E402
 from tests.serverproc import API_KEY, ServerProcess, share_models, start_server  # noqa: E402
+from tinkerd.engine import gemm  # noqa: E402
 from tinkerd.engine.malloc import keep_freed_memory, with_huge_pages  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -204,20 +205,49 @@ def step_flops(config, rank: int, rows: int, tokens: int, unembed: bool = False)
 
 def gemm_rate(n: int, h: int, dtype: torch.dtype, repeats: int = 5) -> tuple[float, float]:
     """Best FLOP per second of [n, h] x [h, 4h] in `dtype` at the current thread count, by wall
-    time and by this process's CPU time (which a loaded machine inflates far less)."""
+    time and by this process's CPU time (which a loaded machine inflates far less), through torch's
+    default GEMM or the engine's (engine/gemm.py: oneDNN's), whichever is faster here."""
     x = torch.randn(n, h).to(dtype)
     w = torch.randn(4 * h, h).to(dtype)
-    torch.nn.functional.linear(x, w)
     wall = cpu = float("inf")
-    for _ in range(repeats):
-        t0, c0 = time.perf_counter(), time.process_time()
-        torch.nn.functional.linear(x, w)
-        wall, cpu = min(wall, time.perf_counter() - t0), min(cpu, time.process_time() - c0)
-    return 2 * n * h * 4 * h / wall, 2 * n * h * 4 * h / cpu
+    calls = 8  # per sample: the process's CPU clock takes in another thread's time late, a ms-long GEMM's not at all
+    for linear in (torch.nn.functional.linear, gemm.linear):
+        linear(x, w)
+        for _ in range(repeats):
+            t0, c0 = time.perf_counter(), time.process_time()
+            for _ in range(calls):
+                linear(x, w)
+            wall, cpu = min(wall, time.perf_counter() - t0), min(cpu, time.process_time() - c0)
+    return calls * 2 * n * h * 4 * h / wall, calls * 2 * n * h * 4 * h / cpu
+
+
+class OneDNNLinear(torch.autograd.Function):
+    """F.linear with its two GEMMs on the engine's (engine/gemm.py), for `--hf-onednn`: the HF +
+    PEFT loop given the GEMMs tinkerd's engine runs. The weight gradient (PEFT's A and B) stays
+    torch's, as in the engine."""
+
+    @staticmethod
+    def forward(ctx, x, w, bias):
+        ctx.save_for_backward(x, w)
+        ctx.bias = bias is not None
+        return gemm.linear(x, w, bias)
+
+    @staticmethod
+    def backward(ctx, d):
+        x, w = ctx.saved_tensors
+        dx = gemm.input_grad(d, w) if ctx.needs_input_grad[0] else None
+        dw = d.reshape(-1, d.shape[-1]).t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+        db = d.reshape(-1, d.shape[-1]).sum(0) if ctx.bias and ctx.needs_input_grad[2] else None
+        return dx, dw, db
+
+
+def _onednn_linear(x, w, bias=None):
+    return OneDNNLinear.apply(x, w, bias)
 
 
 class HFPeft:
-    def __init__(self, model_dir: str, rank: int, batch: np.ndarray, dtype: str, adamw: str, unembed: bool = False):
+    def __init__(self, model_dir: str, rank: int, batch: np.ndarray, dtype: str, adamw: str, unembed: bool = False,
+                 onednn: bool = False):
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM
 
@@ -229,14 +259,21 @@ class HFPeft:
         self.opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0,
                                      **{adamw: True})
         self.autocast = dtype == "bfloat16"
+        self.linear = _onednn_linear if onednn else None
         self.input_ids = torch.from_numpy(batch[:, :-1]).long()
         self.labels = torch.from_numpy(batch[:, 1:]).long()
 
     def step(self) -> float:
-        with torch.autocast("cpu", dtype=torch.bfloat16) if self.autocast else nullcontext():
-            logits = self.model(input_ids=self.input_ids).logits
-        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), self.labels.flatten(), reduction="sum")
-        loss.backward()
+        plain = torch.nn.functional.linear
+        if self.linear is not None:  # nn.Linear looks F.linear up at every call
+            torch.nn.functional.linear = self.linear
+        try:
+            with torch.autocast("cpu", dtype=torch.bfloat16) if self.autocast else nullcontext():
+                logits = self.model(input_ids=self.input_ids).logits
+            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), self.labels.flatten(), reduction="sum")
+            loss.backward()
+        finally:
+            torch.nn.functional.linear = plain
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return float(loss.detach())
@@ -294,6 +331,9 @@ def run_config(args, base: Path, dtype: str, threads: int) -> dict:
         if "baseline" in servers:
             sides[f"tinkerd @ {args.baseline_tree}"] = TinkerdSDK(servers["baseline"].url, args.model, args.rank, batch,
                                                                          args.train_unembed)
+        if args.hf_onednn:
+            sides["HF+PEFT, linears on oneDNN"] = HFPeft(model_dir, args.rank, batch, dtype, args.hf_adamw,
+                                                         args.train_unembed, onednn=True)
         sides["HF+PEFT in-process, tuned"] = HFPeft(model_dir, args.rank, batch, dtype, args.hf_adamw, args.train_unembed)
         load_before = load_average()
         probes = [gemm_rate(args.rows * args.tokens, config.hidden_size, DTYPES[dtype])]
@@ -334,7 +374,7 @@ def run_config(args, base: Path, dtype: str, threads: int) -> dict:
         print(f"{name} step, mean: " + ", ".join(f"engine {k} {v * 1e3:.0f} ms" for k, v in per_op.items())
               + f", the rest {rest * 1e3:.0f} ms")
     names = list(rates)
-    pairs = [(n, names[-1]) for n in names[:-1]] + ([(names[0], names[1])] if len(names) == 3 else [])
+    pairs = [(n, names[-1]) for n in names[:-1]] + [(names[0], n) for n in names[1:-1]]  # HF's plain loop runs last
     for a, b in pairs:
         print(f"ratio {a} / {b}: {rates[a] / rates[b]:.3f} (wall), {cpu_rates[a] / cpu_rates[b]:.3f} (CPU)")
     hf = float(np.median(run.times[names[-1]]))
@@ -363,6 +403,8 @@ def main() -> None:
                     help="LoRA on the LM head too (the SDK's default; off by default here, as before)")
     ap.add_argument("--hf-adamw", choices=["foreach", "fused"], default="fused")
     ap.add_argument("--baseline-tree", default=None, help="also run a server from this checkout (e.g. /work/main)")
+    ap.add_argument("--hf-onednn", action="store_true",
+                    help="also run the HF + PEFT loop with F.linear's GEMMs on the engine's (engine/gemm.py: oneDNN's)")
     args = ap.parse_args()
     if "glibc.malloc.hugetlb" not in os.environ.get("GLIBC_TUNABLES", ""):
         # The tunable is read at process start: re-exec with it, as the engine process is started.

@@ -23,16 +23,27 @@ def _addmm_flops(c_shape, a_shape, b_shape, out_shape=None, **kwargs) -> int:
     return 2 * a_shape[0] * a_shape[1] * b_shape[1]
 
 
+def _linear_flops(x_shape, w_shape, *args, **kwargs) -> int:
+    """oneDNN's linear (engine/gemm.py): x [..., in] W^T, W [out, in]."""
+    rows = 1
+    for n in x_shape[:-1]:
+        rows *= n
+    return 2 * rows * w_shape[0] * w_shape[1]
+
+
+MAPPING = {torch.ops.aten.addmm_: _addmm_flops, torch.ops.mkldnn._linear_pointwise: _linear_flops}
+
+
 @pytest.mark.parametrize("unembed", [False, True])
 def test_floor_runs_the_steps_gemms(unembed):
     config = LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=20_000)  # three vocabulary tiles (engine/head.py)
+                         num_key_value_heads=2, vocab_size=20_000)  # ten vocabulary tiles (engine/head.py)
     rows, tokens, rank = 2, 16, 4
     floor = Floor(config, rows, tokens, rank, unembed)
     counted = {}
     for name in ("body", "head"):
-        # The counter knows addmm but not its in-place form, which the head sums its tiles with.
-        with FlopCounterMode(display=False, custom_mapping={torch.ops.aten.addmm_: _addmm_flops}) as counter:
+        # The counter knows addmm but not its in-place form, nor oneDNN's linear (engine/gemm.py).
+        with FlopCounterMode(display=False, custom_mapping=MAPPING) as counter:
             getattr(floor, name)()
         counted[name] = counter.get_total_flops()
     n = rows * tokens

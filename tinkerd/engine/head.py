@@ -38,6 +38,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tinkerd.engine import gemm
+
 if TYPE_CHECKING:
     from tinkerd.engine.engine import ModelRuntime
 
@@ -208,9 +210,9 @@ class HeadPass:
         """(rows of `hidden`, the runs' blocks in them) per head GEMM, as `packing` lays them out."""
         out: list[tuple[slice, list[_Block]]] = []
         start = 0
-        for gemm in packing([m for m, _ in self.parts]):
+        for packed in packing([m for m, _ in self.parts]):
             blocks, at = [], 0
-            for k, n in gemm:
+            for k, n in packed:
                 blocks.append(_Block(slice(at, at + n), k, self.parts[k][1]))
                 at += n
             out.append((slice(start, start + at), blocks))
@@ -265,10 +267,7 @@ class HeadPass:
             index, inside = self._local(targets, tile)
             d.scatter_add_(-1, index, torch.where(inside, g2, 0.0))
             w = self.weight[tile]
-            if t == 0:
-                torch.mm(d, w, out=g_x)
-            else:
-                g_x.addmm_(d, w)
+            gemm.add_input_grad(g_x, d, w, first=t == 0)
             for i, blk in enumerate(runs):
                 if blk.lora is None:
                     continue
@@ -301,7 +300,7 @@ class HeadPass:
         return u if scaling == 1.0 else u * scaling
 
     def _logits(self, x: torch.Tensor, runs: list[_Block], xs: list, tile: slice) -> torch.Tensor:
-        z = x @ self.weight[tile].t()
+        z = gemm.linear(x, self.weight[tile])
         for blk, u in zip(runs, xs):
             if u is not None:
                 z[blk.at].addmm_(u, blk.lora[1][tile].t())

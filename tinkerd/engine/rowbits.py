@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from tinkerd.engine import head
+from tinkerd.engine import gemm, head
 
 if TYPE_CHECKING:
     from tinkerd.engine.engine import ModelRuntime
@@ -55,9 +55,23 @@ def _input_grad(dy: torch.Tensor, w: torch.Tensor, _bias: torch.Tensor | None) -
     return torch.mm(dy, w)
 
 
+# The fused LoRA node's and the head's GEMMs (engine/gemm.py: oneDNN's where it is on); a linear
+# without an adapter keeps torch's, so both are probed.
+def _pass_forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return gemm.linear(x, w, bias)
+
+
+def _pass_input_grad(dy: torch.Tensor, w: torch.Tensor, _bias: torch.Tensor | None) -> torch.Tensor:
+    return gemm.input_grad(dy, w)
+
+
 def _head_input_grad(dy: torch.Tensor, w: torch.Tensor, _bias: torch.Tensor | None) -> torch.Tensor:
     # The tiled head's backward adds each tile's d @ W_tile into d hidden (HeadPass._block_backward).
-    return torch.mm(dy, w).addmm_(dy, w)
+    out = torch.empty(dy.shape[0], w.shape[1], dtype=dy.dtype)
+    gemm.add_input_grad(out, dy, w, first=True)
+    gemm.add_input_grad(out, dy, w, first=False)
+    return out
+
 
 
 def odd_rows(rt: "ModelRuntime") -> frozenset[int] | None:
@@ -67,8 +81,8 @@ def odd_rows(rt: "ModelRuntime") -> frozenset[int] | None:
     if rt.precision.device != "cpu":
         return frozenset()
     odd: set[int] = set()
-    for what, shape, dtype, bias, gemm in _probes(rt):
-        got = _odd(shape, dtype, bias, gemm, torch.get_num_threads())
+    for what, shape, dtype, bias, product, forward in _probes(rt):
+        got = _odd(shape, dtype, bias, product, forward, torch.get_num_threads())
         if got is None:
             log.warning("shared training passes are off for %s: on this machine %s of a [%d, %d] %s weight gives "
                         "a row other bits in batches of different sizes; each of its ops runs in its own pass (the "
@@ -81,8 +95,9 @@ def odd_rows(rt: "ModelRuntime") -> frozenset[int] | None:
     return frozenset(odd)
 
 
-def _probes(rt: "ModelRuntime") -> list[tuple[str, tuple[int, int], torch.dtype, bool, Gemm]]:
-    """(what, weight shape, dtype, has a bias, gemm) of every distinct GEMM a shared pass spans."""
+def _probes(rt: "ModelRuntime") -> list[tuple[str, tuple[int, int], torch.dtype, bool, Gemm, bool]]:
+    """(what, weight shape, dtype, has a bias, gemm, whether it is a forward) of every distinct GEMM
+    a shared pass spans."""
     out_head = rt.model.get_output_embeddings()
     head_linear = getattr(out_head, "base", out_head)
     seen, probes = set(), []
@@ -92,19 +107,23 @@ def _probes(rt: "ModelRuntime") -> list[tuple[str, tuple[int, int], torch.dtype,
         key = (tuple(module.weight.shape), module.weight.dtype, module.bias is not None)
         if key not in seen:
             seen.add(key)
-            probes.append(("the forward", *key, _forward))
-            probes.append(("the input gradient", *key, _input_grad))
+            probes.append(("the forward", *key, _forward, True))
+            probes.append(("the input gradient", *key, _input_grad, False))
+            if gemm.onednn():
+                probes.append(("the fused node's forward", *key, _pass_forward, True))
+                probes.append(("the fused node's input gradient", *key, _pass_input_grad, False))
     if isinstance(head_linear, torch.nn.Linear):
         vocab, hidden = head_linear.weight.shape
         for width in sorted({t.stop - t.start for t in head.tiles(vocab)}):
             key = ((width, hidden), head_linear.weight.dtype, False)
-            probes.append(("the head's forward", *key, _forward))
-            probes.append(("the head's input gradient", *key, _head_input_grad))
+            probes.append(("the head's forward", *key, _pass_forward, True))
+            probes.append(("the head's input gradient", *key, _head_input_grad, False))
     return probes
 
 
 @functools.lru_cache(maxsize=256)
-def _odd(shape: tuple[int, int], dtype: torch.dtype, bias: bool, gemm: Gemm, threads: int) -> frozenset[int] | None:
+def _odd(shape: tuple[int, int], dtype: torch.dtype, bias: bool, product: Gemm, forward: bool,
+         threads: int) -> frozenset[int] | None:
     """The row counts up to SCAN_ROWS whose rows, as a GEMM of their own or at an offset of one,
     get other bits than the same rows inside BATCH_ROWS; None if one is beyond SCAN_ROWS / 2 (the
     pattern has not settled), or if a batch of 64 rows differs. `threads` keys the cache: a BLAS
@@ -113,14 +132,14 @@ def _odd(shape: tuple[int, int], dtype: torch.dtype, bias: bool, gemm: Gemm, thr
     g = torch.Generator().manual_seed(0)
     w = torch.randn(shape, generator=g).div_(in_features ** 0.5).to(dtype)
     b = torch.randn(out_features, generator=g).to(dtype) if bias else None
-    x = torch.randn(BATCH_ROWS, out_features if gemm is not _forward else in_features, generator=g).to(dtype)
+    x = torch.randn(BATCH_ROWS, in_features if forward else out_features, generator=g).to(dtype)
     with torch.no_grad():
-        whole = gemm(x, w, b)
-        if not torch.equal(gemm(x[:64], w, b), whole[:64]):
+        whole = product(x, w, b)
+        if not torch.equal(product(x[:64], w, b), whole[:64]):
             return None
         odd = set()
         for m in range(1, SCAN_ROWS + 1):
             at = (37 * m) % (BATCH_ROWS - m)  # offsets vary with m: a run's rows sit anywhere in a pass
-            if not (torch.equal(gemm(x[:m], w, b), whole[:m]) and torch.equal(gemm(x[at:at + m], w, b), whole[at:at + m])):
+            if not (torch.equal(product(x[:m], w, b), whole[:m]) and torch.equal(product(x[at:at + m], w, b), whole[at:at + m])):
                 odd.add(m)
     return None if odd and max(odd) > SCAN_ROWS // 2 else frozenset(odd)

@@ -34,8 +34,8 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
+from tinkerd.engine import gemm
 from tinkerd.engine.lora.batched import probe_operands
 from tinkerd.engine.precision import power_of_two
 
@@ -60,7 +60,7 @@ class LoraLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, parts: tuple[Part, ...], batched: bool, *ab):
         k = len(parts)
         a_s, b_s = ab[:k], ab[k:]
-        y = F.linear(x, weight, bias)
+        y = gemm.linear(x, weight, bias)
         if batched:
             xb = x.view(k, -1, x.shape[-1])
             a, b = torch.stack(a_s), torch.stack(b_s)
@@ -88,7 +88,7 @@ class LoraLinear(torch.autograd.Function):
         parts, k = ctx.parts, len(ctx.parts)
         x, weight, *rest = ctx.saved_tensors
         d = d.contiguous()
-        dx = d.matmul(weight) if ctx.needs_input_grad[0] else None
+        dx = gemm.input_grad(d, weight) if ctx.needs_input_grad[0] else None
         if ctx.batched:
             a, b, us = rest
             db = d.view(k, -1, d.shape[-1])

@@ -1,0 +1,92 @@
+"""The frozen base weights' fp32 GEMMs of a training pass on a CPU: oneDNN's, not torch's default.
+
+torch runs an fp32 `F.linear` or `mm` on a CPU through MKL's sgemm. On AMD CPUs MKL takes its AVX2
+kernels even where the core has full-width AVX-512 (Zen 5), while oneDNN, which torch also ships
+(the `mkldnn` ops), picks its kernels by the CPU's features. SmolLM2-135M's shapes, 512 rows, fp32,
+AMD EPYC (Zen 5): MKL 111-119 GFLOP/s at 1 thread, oneDNN 250-270; 237 against 507 at 2 threads.
+At 32 rows oneDNN is 1.5-2.3x, at 8 rows 0.95-2.5x. Both are fp32 throughout (no bf16 or TF32
+shortcut): against a float64 product their largest relative error was 3-7e-7 (MKL) and 4-12e-7
+(oneDNN), the rounding of a different summation order.
+
+So the base model's forward GEMMs and input-gradient GEMMs of a training pass (the fused LoRA node,
+engine/lora/fused.py, and the tiled head, engine/head.py) call `linear` and `input_grad` here. They
+run outside autograd (inside a custom Function, or under no_grad): the op has no derivative. The
+LoRA products (rank-sized) stay on torch's path. A row's output must not depend on the other rows
+of its GEMM for a shared pass to give each run the bits it gets alone; engine/rowbits.py probes
+these functions for that, as it probes torch's (oneDNN on the machine above: only a 1-row GEMM
+rounds another way, against 1-3, 5-7 and 9-11 rows for MKL at 2 threads).
+
+`TINKERD_CPU_GEMM=torch` in the engine's environment turns this off (torch's own path everywhere),
+and it is off wherever oneDNN or the op is missing. The choice is made once per process, from the
+build and the environment only (never from a timing), so a replay after a crash runs the GEMMs the
+first run did and gets its bits.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+ENV = "TINKERD_CPU_GEMM"
+
+
+@functools.cache
+def onednn() -> bool:
+    """Whether fp32 CPU base GEMMs go through oneDNN in this process."""
+    wanted = os.environ.get(ENV, "onednn")
+    if wanted not in ("onednn", "torch"):
+        raise ValueError(f"{ENV}={wanted!r}: expected 'onednn' or 'torch'")
+    if wanted == "torch":
+        return False
+    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        log.info("oneDNN's linear is not available in this torch build: fp32 GEMMs go through torch's default")
+        return False
+    # One check that the private op (inductor's, not public API) still computes x W^T + b.
+    gen = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(5, 24, generator=gen), torch.randn(16, 24, generator=gen), torch.randn(16, generator=gen)
+    d = torch.randn(5, 16, generator=gen)
+    try:
+        ok = torch.allclose(_linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5) and torch.allclose(
+            _linear(d, w.t(), None), d @ w, rtol=1e-5, atol=1e-5)
+    except RuntimeError as e:
+        log.warning("oneDNN's linear failed (%s): fp32 GEMMs go through torch's default", e)
+        return False
+    if not ok:
+        log.warning("oneDNN's linear does not compute x W^T + b here: fp32 GEMMs go through torch's default")
+    return ok
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [None], "")
+
+
+def _ours(x: torch.Tensor, w: torch.Tensor) -> bool:
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and w.dtype == torch.float32
+            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)) and onednn())
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] W^T + bias, W [out, in]: F.linear's result."""
+    return _linear(x, w, bias) if _ours(x, w) else F.linear(x, w, bias)
+
+
+def input_grad(d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """d [..., out] W, W [out, in]: a linear's input gradient."""
+    return _linear(d, w.t(), None) if _ours(d, w) else d.matmul(w)
+
+
+def add_input_grad(out: torch.Tensor, d: torch.Tensor, w: torch.Tensor, first: bool) -> None:
+    """out [M, in] = d W (first) or += d W: the head's input gradient summed over its tiles."""
+    if _ours(d, w):
+        got = _linear(d, w.t(), None)
+        out.copy_(got) if first else out.add_(got)
+    elif first:
+        torch.mm(d, w, out=out)
+    else:
+        out.addmm_(d, w)
