@@ -34,7 +34,10 @@ def test_a_shared_pass_of_four_runs_dispatches_under_half_the_ops_per_run(foreac
     table = rows(foreach, tmp_path)
     solo, four = table[1], table[4]
     assert four[5] < solo[5] / 2  # per-run ops of a whole round (pass + optim_step)
-    assert solo[9] == 1.0 and four[8] > 0 and four[9] == pytest.approx(four[8] / solo[8], abs=0.02)  # timed rounds
+    # Timed rounds: the ratio column is the rounds' ratio, to the rounding of the printed ms (0.05 each)
+    # and of the ratio itself (0.005); the tiny model's rounds take a few ms.
+    slack = 0.005 + 0.05 * (1 / solo[8] + four[8] / solo[8] ** 2) + 1e-9
+    assert solo[9] == 1.0 and four[8] > 0 and four[9] == pytest.approx(four[8] / solo[8], abs=slack)
     tensors = 2 * 7 * 2  # A and B of 7 linears in each of the tiny Llama's 2 layers
     if foreach == "on":
         assert solo[2] < tensors  # one foreach norm pair, not one reduction per tensor

@@ -24,6 +24,11 @@ Runs of one shape use `baddbmm_` over all their blocks at once instead (`batched
 (tests/unit/engine/test_cotrain.py checks the whole pass against each op alone). A bf16 layer with fp32 master A/B keeps the autograd path
 (lora/layers.py), as do 2-D inputs (a MoE block's shared expert, whose rows are routed per token).
 
+The base GEMMs go through engine/gemm.py (oneDNN's on a CPU), and so do the LoRA products that
+write a fresh tensor (x A^T, d B, and the two weight gradients) from gemm.LORA_MIN_ROWS rows of a
+part up; the in-place sums (addmm_, baddbmm_) are torch's. keeps_bits then finds the batched form
+(MKL's bmm) off the per-part bits at those sizes, and such runs take one part each.
+
 Scaling: a power of two scales x A^T exactly, as in lora_delta (engine/precision.py); any other
 multiplies the product instead (addmm_'s alpha), PEFT's order.
 """
@@ -74,7 +79,7 @@ class LoraLinear(torch.autograd.Function):
             kept = []
             for p, a, b in zip(parts, a_s, b_s):
                 xs = _rows(x, p)
-                u = xs @ a.t()
+                u = gemm.lora_mm(xs, a.t(), xs.shape[0])
                 us = u * p.scaling if power_of_two(p.scaling) and p.scaling != 1.0 else u
                 _add_into(y, p, us, b.t(), _alpha(p))
                 kept += [xs if p.width < x.shape[1] else None, us]
@@ -107,15 +112,15 @@ class LoraLinear(torch.autograd.Function):
             xs = next(kept) if narrow else _rows(x, p)
             us = next(kept)
             dp = _rows(d, p)
-            g_b = dp.t() @ us
+            g_b = gemm.lora_mm(dp.t(), us, dp.shape[0])
             alpha = _alpha(p)
             g_bs.append(g_b if alpha == 1.0 else g_b * alpha)
-            d_u = dp @ b
+            d_u = gemm.lora_mm(dp, b, dp.shape[0])
             if p.scaling != 1.0:
                 d_u = d_u * p.scaling
             if dx is not None:
                 _add_into(dx, p, d_u, a, 1.0)
-            g_as.append(d_u.t() @ xs)
+            g_as.append(gemm.lora_mm(d_u.t(), xs, dp.shape[0]))
         return (dx, None, None, None, None, *g_as, *g_bs)
 
 
