@@ -331,7 +331,7 @@ def run_config(args, base: Path, dtype: str, threads: int) -> dict:
         if "baseline" in servers:
             sides[f"tinkerd @ {args.baseline_tree}"] = TinkerdSDK(servers["baseline"].url, args.model, args.rank, batch,
                                                                          args.train_unembed)
-        if args.hf_onednn:
+        if args.hf_onednn and dtype == "float32":  # bf16's F.linear is oneDNN's already
             sides["HF+PEFT, linears on oneDNN"] = HFPeft(model_dir, args.rank, batch, dtype, args.hf_adamw,
                                                          args.train_unembed, onednn=True)
         sides["HF+PEFT in-process, tuned"] = HFPeft(model_dir, args.rank, batch, dtype, args.hf_adamw, args.train_unembed)
