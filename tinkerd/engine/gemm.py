@@ -96,6 +96,15 @@ def lora_mm(a: torch.Tensor, b: torch.Tensor, rows: int) -> torch.Tensor:
     return _linear(a, b.t(), None) if rows >= LORA_MIN_ROWS and _ours(a, b) else torch.mm(a, b)
 
 
+def lora_b_grad(d: torch.Tensor, u: torch.Tensor, rows: int) -> torch.Tensor:
+    """d^T u [out, R] (d [M, out], u [M, R]): a LoRA B's gradient over a part of `rows` rows. oneDNN
+    copies a transposed input operand (not a transposed weight), so from LORA_MIN_ROWS rows it is
+    made as (u^T d)^T: the copy is u^T's R rows, not d^T's `out` (3 MB a call for SmolLM2's MLP)."""
+    if rows >= LORA_MIN_ROWS and _ours(d, u):
+        return _linear(u.t(), d.t(), None).t()
+    return torch.mm(d.t(), u)
+
+
 def add_input_grad(out: torch.Tensor, d: torch.Tensor, w: torch.Tensor, first: bool) -> None:
     """out [M, in] = d W (first) or += d W: the head's input gradient summed over its tiles."""
     if _ours(d, w):

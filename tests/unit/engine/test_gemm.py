@@ -44,11 +44,12 @@ def test_each_function_equals_the_float64_product(rows, counted):
     close(gemm.input_grad(d, w), d64 @ w64)
     close(gemm.lora_mm(d.t(), x, rows), d64.t() @ x64)  # a weight gradient: a transposed view
     close(gemm.lora_mm(x, w.t(), rows), x64 @ w64.t())
+    close(gemm.lora_b_grad(d, x, rows), d64.t() @ x64)  # made as (x^T d)^T from LORA_MIN_ROWS rows
     out = torch.empty(rows, 96)
     gemm.add_input_grad(out, d, w, first=True)
     gemm.add_input_grad(out, d, w, first=False)
     close(out, 2 * d64 @ w64)
-    assert len(counted) == 5 + 2 * (rows >= gemm.LORA_MIN_ROWS)  # below LORA_MIN_ROWS a LoRA product is torch.mm's
+    assert len(counted) == 5 + 3 * (rows >= gemm.LORA_MIN_ROWS)  # below LORA_MIN_ROWS a LoRA product is torch.mm's
 
 
 @needs_onednn

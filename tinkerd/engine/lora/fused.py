@@ -25,8 +25,8 @@ Runs of one shape use `baddbmm_` over all their blocks at once instead (`batched
 (lora/layers.py), as do 2-D inputs (a MoE block's shared expert, whose rows are routed per token).
 
 The base GEMMs go through engine/gemm.py (oneDNN's on a CPU), and so do the LoRA products that
-write a fresh tensor (x A^T, d B, and the two weight gradients) from gemm.LORA_MIN_ROWS rows of a
-part up; the in-place sums (addmm_, baddbmm_) are torch's. keeps_bits then finds the batched form
+write a fresh tensor (x A^T, d B, and the two weight gradients, B's as (u^T d)^T) from
+gemm.LORA_MIN_ROWS rows of a part up; the in-place sums (addmm_, baddbmm_) are torch's. keeps_bits then finds the batched form
 (MKL's bmm) off the per-part bits at those sizes, and such runs take one part each.
 
 Scaling: a power of two scales x A^T exactly, as in lora_delta (engine/precision.py); any other
@@ -112,7 +112,7 @@ class LoraLinear(torch.autograd.Function):
             xs = next(kept) if narrow else _rows(x, p)
             us = next(kept)
             dp = _rows(d, p)
-            g_b = gemm.lora_mm(dp.t(), us, dp.shape[0])
+            g_b = gemm.lora_b_grad(dp, us, dp.shape[0])
             alpha = _alpha(p)
             g_bs.append(g_b if alpha == 1.0 else g_b * alpha)
             d_u = gemm.lora_mm(dp, b, dp.shape[0])
