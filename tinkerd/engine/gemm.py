@@ -11,7 +11,8 @@ shortcut): against a float64 product their largest relative error was 3-7e-7 (MK
 So the base model's forward GEMMs and input-gradient GEMMs of a training pass (the fused LoRA node,
 engine/lora/fused.py, and the tiled head, engine/head.py) call `linear` and `input_grad` here. They
 run outside autograd (inside a custom Function, or under no_grad): the op has no derivative. The
-LoRA products (rank-sized) stay on torch's path. A row's output must not depend on the other rows
+fused node's rank-sized LoRA products come here only from LORA_MIN_ROWS rows of a part (`lora_mm`,
+`lora_b_grad`); its in-place sums stay torch's. A row's output must not depend on the other rows
 of its GEMM for a shared pass to give each run the bits it gets alone; engine/rowbits.py probes
 these functions for that, as it probes torch's (oneDNN on the machine above: only a 1-row GEMM
 rounds another way, against 1-3, 5-7 and 9-11 rows for MKL at 2 threads).
