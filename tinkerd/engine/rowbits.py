@@ -55,12 +55,8 @@ def _input_grad(dy: torch.Tensor, w: torch.Tensor, _bias: torch.Tensor | None) -
     return torch.mm(dy, w)
 
 
-# The fused LoRA node's and the head's GEMMs (engine/gemm.py: oneDNN's where it is on); a linear
-# without an adapter keeps torch's, so both are probed.
-def _pass_forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return gemm.linear(x, w, bias)
-
-
+# The fused LoRA node's and the head's GEMMs are engine/gemm.py's (oneDNN's where it is on: its
+# `linear` is their forward); a linear without an adapter keeps torch's, so both are probed.
 def _pass_input_grad(dy: torch.Tensor, w: torch.Tensor, _bias: torch.Tensor | None) -> torch.Tensor:
     return gemm.input_grad(dy, w)
 
@@ -71,7 +67,6 @@ def _head_input_grad(dy: torch.Tensor, w: torch.Tensor, _bias: torch.Tensor | No
     gemm.add_input_grad(out, dy, w, first=True)
     gemm.add_input_grad(out, dy, w, first=False)
     return out
-
 
 
 def odd_rows(rt: "ModelRuntime") -> frozenset[int] | None:
@@ -110,13 +105,13 @@ def _probes(rt: "ModelRuntime") -> list[tuple[str, tuple[int, int], torch.dtype,
             probes.append(("the forward", *key, _forward, True))
             probes.append(("the input gradient", *key, _input_grad, False))
             if gemm.onednn():
-                probes.append(("the fused node's forward", *key, _pass_forward, True))
+                probes.append(("the fused node's forward", *key, gemm.linear, True))
                 probes.append(("the fused node's input gradient", *key, _pass_input_grad, False))
     if isinstance(head_linear, torch.nn.Linear):
         vocab, hidden = head_linear.weight.shape
         for width in sorted({t.stop - t.start for t in head.tiles(vocab)}):
             key = ((width, hidden), head_linear.weight.dtype, False)
-            probes.append(("the head's forward", *key, _pass_forward, True))
+            probes.append(("the head's forward", *key, gemm.linear, True))
             probes.append(("the head's input gradient", *key, _head_input_grad, False))
     return probes
 

@@ -26,8 +26,9 @@ Runs of one shape use `baddbmm_` over all their blocks at once instead (`batched
 
 The base GEMMs go through engine/gemm.py (oneDNN's on a CPU), and so do the LoRA products that
 write a fresh tensor (x A^T, d B, and the two weight gradients, B's as (u^T d)^T) from
-gemm.LORA_MIN_ROWS rows of a part up; the in-place sums (addmm_, baddbmm_) are torch's. keeps_bits then finds the batched form
-(MKL's bmm) off the per-part bits at those sizes, and such runs take one part each.
+gemm.LORA_MIN_ROWS rows of a part up; the in-place sums (addmm_, baddbmm_) are torch's.
+keeps_bits then finds the batched form (MKL's bmm) off the per-part bits at those sizes, and such
+runs take one part each.
 
 Scaling: a power of two scales x A^T exactly, as in lora_delta (engine/precision.py); any other
 multiplies the product instead (addmm_'s alpha), PEFT's order.
