@@ -1,16 +1,18 @@
-"""Causal query blocks (engine/causal.py) against transformers' one SDPA call, in one run.
+"""Causal attention of an fp32 training pass: transformers' one SDPA call, the flash kernel in causal
+query blocks (engine/causal.py) and oneDNN GEMMs in query blocks (engine/causal_gemm.py), in one run.
 
-Two measurements, each alternating the two sides so machine noise hits both alike:
+Two measurements, each alternating the sides so machine noise hits them alike:
 - the attention alone, forward + backward of one layer's shapes (SmolLM2: 9 query heads, 3 key/value
   heads of 64), per width;
-- a whole forward_backward + optim_step of SmolLM2-135M (rank 32) in an in-process engine, the
-  blocks switched off for the other side (every call then goes to HF's SDPA).
+- a whole forward_backward + optim_step of SmolLM2-135M (rank 32) in an in-process engine, each side
+  switched on in turn (HF SDPA: no blocks at all; flash blocks: the GEMM blocks off).
 
     python benchmarks/causal_attention.py                        # 1 thread, 2 x 256
     python benchmarks/causal_attention.py --threads 2 --tokens 512 --steps 6
 
-The engine runs in this process with the engine process's malloc tuning (engine/malloc.py); the
-SDK loop through a server is benchmarks/training.py.
+The engine runs in this process with the engine process's malloc tuning (engine/malloc.py; run it
+with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 for the huge pages the engine process gets too); the SDK
+loop through a server is benchmarks/training.py.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from tinkerd.engine import causal  # noqa: E402
+import contextlib  # noqa: E402
+
+from tinkerd.engine import causal, causal_gemm  # noqa: E402
 from tinkerd.engine.malloc import keep_freed_memory  # noqa: E402
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -37,23 +41,36 @@ def median(xs: list[float]) -> float:
     return sorted(xs)[len(xs) // 2]
 
 
-def attention(widths: list[int], repeats: int = 9) -> None:
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+SIDES = ("HF SDPA", "flash blocks", "GEMM blocks")
 
+
+@contextlib.contextmanager
+def side(name: str):
+    """The blocks `name` asks for, in every training pass inside the block."""
+    fits, gemm_fits = causal._fits, causal_gemm.fits
+    if name == "HF SDPA":
+        causal._fits = lambda *a: False
+    if name != "GEMM blocks":
+        causal_gemm.fits = lambda q: False
+    try:
+        yield
+    finally:
+        causal._fits, causal_gemm.fits = fits, gemm_fits
+
+
+def attention(widths: list[int], repeats: int = 9) -> None:
     layer = SimpleNamespace(is_causal=True, num_key_value_groups=3)
     for t in widths:
         q, k, v = (torch.randn(2, t, h, 64).transpose(1, 2).requires_grad_() for h in (9, 3, 3))
         g = torch.randn(2, t, 9, 64)
-        sides = {"HF SDPA": lambda: sdpa_attention_forward(layer, q, k, v, None, scaling=0.125)[0].backward(g),
-                 "blocks": lambda: causal.sdpa_attention(layer, q, k, v, None, scaling=0.125,
-                                                         tinkerd_causal_blocks=True)[0].backward(g)}
-        times: dict[str, list[float]] = {name: [] for name in sides}
+        times: dict[str, list[float]] = {name: [] for name in SIDES}
         for i in range(repeats + 1):
-            for name, f in sides.items():
-                start = time.perf_counter()
-                f()
-                if i:
-                    times[name].append(time.perf_counter() - start)
+            for name in SIDES:
+                with side(name):
+                    start = time.perf_counter()
+                    causal.sdpa_attention(layer, q, k, v, None, scaling=0.125, tinkerd_causal_blocks=True)[0].backward(g)
+                    if i:
+                        times[name].append(time.perf_counter() - start)
         print(f"attention fwd+bwd, 2 x {t}: " + ", ".join(f"{n} {median(x) * 1e3:.1f} ms" for n, x in times.items()))
 
 
@@ -75,20 +92,18 @@ def engine_steps(data_dir: Path, tokens: int, steps: int) -> None:
         engine.step(StepBatch(run=[("opt", OptimStepOp("bench", AdamParams(learning_rate=1e-4)))]))
         return time.perf_counter() - start
 
-    fits = causal._fits
-    times: dict[str, list[float]] = {"HF SDPA": [], "blocks": []}
-    try:
-        for i in range(steps + 1):
-            for name in times:
-                causal._fits = fits if name == "blocks" else (lambda *a: False)
+    times: dict[str, list[float]] = {name: [] for name in SIDES}
+    for i in range(steps + 1):
+        for name in SIDES:
+            with side(name):
                 took = step()
-                if i:  # the first round warms both up
-                    times[name].append(took)
-    finally:
-        causal._fits = fits
-    hf, blocks = median(times["HF SDPA"]), median(times["blocks"])
+            if i:  # the first round warms them up
+                times[name].append(took)
+    med = {name: median(x) for name, x in times.items()}
     print(f"engine step (forward_backward + optim_step), 2 x {tokens}, median of {steps}: "
-          f"HF SDPA {hf:.3f} s, blocks {blocks:.3f} s, ratio {hf / blocks:.3f}")
+          + ", ".join(f"{n} {m:.3f} s" for n, m in med.items())
+          + f"; GEMM blocks / flash blocks {med['flash blocks'] / med['GEMM blocks']:.3f}x, "
+          f"/ HF SDPA {med['HF SDPA'] / med['GEMM blocks']:.3f}x")
 
 
 def main() -> None:

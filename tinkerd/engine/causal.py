@@ -11,6 +11,10 @@ kernel's own skipping already does most of it). A SmolLM2 rank-32 step (benchmar
 in-process, alternating): 2 x 256 tokens 1.024x at 1 thread, ~1.01x at 2 (there the blocks' extra
 calls cost about what they save); 2 x 512 at 2 threads 1.054x.
 
+From causal_gemm.MIN_WIDTH to MAX_WIDTH tokens (224-4096), with oneDNN on (engine/gemm.py), the
+blocks are not this kernel's calls but oneDNN GEMMs and torch's softmax (engine/causal_gemm.py:
+1.2-1.9x faster again on these shapes), cut by that module's `spans` and held to the same mask rule.
+
 fp32 only: in bf16 the kernel's per-call cost ate the gain (1 thread, the shapes above: 256 tokens
 16.4 -> 18.0 ms, 512: 54.9 -> 49.5, 1024: 132 -> 167), and the keys' gradients summed block by
 block would round in bf16 at every block where the one call rounds once.
@@ -33,6 +37,8 @@ import functools
 
 import torch
 
+from tinkerd.engine import causal_gemm
+
 IMPLEMENTATION = "tinkerd_sdpa"
 # Queries per block: small blocks skip the most keys, but each is a kernel call (forward, backward).
 # 32 was fastest up to 512 tokens on this CPU, 64-128 beyond (the numbers above).
@@ -54,14 +60,16 @@ def sdpa_attention(module, query, key, value, attention_mask, tinkerd_causal_blo
     in causal query blocks when the training pass asks for it and the call is one they fit."""
     from transformers.integrations import sdpa_attention as hf
 
-    if not (tinkerd_causal_blocks and _fits(module, query, key, attention_mask, kwargs)):
-        return hf.sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    out = CausalBlocks.apply(query, key, value, attention_mask, kwargs.get("scaling"))
-    return out.transpose(1, 2), None
+    if tinkerd_causal_blocks:
+        blocks = causal_gemm.GemmBlocks if causal_gemm.fits(query) else CausalBlocks
+        cuts = causal_gemm.spans if blocks is causal_gemm.GemmBlocks else spans
+        if _fits(module, query, key, attention_mask, kwargs, cuts):
+            return blocks.apply(query, key, value, attention_mask, kwargs.get("scaling")).transpose(1, 2), None
+    return hf.sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
-def _fits(module, query, key, attention_mask, kwargs) -> bool:
-    """Whether the blocks compute this call exactly (module docstring)."""
+def _fits(module, query, key, attention_mask, kwargs, cuts=spans) -> bool:
+    """Whether the blocks `cuts` makes compute this call exactly (module docstring)."""
     t = query.shape[2]
     is_causal = kwargs.get("is_causal")
     if is_causal is None:
@@ -74,7 +82,7 @@ def _fits(module, query, key, attention_mask, kwargs) -> bool:
         return True
     if attention_mask.dtype != torch.bool or attention_mask.shape[-2:] != (t, t):
         return False
-    return not any(bool(attention_mask[..., s:e, e:].any()) for s, e in spans(t)[:-1])  # no query sees a later block
+    return not any(bool(attention_mask[..., s:e, e:].any()) for s, e in cuts(t)[:-1])  # no query sees a later block
 
 
 def _mask(sees: torch.Tensor | None, s: int, e: int, like: torch.Tensor) -> torch.Tensor | None:

@@ -1,6 +1,6 @@
-"""Causal attention in query blocks (engine/causal.py) against transformers' SDPA attention:
-the same attention and gradients up to rounding where it applies, HF's own call to the bit where
-it does not."""
+"""Causal attention in query blocks (engine/causal.py, engine/causal_gemm.py) against transformers'
+SDPA attention: the same attention and gradients up to rounding where it applies, HF's own call to
+the bit where it does not."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from tinkerd.engine import causal
+from tinkerd.engine import causal, causal_gemm
 
 HEADS, KV_HEADS, DIM = 6, 2, 16
 LAYER = SimpleNamespace(is_causal=True, num_key_value_groups=HEADS // KV_HEADS)
@@ -40,11 +40,17 @@ def padding_mask(lengths: list[int], t: int, window: int | None = None) -> torch
     return torch.stack(sees)[:, None]  # [B, 1, T, T]
 
 
+def record(monkeypatch, calls: list, fn) -> None:
+    apply = fn.apply
+    monkeypatch.setattr(fn, "apply", lambda q, *a: calls.append((fn.__name__, q.shape[2])) or apply(q, *a))
+
+
 @pytest.fixture
 def blocked(monkeypatch):
+    """(implementation, width) of each blocked call: the flash kernel's blocks or the GEMMs'."""
     calls = []
-    apply = causal.CausalBlocks.apply
-    monkeypatch.setattr(causal.CausalBlocks, "apply", lambda q, *a: calls.append(q.shape[2]) or apply(q, *a))
+    record(monkeypatch, calls, causal.CausalBlocks)
+    record(monkeypatch, calls, causal_gemm.GemmBlocks)
     return calls
 
 
@@ -67,14 +73,16 @@ def test_blocks_equal_hf_sdpa_and_its_gradients(t, mask, blocked):
     for a, b, what in zip(ours, theirs, ("output", "d q", "d k", "d v")):
         assert not a.isnan().any(), what
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=what)
-    assert blocked == [t]
-    assert len(causal.spans(t)) >= 2
+    gemms = t >= causal_gemm.MIN_WIDTH  # from there the blocks are oneDNN GEMMs (oneDNN is on here)
+    assert blocked == [("GemmBlocks" if gemms else "CausalBlocks", t)]
+    assert len((causal_gemm.spans if gemms else causal.spans)(t)) >= 2
 
 
-def test_a_rows_bits_depend_on_its_width_alone():
+@pytest.mark.parametrize("t", [130, 300])  # the flash kernel's blocks, the GEMMs'
+def test_a_rows_bits_depend_on_its_width_alone(t):
     """Blocks are cut from the width alone, so a row computes the same bits in any batch of its
     width (what lets a shared pass keep each run's bits, engine/grouped.py)."""
-    q, k, v, g = inputs(130, rows=3)
+    q, k, v, g = inputs(t, rows=3)
     together = run(causal.sdpa_attention, q, k, v, g, None, tinkerd_causal_blocks=True)
     one = [x[1:2].detach().requires_grad_() for x in (q, k, v)]
     alone = run(causal.sdpa_attention, *one, g[1:2], None, tinkerd_causal_blocks=True)

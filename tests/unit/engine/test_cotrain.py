@@ -369,19 +369,23 @@ def test_a_sliding_window_that_bites_keeps_a_runs_attention_call_masked():
     assert attention_calls(groups, mask, 8) == [(4, 12, False)]  # the window bites every run
 
 
-def test_runs_wide_enough_for_causal_query_blocks_keep_their_bits(engine, monkeypatch):
-    """From 64 tokens attention runs in causal query blocks cut from the width (engine/causal.py):
-    each run's call at its own width, padded or not, gives the bits of its op alone."""
-    from tinkerd.engine import causal
+@pytest.mark.parametrize("lengths,blocks", [(((100, 96), (64, 64), (90,)), "CausalBlocks"),
+                                            (((240, 230), (224, 224), (250,)), "GemmBlocks")])
+def test_runs_wide_enough_for_causal_query_blocks_keep_their_bits(engine, monkeypatch, lengths, blocks):
+    """From 64 tokens attention runs in causal query blocks cut from the width (engine/causal.py,
+    from 224 as oneDNN GEMMs, engine/causal_gemm.py): each run's call at its own width, padded or
+    not, gives the bits of its op alone."""
+    from tinkerd.engine import causal, causal_gemm
 
-    lengths = ((100, 96), (64, 64), (90,))
     specs = [LoraSpec(rank=4 * (k + 1), alpha=16.0, seed=40 + k) for k in range(len(lengths))]
-    solo, fused = twins_of(engine, "cotrain-blocks", specs)
+    solo, fused = twins_of(engine, f"cotrain-{blocks}", specs)
     widths = []
-    apply = causal.CausalBlocks.apply
-    monkeypatch.setattr(causal.CausalBlocks, "apply", lambda q, *a: widths.append(q.shape[2]) or apply(q, *a))
+    for fn in (causal.CausalBlocks, causal_gemm.GemmBlocks):
+        apply = fn.apply
+        monkeypatch.setattr(fn, "apply", lambda q, *a, fn=fn, apply=apply: widths.append((fn.__name__, q.shape[2]))
+                            or apply(q, *a))
     data = [sft_data(400 + k, lengths=n) for k, n in enumerate(lengths)]
     together, shared = step(engine, [ForwardBackwardOp(m, data[k], "cross_entropy") for k, m in enumerate(fused)])
     assert shared == [len(specs)]
-    assert widths == [100, 64, 90] * engine.runtime_of(fused[0]).model.config.num_hidden_layers
+    assert widths == [(blocks, n[0]) for n in lengths] * engine.runtime_of(fused[0]).model.config.num_hidden_layers
     assert_each_as_alone(engine, solo, fused, data, together, "a pass in query blocks")
