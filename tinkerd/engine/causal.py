@@ -13,7 +13,8 @@ calls cost about what they save); 2 x 512 at 2 threads 1.054x.
 
 From causal_gemm.MIN_WIDTH to MAX_WIDTH tokens (224-4096), with oneDNN on (engine/gemm.py), the
 blocks are not this kernel's calls but oneDNN GEMMs and torch's softmax (engine/causal_gemm.py:
-1.2-1.9x faster again on these shapes), cut by that module's `spans` and held to the same mask rule.
+1.2-1.9x faster again on these shapes), cut by that module's `spans` and held to the same mask rule;
+a bf16 pass's attention goes there too, computed in fp32.
 
 fp32 only: in bf16 the kernel's per-call cost ate the gain (1 thread, the shapes above: 256 tokens
 16.4 -> 18.0 ms, 512: 54.9 -> 49.5, 1024: 132 -> 167), and the keys' gradients summed block by
@@ -61,10 +62,12 @@ def sdpa_attention(module, query, key, value, attention_mask, tinkerd_causal_blo
     from transformers.integrations import sdpa_attention as hf
 
     if tinkerd_causal_blocks:
-        blocks = causal_gemm.GemmBlocks if causal_gemm.fits(query) else CausalBlocks
-        cuts = causal_gemm.spans if blocks is causal_gemm.GemmBlocks else spans
-        if _fits(module, query, key, attention_mask, kwargs, cuts):
-            return blocks.apply(query, key, value, attention_mask, kwargs.get("scaling")).transpose(1, 2), None
+        scale = kwargs.get("scaling")
+        if causal_gemm.fits(query):  # fp32 or bf16
+            if _fits(module, query, key, attention_mask, kwargs, causal_gemm.spans):
+                return causal_gemm.attend(query, key, value, attention_mask, scale).transpose(1, 2), None
+        elif query.dtype == torch.float32 and _fits(module, query, key, attention_mask, kwargs):
+            return CausalBlocks.apply(query, key, value, attention_mask, scale).transpose(1, 2), None
     return hf.sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
@@ -74,7 +77,7 @@ def _fits(module, query, key, attention_mask, kwargs, cuts=spans) -> bool:
     is_causal = kwargs.get("is_causal")
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
-    if (query.device.type != "cpu" or query.dtype != torch.float32 or not is_causal
+    if (query.device.type != "cpu" or not is_causal
             or key.shape[2] != t or t < 2 * MIN_BLOCK or kwargs.get("dropout", 0.0)
             or any(kwargs.get(k) is not None for k in ("softcap", "position_bias", "s_aux"))):
         return False

@@ -99,3 +99,25 @@ def test_which_blocks_a_training_pass_gets(case, expected, calls, monkeypatch):
     assert calls == [expected]
     ref = reference(q.detach(), k.detach(), v.detach(), None, q.shape[-1] ** -0.5)  # scaling None: SDPA's default
     torch.testing.assert_close(out.transpose(1, 2), ref, rtol=1e-5, atol=2e-5)
+
+
+def test_a_bf16_pass_gets_the_blocks_in_fp32_nearer_the_exact_answer_than_the_bf16_kernel(calls):
+    """bf16 q, k, v: widened, attended in fp32, output and gradients rounded to bf16 once; each
+    nearer the float64 answer than transformers' bf16 SDPA call (the kernel it replaces)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    t = 256
+    q, k, v, g = inputs(t)
+    low = [x.detach().bfloat16().requires_grad_() for x in (q, k, v)]
+    g = g.bfloat16().float()
+    exact = grads(reference, *(x.detach().float().requires_grad_() for x in low), g, None, 0.25)  # of the bf16 inputs
+    ours = grads(lambda *a: causal.sdpa_attention(LAYER, *a, None, scaling=0.25, tinkerd_causal_blocks=True)[0]
+                 .transpose(1, 2), *low, g.bfloat16())
+    theirs = grads(lambda *a: sdpa_attention_forward(LAYER, *a, None, scaling=0.25)[0].transpose(1, 2), *low,
+                   g.bfloat16())
+    assert calls == ["GemmBlocks"]
+    for a, b, x, what in zip(ours, theirs, exact, ("output", "d q", "d k", "d v")):
+        assert a.dtype == torch.bfloat16, what
+        ours_err, theirs_err = ((y.float() - x).abs().max().item() for y in (a, b))
+        assert ours_err < theirs_err, (what, ours_err, theirs_err)
+        torch.testing.assert_close(a.float(), x, rtol=2 ** -7, atol=1e-3, msg=what)  # one rounding to bf16
