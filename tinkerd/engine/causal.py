@@ -63,7 +63,7 @@ def sdpa_attention(module, query, key, value, attention_mask, tinkerd_causal_blo
 
     if tinkerd_causal_blocks:
         scale = kwargs.get("scaling")
-        if causal_gemm.fits(query):  # fp32 or bf16
+        if causal_gemm.fits(query, attention_mask):  # fp32 or bf16
             if _fits(module, query, key, attention_mask, kwargs, causal_gemm.spans):
                 return causal_gemm.attend(query, key, value, attention_mask, scale).transpose(1, 2), None
         elif query.dtype == torch.float32 and _fits(module, query, key, attention_mask, kwargs):

@@ -51,8 +51,13 @@ def spans(t: int) -> list[tuple[int, int]]:
     return [(s, min(t, s + size)) for s in range(0, t, size)]
 
 
-def fits(q: torch.Tensor) -> bool:
-    return q.dtype in (torch.float32, torch.bfloat16) and MIN_WIDTH <= q.shape[2] <= MAX_WIDTH and gemm.onednn()
+def fits(q: torch.Tensor, sees: torch.Tensor | None = None) -> bool:
+    """Whether these blocks take an attention of q [B, H, T, d] (mask rules aside: causal._fits): fp32
+    or bf16, a width in range, oneDNN on, and a mask (if any) of HF's [B or 1, 1, T, T] shape, one for
+    every head."""
+    return (q.dtype in (torch.float32, torch.bfloat16) and MIN_WIDTH <= q.shape[2] <= MAX_WIDTH
+            and (sees is None or (sees.dim() == 4 and sees.shape[1] == 1 and sees.shape[0] in (1, q.shape[0])))
+            and gemm.onednn())
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sees: torch.Tensor | None,

@@ -83,8 +83,12 @@ def calls(monkeypatch):
 
 
 @pytest.mark.parametrize("case,expected", [("wide", "GemmBlocks"), ("narrow", "CausalBlocks"),
-                                           ("too wide", "CausalBlocks"), ("oneDNN off", "CausalBlocks")])
+                                           ("too wide", "CausalBlocks"), ("oneDNN off", "CausalBlocks"),
+                                           ("a mask per head", "CausalBlocks")])
 def test_which_blocks_a_training_pass_gets(case, expected, calls, monkeypatch):
+    mask = None
+    if case == "a mask per head":  # not HF's [B, 1, T, T]: the flash kernel broadcasts it, these blocks would not
+        mask = torch.ones(256, 256, dtype=torch.bool).tril().expand(2, 6, 256, 256)
     if case == "too wide":
         monkeypatch.setattr(causal_gemm, "MAX_WIDTH", 255)
     if case == "oneDNN off":
@@ -92,7 +96,7 @@ def test_which_blocks_a_training_pass_gets(case, expected, calls, monkeypatch):
         gemm.onednn.cache_clear()
     try:
         q, k, v, g = inputs(200 if case == "narrow" else 256)
-        out, _ = causal.sdpa_attention(LAYER, q, k, v, None, scaling=None, tinkerd_causal_blocks=True)
+        out, _ = causal.sdpa_attention(LAYER, q, k, v, mask, scaling=None, tinkerd_causal_blocks=True)
         out.backward(g.transpose(1, 2))
     finally:
         gemm.onednn.cache_clear()
