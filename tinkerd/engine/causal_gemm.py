@@ -7,8 +7,8 @@ fits in memory, so here each block is four plain GEMMs forward and back on oneDN
 query heads that share a key/value head at once (grouped-query attention: 3 x the rows a head has
 on SmolLM2), with torch's softmax and its backward between them. SmolLM2's attention, 2 rows, fp32,
 forward + backward of one layer, AMD EPYC Zen 5, flash blocks -> these (ms): 1 thread 256 tokens
-8.7 -> 6.0, 512: 29 -> 19, 1024: 108 -> 62; 2 threads 256 tokens 5.0 -> 5.0, 512: 17.9 -> 11.4,
-1024: 61 -> 43. See benchmarks/causal_attention.py.
+8.4 -> 6.7, 512: 28.6 -> 19.8, 1024: 106 -> 70; 2 threads 5.2 -> 4.4, 16.7 -> 12.2, 74 -> 53;
+below 224 tokens 0.6-1.0x, so the flash blocks keep those. See benchmarks/causal_attention.py.
 
 The blocks are cut from the width alone (`spans`), each row of queries is a row of its GEMMs, and
 every (row of the batch, key/value head) pair gets its own calls, so a row's bits depend on its
@@ -36,9 +36,8 @@ from tinkerd.engine import gemm
 # 256 tokens, four at 512) was fastest up to 1024 tokens on the CPU above; 1/8 of the width beyond.
 MIN_BLOCK = 128
 BLOCKS = 8
-# Widths this runs at: from one block of 64 queries (below that HF's own call, engine/causal.py), to
-# where a block's scores (heads per key head x T/8 x T floats) stay a few MB and the flash kernel's
-# own skipping has caught up.
+# Widths this runs at: from where it beats the flash blocks (engine/causal.py keeps the narrower ones)
+# to where a block's scores (heads per key head x T/8 x T floats) still stay a few tens of MB.
 MIN_WIDTH, MAX_WIDTH = 224, 4096
 # A layer's kept probabilities, in floats: ~3/4 of rows x heads x T^2; 2 x 256 tokens of SmolLM2 keep
 # 0.9 M (3.5 MB a layer), 2 x 512 3.2 M.
