@@ -5,15 +5,18 @@ timed here with nothing in between, on the model's own shapes, through the GEMM 
 engine calls (engine/gemm.py: oneDNN's for the base weights where it is on):
 
 - body: every decoder linear's forward GEMM and the GEMM of its input gradient (none for layer 0's
-  q/k/v, whose input is the frozen embedding), and each adapter's four products forward and back
-  (x A^T, u B^T; d^T u, d B, and (d B)^T x, (d B) A, the last again not for layer 0's q/k/v);
+  q/k/v, whose input is the frozen embedding), and each adapter's products forward and back as the
+  fused LoRA node makes them (engine/lora/fused.py): x A^T, then u B^T summed into the base output;
+  d^T u, d B, (d B)^T x, and (d B) A summed into the input gradient (not for layer 0's q/k/v), the
+  ones that write a fresh tensor through gemm.lora_mm / lora_b_grad (oneDNN's from
+  gemm.LORA_MIN_ROWS rows), the sums through torch's addmm_;
 - head: the unembedding's GEMMs over the vocabulary tiles the engine uses (engine/head.py),
   forward and input gradient, with the head LoRA's products when it trains one;
 - attention: the causal attention kernel as the engine calls it (engine/causal.py), forward and
   backward, per layer;
 - AdamW: torch's fused step over the adapter's parameters.
 
-Not in it: norms, activations, rotary embeddings, residual and LoRA adds, the loss, autograd's
+Not in it: norms, activations, rotary embeddings, residual adds, the loss, autograd's
 bookkeeping, the wire. So `step / floor` is what a step spends beyond the work it cannot skip, and
 `HF step / floor` bounds the ratio any server reaching the floor could show against that HF loop
 (benchmarks/training.py prints both). Each part is the best of `repeats` timings.
@@ -78,24 +81,23 @@ class Floor:
         self.adamw = torch.optim.AdamW(params, lr=1e-4, fused=True)
 
     def body(self) -> None:
-        kept = []  # each linear's x A^T, kept for its backward as autograd keeps it
+        kept = []  # each linear's x A^T, kept for its backward as the fused node keeps it
+        m = self.rows * self.tokens
         for layer in range(self.layers):
             for k, (i, o) in enumerate(self.shapes):
                 x = self.x[i]
-                gemm.linear(x, self.w[layer][k])
-                kept.append(x @ self.a[layer][k].t())
-                kept[-1] @ self.b[layer][k].t()
+                y = gemm.linear(x, self.w[layer][k])
+                kept.append(gemm.lora_mm(x, self.a[layer][k].t(), m))
+                y.addmm_(kept[-1], self.b[layer][k].t())  # the delta summed into the base output
         for layer in reversed(range(self.layers)):
             for k, (i, o) in reversed(list(enumerate(self.shapes))):
                 x, d, u = self.x[i], self.d[o], kept.pop()
                 frozen_input = layer == 0 and k < 3
+                gemm.lora_b_grad(d, u, m)
+                d_u = gemm.lora_mm(d, self.b[layer][k], m)
+                gemm.lora_mm(d_u.t(), x, m)
                 if not frozen_input:
-                    gemm.input_grad(d, self.w[layer][k])
-                d.t() @ u
-                d_u = d @ self.b[layer][k]
-                d_u.t() @ x
-                if not frozen_input:
-                    d_u @ self.a[layer][k]
+                    gemm.input_grad(d, self.w[layer][k]).addmm_(d_u, self.a[layer][k])
 
     def head(self) -> None:
         h = self.config.hidden_size
