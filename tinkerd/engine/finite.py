@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 
-from tinkerd.engine.step_bounds import StepBounds, finiteness_sums, magnitude
+from tinkerd.engine.step_bounds import LIMIT, StepBounds, finiteness_sums, magnitude
 from tinkerd.errors import UserError
 from tinkerd.types import AdamParams
 
@@ -37,6 +37,12 @@ if TYPE_CHECKING:
 OPT_OUT = "(tinkerd serve --allow-non-finite applies such steps anyway)"
 # adapter.extra key of the StepBounds its last step left (absent: measure before the next one).
 BOUNDS = "step_bounds"
+# adapter.extra key of (forward_backward calls since the last optim_step, a bound on max |.grad|
+# after them): each checked call measures its own gradients' max |g| anyway, so optim_step need not
+# pass over the accumulated ones again (note_grad_bound, check_grads_before_step).
+GRAD_BOUND = "grad_bound"
+# fp32 rounds a + b to within half an ulp: |fl(a + b)| <= (|a| + |b|) * (1 + 2^-24).
+SUM_SLACK = 1 + 2.0 ** -22
 
 
 def kind(t: torch.Tensor) -> str:
@@ -72,19 +78,36 @@ def first_non_finite(named: Iterable[tuple[str, torch.Tensor | None]],
 
 
 def check_forward_backward(adapter: "Adapter", loss_sum: torch.Tensor, n: int,
-                           per_datum_loss: Callable[[int], torch.Tensor], params, grads) -> None:
+                           per_datum_loss: Callable[[int], torch.Tensor], params, grads) -> float:
     """Refuse a batch of `n` datums whose loss or fresh gradients are not finite, before they reach
-    `.grad`. `per_datum_loss(i)` recomputes datum i's loss alone (only on this failure path), to name it."""
+    `.grad`; else max |g| over the fresh gradients (one aminmax per tensor, the cost of the sums
+    first_non_finite would take). `per_datum_loss(i)` recomputes datum i's loss alone (only on this
+    failure path), to name it."""
     if not bool(torch.isfinite(loss_sum)):
         culprit = next((i for i in range(n) if not _finite_or_unknown(per_datum_loss, i)), None)
         where = f"for datum {culprit}" if culprit is not None else f"over the batch of {n} datums"
         raise UserError(f"loss is {kind(loss_sum)} {where}; the forward_backward was not applied and the "
                         f"accumulated gradients are unchanged {OPT_OUT}")
+    largest = magnitude(grads)
+    if math.isfinite(largest):
+        return largest
     names = tensor_names(adapter)
     bad = first_non_finite((names[id(p)], g) for p, g in zip(params, grads))
-    if bad is not None:
-        raise UserError(f"gradient of {bad[0]} is {bad[1]} (loss {float(loss_sum):g}); the forward_backward was "
-                        f"not applied and the accumulated gradients are unchanged {OPT_OUT}")
+    raise UserError(f"gradient of {bad[0]} is {bad[1]} (loss {float(loss_sum):g}); the forward_backward was "
+                    f"not applied and the accumulated gradients are unchanged {OPT_OUT}")
+
+
+def note_grad_bound(adapter: "Adapter", before: int, largest: float | None) -> None:
+    """After a forward_backward added gradients of max |g| <= `largest` to `.grad` (None: unchecked,
+    --allow-non-finite), where `before` calls had added theirs since the last optim_step: keep a bound
+    on max |.grad| while every such call was checked, else none (optim_step then measures)."""
+    held = adapter.extra.pop(GRAD_BOUND, None)
+    if largest is None:
+        return
+    if before == 0:  # .grad was empty (None) before this call
+        adapter.extra[GRAD_BOUND] = (1, largest)
+    elif held is not None and held[0] == before:
+        adapter.extra[GRAD_BOUND] = (before + 1, (held[1] + largest) * SUM_SLACK)
 
 
 def _finite_or_unknown(per_datum_loss, i: int) -> bool:
@@ -121,8 +144,13 @@ class StepUndo:
 
 
 def check_grads_before_step(adapter: "Adapter") -> float:
-    """max |grad| over the accumulated grads. They are finite whenever every forward_backward was
-    checked; not so if some ran with the guard off, or if finite batches summed past fp32's 3.4e38."""
+    """A bound on max |grad| over the accumulated grads: the one every checked forward_backward since
+    the last step kept (note_grad_bound) while it is below step_bounds.LIMIT, else measured. They are
+    finite whenever every forward_backward was checked; not so if some ran with the guard off, or if
+    finite batches summed past fp32's 3.4e38 (a kept bound that large is measured instead)."""
+    held = adapter.extra.get(GRAD_BOUND)
+    if held is not None and held[0] == adapter.pending_grads > 0 and held[1] < LIMIT:
+        return held[1]
     grads = magnitude(p.grad for p in adapter.parameters())
     if not math.isfinite(grads):
         names = tensor_names(adapter)

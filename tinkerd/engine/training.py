@@ -287,6 +287,7 @@ def finish_forward_backward(p: Prepared, target_logprobs, loss_sum, metrics, gra
     op, adapter, inputs, lengths = p.op, p.adapter, p.inputs, p.lengths
     batch, params = len(lengths), adapter.parameters()
     offsets = np.cumsum([0] + lengths)
+    largest = None  # max |g| of this batch's gradients, once checked
     if grads is not None and not op.allow_non_finite:
         # Forward-only passes change nothing, so a NaN loss there is reported as it is.
         def per_datum_loss(i: int) -> torch.Tensor:
@@ -297,13 +298,14 @@ def finish_forward_backward(p: Prepared, target_logprobs, loss_sum, metrics, gra
                 DATUM_INDEX: torch.zeros(lengths[i], dtype=torch.long, device=target_logprobs.device)}
             return p.loss(target_logprobs[rows], alone, p.config)[0]
 
-        finite.check_forward_backward(adapter, loss_sum, batch, per_datum_loss, params, grads)
+        largest = finite.check_forward_backward(adapter, loss_sum, batch, per_datum_loss, params, grads)
 
     if grads is not None:
         with torch.no_grad():
             for param, g in zip(params, grads):
                 if g is not None:
                     adam.add_grad(param, g)
+        finite.note_grad_bound(adapter, adapter.pending_grads, largest)
         adapter.pending_grads += 1
 
     logprobs = target_logprobs.detach().cpu().numpy().astype(np.float32, copy=False)
@@ -372,6 +374,7 @@ def optim_step(engine: "Engine", op: OptimStepOp) -> dict[str, float]:
     optimizer.zero_grad(set_to_none=True)
     adapter.step += 1
     adapter.pending_grads = 0
+    adapter.extra.pop(finite.GRAD_BOUND, None)
     if op.snapshot_dir is not None:
         _after_op_snapshot(engine, adapter, op.snapshot_dir, background=True)
     return {}
@@ -435,6 +438,7 @@ def _load_in_place(engine: "Engine", op: LoadWeightsOp, files: checkpoints.Adapt
     adapter.optimizer = optimizer
     adapter.step = files.step if op.with_optimizer else 0
     adapter.pending_grads = 0
+    adapter.extra.pop(finite.GRAD_BOUND, None)
 
 
 def _load_as_new(engine: "Engine", op: LoadWeightsOp, files: checkpoints.AdapterFiles) -> None:

@@ -140,3 +140,34 @@ def test_a_finite_step_past_the_bounds_is_checked_and_applied(engine, monkeypatc
     assert copies == [1] and adapter.step == 1
     assert magnitude(adapter.parameters()) > 1e20
     assert adapter.extra[finite.BOUNDS].weights == magnitude(adapter.parameters())
+
+
+def test_optim_step_takes_the_gradient_bound_its_forward_backwards_kept(engine, monkeypatch):
+    """Each checked forward_backward measures its gradients' max |g|; optim_step takes their sum as
+    its bound on max |.grad| instead of passing over the accumulated gradients again. The bound
+    holds (and is exact after one call), and a call with the guard off drops it."""
+    measured = []
+    real = finite.magnitude
+    monkeypatch.setattr(finite, "magnitude", lambda ts: measured.append(1) or real(ts))
+    create(engine, "grad-bound", seed=6)
+    adapter = adapter_of(engine, "grad-bound")
+    run(engine, ForwardBackwardOp("grad-bound", sft_data(6), "cross_entropy"))
+    grads = lambda: magnitude(p.grad for p in adapter.parameters())  # noqa: E731
+    assert adapter.extra[finite.GRAD_BOUND] == (1, grads())
+    for k in (2, 3):
+        run(engine, ForwardBackwardOp("grad-bound", sft_data(6 + k), "cross_entropy"))
+        count, bound = adapter.extra[finite.GRAD_BOUND]
+        assert count == k and grads() <= bound < 3 * grads()
+    measured.clear()
+    assert finite.check_grads_before_step(adapter) == bound and measured == []
+    run(engine, OptimStepOp("grad-bound", ADAM))
+    assert finite.GRAD_BOUND not in adapter.extra and adapter.pending_grads == 0
+
+    # A forward_backward with the guard off leaves no bound: the next optim_step measures.
+    run(engine, ForwardBackwardOp("grad-bound", sft_data(10), "cross_entropy"))
+    run(engine, ForwardBackwardOp("grad-bound", sft_data(11), "cross_entropy", allow_non_finite=True))
+    assert finite.GRAD_BOUND not in adapter.extra
+    run(engine, ForwardBackwardOp("grad-bound", sft_data(12), "cross_entropy"))
+    assert finite.GRAD_BOUND not in adapter.extra  # one of the three calls was not measured
+    measured.clear()
+    assert finite.check_grads_before_step(adapter) == grads() and measured == [1]
