@@ -47,6 +47,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from tinkerd.engine.malloc import keep_freed_memory, with_huge_pages  # noqa: E402
+from tinkerd.engine.model.registry import own_memory  # noqa: E402
 
 VOCAB = 8192
 EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -127,6 +128,7 @@ def bench_family(family: str, args, tmp: Path) -> None:
     linears = sorted({n.rsplit(".", 1)[-1] for n in adapter.weights if ".experts." not in n})
     experts = EXPERT_PARAMS if any(".experts." in n for n in adapter.weights) else None
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    own_memory(base)  # as the engine's (engine/model/registry.py)
     peft_model = get_peft_model(base, LoraConfig(r=args.rank, lora_alpha=args.rank, lora_dropout=0.0,
                                                  target_modules=linears, target_parameters=experts))
     ids = torch.tensor(np.stack([s[:-1] for s in seqs]))

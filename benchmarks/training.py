@@ -67,6 +67,7 @@ from step_floor import Floor, describe  # noqa: E402
 from tests.serverproc import API_KEY, ServerProcess, share_models, start_server  # noqa: E402
 from tinkerd.engine import gemm  # noqa: E402
 from tinkerd.engine.malloc import keep_freed_memory, with_huge_pages  # noqa: E402
+from tinkerd.engine.model.registry import own_memory  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -252,6 +253,7 @@ class HFPeft:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype])
+        own_memory(model)  # as the engine's (engine/model/registry.py): not a view of the file's memory map
         # PEFT keeps the adapter fp32 on a bf16 model (autocast_adapter_dtype), as tinkerd does.
         targets = TARGETS + ["lm_head"] if unembed else TARGETS
         self.model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=32, target_modules=targets, lora_dropout=0.0))
