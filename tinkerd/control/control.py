@@ -329,10 +329,12 @@ class Control:
             return work.finalize(result)
         return oplog.dumps(self.bookkeeper.outcome(work.record, result)), oplog.DOMAIN_RESULT
 
-    async def retrieve(self, request_id: str, timeout_s: float) -> FutureRow | None:
+    async def retrieve(self, request_id: str, timeout_s: float, row: FutureRow | None = None) -> FutureRow | None:
         """The future's row once it is done, or still pending after `timeout_s`; None if unknown.
+        `row`: the future as the caller has just read it (its owner check), so it is not read twice.
         A coroutine on the server's loop; every store call goes to the thread pool (api/routes/futures.py)."""
-        row = await to_thread.run_sync(self.store.get, FutureRow, request_id)
+        if row is None:
+            row = await to_thread.run_sync(self.store.get, FutureRow, request_id)
         if row is None or row.status != "pending":
             return await to_thread.run_sync(self._retrieved, row)
 
@@ -387,7 +389,7 @@ class Control:
         """Note when a result or error is first handed out: its retention grace starts then."""
         if row is not None and row.status != "pending" and row.retrieved_at is None and row.expired_at is None:
             row.retrieved_at = utcnow()
-            self.store.update(FutureRow, row.request_id, retrieved_at=row.retrieved_at)
+            self.futures.mark_retrieved(row.request_id, row.retrieved_at)
         return row
 
     # -- the worker ------------------------------------------------------------------------------

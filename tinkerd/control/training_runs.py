@@ -3,9 +3,19 @@ for its owner, and listing them. A run is owned through its session (control/ses
 
 from __future__ import annotations
 
+import time
+
 from tinkerd.control.sessions import Sessions
 from tinkerd.control.store.db import Store, utcnow
 from tinkerd.control.store.runs import RunRepository, TrainingRun
+
+
+# A run's last_request_at is written at most this often by one process. Every op touches it (a
+# step's forward_backward and optim_step: a read and a commit each, ~1.2 ms of store time per step
+# of 1 x 8 tokens), and its readers need no finer grain: idle release after minutes
+# (control/residency.py), get_training_run's last_request_time, the console.
+TOUCH_EVERY_S = 1.0
+_TOUCHED_KEPT = 4096  # beyond it, entries older than TOUCH_EVERY_S are dropped
 
 
 class TrainingRuns:
@@ -13,6 +23,7 @@ class TrainingRuns:
         self.store = store
         self.sessions = sessions
         self.training_runs = RunRepository(store)
+        self._touched: dict[str, float] = {}  # model_id -> monotonic time of this process's last write
 
     def create_run(self, session_id: str, model_seq_id: int, base_model: str, lora_config: dict,
                    user_metadata: dict | None, account_id: str | None = None) -> tuple[TrainingRun, bool]:
@@ -34,6 +45,14 @@ class TrainingRuns:
         return self.sessions.lookup(self.training_runs.get, model_id, "model_id", account_id)
 
     def touch(self, model_id: str) -> None:
+        """Note a request to the run (any other target: nothing), unless this process did in the
+        last TOUCH_EVERY_S."""
+        now = time.monotonic()
+        if now - self._touched.get(model_id, -TOUCH_EVERY_S) < TOUCH_EVERY_S:
+            return
+        if len(self._touched) >= _TOUCHED_KEPT:
+            self._touched = {k: t for k, t in self._touched.items() if now - t < TOUCH_EVERY_S}
+        self._touched[model_id] = now
         self.training_runs.set(model_id, last_request_at=utcnow())
 
     def run_count(self, session_id: str) -> int:

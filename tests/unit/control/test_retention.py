@@ -171,6 +171,24 @@ def test_retrieving_starts_the_grace_once_and_an_expired_row_is_not_marked(store
     assert row.expired_at is not None and row.result is None
 
 
+def test_a_retrieve_given_its_owner_checks_row_reads_no_more(store, monkeypatch):
+    """retrieve_future reads the future once for its owner check and hands that row on; marking it
+    retrieved is one UPDATE (that keeps the first mark), not a read and a write."""
+    control = Control(store, FakeEngine())
+    store.add(_row(None, "Sample", target="s1"))
+    rid = "req-s1-Sample-None"
+    owned = store.get(FutureRow, rid)
+    reads = []
+    get = store.get
+    monkeypatch.setattr(store, "get", lambda *a: (reads.append(a), get(*a))[1])
+    row = asyncio.run(control.retrieve(rid, 0.0, owned))
+    assert reads == [] and row.retrieved_at is not None
+    monkeypatch.setattr(store, "get", get)
+    assert store.get(FutureRow, rid).retrieved_at == row.retrieved_at
+    control.futures.mark_retrieved(rid, row.retrieved_at + timedelta(seconds=5))  # a late second mark
+    assert store.get(FutureRow, rid).retrieved_at == row.retrieved_at
+
+
 def test_watermarks_of_deleted_samplers_go_and_the_others_stay(store, tmp_path):
     """An RL loop makes a sampler per step and the session keeps its newest few: a watermark per
     sampler kept forever grew one row per step (benchmarks/soak.py)."""

@@ -154,3 +154,25 @@ def test_a_new_sampling_session_is_refused_under_the_reserve_but_not_a_resend_or
     assert runs.sampling_sessions.create_sampling_session(session, 0, "tiny", None, None).sampling_session_id == first.sampling_session_id
     # save_weights_for_sampler's ephemeral sampler: the op was accepted, so it spends the reserve.
     assert runs.sampling_sessions.create_sampling_session(session, 2, "tiny", None, "/x", accepted=True).adapter_dir == "/x"
+
+
+def test_a_run_is_touched_at_most_once_a_second_by_one_process(runs, monkeypatch):
+    from tinkerd.control import training_runs
+
+    model_id = _model_id(runs)
+    writes = []
+    set_ = runs.training_runs.training_runs.set
+    monkeypatch.setattr(runs.training_runs.training_runs, "set", lambda *a, **k: (writes.append(k), set_(*a, **k)))
+    clock = [1000.0]
+    monkeypatch.setattr(training_runs.time, "monotonic", lambda: clock[0])
+    before = runs.training_runs.run(model_id).last_request_at
+    for _ in range(5):  # a burst of requests: one write
+        runs.training_runs.touch(model_id)
+        clock[0] += 0.1
+    assert len(writes) == 1 and runs.training_runs.run(model_id).last_request_at > before
+    clock[0] += training_runs.TOUCH_EVERY_S
+    runs.training_runs.touch(model_id)
+    assert len(writes) == 2
+    runs.training_runs.touch("another-target")  # not a run: written through (and nothing found) once
+    runs.training_runs.touch("another-target")
+    assert len(writes) == 3

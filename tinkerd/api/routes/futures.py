@@ -37,8 +37,8 @@ def _owned_future(st, request_id: str, account_id: str) -> Future:
 async def retrieve_future(request: Request, body: bytes = Depends(read_body)) -> Response:
     st = state(request)
     req = parse(t.FutureRetrieveRequest, hpcai.retrieve_body(body))
-    await run_in_threadpool(_owned_future, st, req.request_id, account(request))
-    row = await st.control.retrieve(req.request_id, st.config.retrieve_future_timeout_s)
+    owned = await run_in_threadpool(_owned_future, st, req.request_id, account(request))
+    row = await st.control.retrieve(req.request_id, st.config.retrieve_future_timeout_s, owned)
     return await run_in_threadpool(_answer, st, request, req.request_id, row)
 
 

@@ -79,6 +79,12 @@ class FutureRepository:
                 stmt = stmt.where(column == value)
         return self.store.query(stmt.order_by(FutureRow.seq_id, FutureRow.created_at))
 
+    def mark_retrieved(self, request_id: str, at: datetime) -> None:
+        """retrieved_at = at, unless a retrieve set it first: one UPDATE, no read."""
+        with self.store.write() as s:
+            s.execute(update(FutureRow).where(FutureRow.request_id == request_id, FutureRow.retrieved_at.is_(None))
+                      .values(retrieved_at=at))
+
     def fail(self, request_id: str, error: str, category: str) -> None:
         self.store.update(FutureRow, request_id, status="failed", error=error, error_category=category,
                           completed_at=utcnow())
