@@ -339,8 +339,7 @@ class Control:
             return await to_thread.run_sync(self._retrieved, row)
 
         def is_done() -> bool:
-            done = self.store.get(FutureRow, request_id)
-            return done is not None and done.status != "pending"
+            return self.futures.status(request_id) not in (None, "pending")
 
         if await self.hub.wait(request_id, timeout_s, lambda: to_thread.run_sync(is_done)):
             # Read again: the wake-up means the result is stored now, whatever an earlier check read

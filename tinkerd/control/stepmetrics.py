@@ -15,7 +15,8 @@ from typing import Any
 
 from tinkerd.control.store.db import Store, utcnow
 from tinkerd.control.store.runs import StepMetricRepository
-from tinkerd.control.store.tables import FutureRow, StepMetricRow
+from tinkerd.control.store.futures import FutureRepository
+from tinkerd.control.store.tables import StepMetricRow
 from tinkerd.types import ForwardBackwardOp, ForwardBackwardResult, OptimStepOp
 
 # A curve holds at most this many points per metric on a page (the newest); a run of 100k steps
@@ -35,6 +36,7 @@ class StepMetrics:
     def __init__(self, store: Store):
         self.store = store
         self.steps = StepMetricRepository(store)
+        self.futures = FutureRepository(store)
 
     def record(self, request_id: str, op: Any, result: Any) -> None:
         if isinstance(op, ForwardBackwardOp) and isinstance(result, ForwardBackwardResult):
@@ -45,11 +47,12 @@ class StepMetrics:
             return
         kept = {str(k): float(v) for k, v in metrics.items()
                 if isinstance(v, (int, float)) and math.isfinite(float(v))}
-        future = self.store.get(FutureRow, request_id) if kept else None
+        future = self.futures.seq_and_type(request_id) if kept else None
         if future is None:  # nothing to draw (optim_step returns no metrics today), or an internal op
             return
-        self.steps.add(StepMetricRow(request_id=request_id, model_id=model_id, seq_id=future.seq_id,
-                                     request_type=future.request_type, metrics=kept, recorded_at=utcnow()))
+        seq_id, request_type = future
+        self.steps.add(StepMetricRow(request_id=request_id, model_id=model_id, seq_id=seq_id,
+                                     request_type=request_type, metrics=kept, recorded_at=utcnow()))
 
     def points(self, model_id: str, after_seq: int = -1, limit: int = MAX_POINTS) -> list[Point]:
         """The run's steps after `after_seq`, oldest first: the newest `limit` of them."""

@@ -86,6 +86,14 @@ def test_step_metrics_one_row_per_op_in_seq_order(store):
     assert metrics.points("other") == []
 
 
+def test_a_step_metric_reads_two_columns_of_its_future_not_its_body(store, monkeypatch):
+    metrics = StepMetrics(store)
+    _future(store, "r1", "ForwardBackward", 1)
+    monkeypatch.setattr(store, "get", lambda *a: pytest.fail(f"a whole row was loaded: {a}"))
+    metrics.record("r1", ForwardBackwardOp("m", [], "cross_entropy"), ForwardBackwardResult([], {"loss:sum": 1.5}))
+    assert [(p.seq_id, p.request_type, p.metrics) for p in metrics.points("m")] == [(1, "ForwardBackward", {"loss:sum": 1.5})]
+
+
 def test_run_usage_follows_samplers_to_their_run(store):
     store.add(SessionRow(session_id="s", account_id="a", created_at=T0, last_heartbeat_at=T0))
     store.add(TrainingRunRow(model_id="s:train:0", session_id="s", base_model="tiny", lora_rank=4,

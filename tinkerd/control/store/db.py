@@ -24,7 +24,7 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Callable, Iterator, TypeVar
 
-from sqlalchemy import create_engine, event, make_url, select, text
+from sqlalchemy import create_engine, event, inspect, make_url, select, text, update
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import NullPool
@@ -108,12 +108,14 @@ class Store:
             return True
 
     def update(self, row_type: type, key: Any, **values: Any) -> None:
+        """Set `values` on the row of primary key `key` (a tuple for a composite key); nothing if there
+        is none. One UPDATE: loading the row first read every column of it (a future's op body, its
+        datums) only to write a few."""
+        keys = key if isinstance(key, tuple) else (key,)
+        match = [column == k for column, k in zip(inspect(row_type).primary_key, keys, strict=True)]
         with self._faults(), self._lock, self._sessions() as s:
-            row = s.get(row_type, key)
-            if row is not None:
-                for k, v in values.items():
-                    setattr(row, k, v)
-                s.commit()
+            s.execute(update(row_type).where(*match).values(**values))
+            s.commit()
 
     def delete(self, row_type: type, key: Any) -> None:
         with self._faults(), self._lock, self._sessions() as s:

@@ -79,6 +79,17 @@ class FutureRepository:
                 stmt = stmt.where(column == value)
         return self.store.query(stmt.order_by(FutureRow.seq_id, FutureRow.created_at))
 
+    def status(self, request_id: str) -> str | None:
+        """A stored future's status (pending, complete, failed), None if there is none: one column."""
+        rows = self.store.query(select(FutureRow.status).where(FutureRow.request_id == request_id))
+        return rows[0] if rows else None
+
+    def seq_and_type(self, request_id: str) -> tuple[int | None, str] | None:
+        """(seq_id, request_type) of a stored future, None if there is none: two columns, not the
+        row with its op body (a forward_backward's datums)."""
+        rows = self.store.rows(select(FutureRow.seq_id, FutureRow.request_type).where(FutureRow.request_id == request_id))
+        return (rows[0].seq_id, rows[0].request_type) if rows else None
+
     def mark_retrieved(self, request_id: str, at: datetime) -> None:
         """retrieved_at = at, unless a retrieve set it first: one UPDATE, no read."""
         with self.store.write() as s:
