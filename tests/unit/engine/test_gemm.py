@@ -65,7 +65,7 @@ def test_under_autograd_it_leaves_the_product_to_torch(counted):
 def test_the_fused_node_runs_its_gemms_on_onednn_and_equals_the_layer(rows_per_part, counted):
     """Two runs of a shared pass, fp32: output and every gradient within fp32 rounding of the layer
     as float64 autograd ops; the base forward and input gradient on oneDNN, and the four LoRA
-    products per run there too once a run has LORA_MIN_ROWS rows."""
+    products and the two sums of each run's deltas there too once a run has LORA_MIN_ROWS rows."""
     g = torch.Generator().manual_seed(1)
     t, d_in, d_out, rank = rows_per_part // 3, 64, 48, 4
     parts = (Part(0, 3, t, 1.0), Part(3, 6, t, 0.5))
@@ -88,7 +88,7 @@ def test_the_fused_node_runs_its_gemms_on_onednn_and_equals_the_layer(rows_per_p
         return [y.detach(), *(v.grad for v in leaves)]
 
     got = run(torch.float32)
-    assert len(counted) == 2 + (4 * len(parts) if rows_per_part >= gemm.LORA_MIN_ROWS else 0)
+    assert len(counted) == 2 + (6 * len(parts) if rows_per_part >= gemm.LORA_MIN_ROWS else 0)
     for ours, want in zip(got, run(torch.float64)):
         close(ours, want)
 
