@@ -9,7 +9,7 @@ engine calls (engine/gemm.py: oneDNN's for the base weights where it is on):
   fused LoRA node makes them (engine/lora/fused.py): x A^T, then u B^T summed into the base output;
   d^T u, d B, (d B)^T x, and (d B) A summed into the input gradient (not for layer 0's q/k/v), the
   ones that write a fresh tensor through gemm.lora_mm / lora_b_grad (oneDNN's from
-  gemm.LORA_MIN_ROWS rows), the sums through torch's addmm_;
+  gemm.LORA_MIN_ROWS rows), the sums through gemm.add_lora (the same from LORA_MIN_ROWS rows, addmm_ below);
 - head: the unembedding's GEMMs over the vocabulary tiles the engine uses (engine/head.py),
   forward and input gradient, with the head LoRA's products when it trains one;
 - attention: the causal attention kernel as the engine calls it (engine/causal.py), forward and
@@ -88,7 +88,7 @@ class Floor:
                 x = self.x[i]
                 y = gemm.linear(x, self.w[layer][k])
                 kept.append(gemm.lora_mm(x, self.a[layer][k].t(), m))
-                y.addmm_(kept[-1], self.b[layer][k].t())  # the delta summed into the base output
+                gemm.add_lora(y, kept[-1], self.b[layer][k].t(), 1.0, m)  # the delta summed into the base output
         for layer in reversed(range(self.layers)):
             for k, (i, o) in reversed(list(enumerate(self.shapes))):
                 x, d, u = self.x[i], self.d[o], kept.pop()
@@ -97,7 +97,7 @@ class Floor:
                 d_u = gemm.lora_mm(d, self.b[layer][k], m)
                 gemm.lora_mm(d_u.t(), x, m)
                 if not frozen_input:
-                    gemm.input_grad(d, self.w[layer][k]).addmm_(d_u, self.a[layer][k])
+                    gemm.add_lora(gemm.input_grad(d, self.w[layer][k]), d_u, self.a[layer][k], 1.0, m)
 
     def head(self) -> None:
         h = self.config.hidden_size
