@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from tinkerd.control.store.db import Store, utcnow
-from tinkerd.control.store.runs import StepMetricRepository
 from tinkerd.control.store.futures import FutureRepository
+from tinkerd.control.store.runs import StepMetricRepository
 from tinkerd.control.store.tables import StepMetricRow
 from tinkerd.types import ForwardBackwardOp, ForwardBackwardResult, OptimStepOp
 
@@ -34,7 +34,6 @@ class Point:
 
 class StepMetrics:
     def __init__(self, store: Store):
-        self.store = store
         self.steps = StepMetricRepository(store)
         self.futures = FutureRepository(store)
 
