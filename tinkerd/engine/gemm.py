@@ -91,10 +91,15 @@ def input_grad(d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 LORA_MIN_ROWS = 256
 
 
-def lora_mm(a: torch.Tensor, b: torch.Tensor, rows: int) -> torch.Tensor:
+def lora_on_onednn(t: torch.Tensor, rows: int, min_rows: int = LORA_MIN_ROWS) -> bool:
+    """Whether a LoRA product of operand `t` over a part of `rows` rows goes through oneDNN here."""
+    return rows >= min_rows and _ours(t, t)
+
+
+def lora_mm(a: torch.Tensor, b: torch.Tensor, rows: int, min_rows: int = LORA_MIN_ROWS) -> torch.Tensor:
     """a [M, K] b [K, N] for a LoRA product over a part of `rows` rows (either operand possibly a
-    transposed view): through oneDNN from LORA_MIN_ROWS rows, else torch.mm."""
-    return _linear(a, b.t(), None) if rows >= LORA_MIN_ROWS and _ours(a, b) else torch.mm(a, b)
+    transposed view): through oneDNN from `min_rows` rows, else torch.mm."""
+    return _linear(a, b.t(), None) if rows >= min_rows and _ours(a, b) else torch.mm(a, b)
 
 
 def lora_b_grad(d: torch.Tensor, u: torch.Tensor, rows: int) -> torch.Tensor:
@@ -106,14 +111,16 @@ def lora_b_grad(d: torch.Tensor, u: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.mm(d.t(), u)
 
 
-def add_lora(out: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor, alpha: float, rows: int) -> None:
+def add_lora(out: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor, alpha: float, rows: int,
+             min_rows: int = LORA_MIN_ROWS) -> None:
     """out [M, N] += alpha * m1 [M, R] m2 [R, N]: a LoRA delta summed into a base output or input
     gradient over a part of `rows` rows. From LORA_MIN_ROWS rows oneDNN's product, then an in-place
     add; below, MKL's addmm_ (the sum inside the GEMM). SmolLM2, 2 x 256 tokens, rank 32, a step in
     process, 2 threads, three alternated pairs of processes: 1092 / 1109 / 1232 ms with addmm_
     everywhere against 1037 / 1079 / 1115 (alone, rank-32 sums into 512 x 576 and 512 x 1536:
-    1.2-1.4x at 2 threads, 1.4-1.6x at 1); at 1 thread the step moved within its noise."""
-    if rows >= LORA_MIN_ROWS and _ours(m1, m2):
+    1.2-1.4x at 2 threads, 1.4-1.6x at 1); at 1 thread the step moved within its noise. The head's
+    LoRA (engine/head.py) passes its own `min_rows`: its products span a 2048-column tile."""
+    if rows >= min_rows and _ours(m1, m2):
         out.add_(_linear(m1, m2.t(), None), alpha=alpha)
     else:
         out.addmm_(m1, m2, alpha=alpha)

@@ -11,7 +11,13 @@ and 58 of its ~330 GFLOP), so how they are cut matters:
   ROW_BLOCK, the vocabulary in tiles of TILE_CELLS / ROW_BLOCK columns whatever the number of rows
   (so a row's logits are the same bits in any block), the logsumexp combined across tiles,
   and the backward written out (d logits = g * (onehot(target) - softmax), made in place in the
-  kept tile, then one GEMM per tile into d hidden and the LoRA's grads). Whole-row GEMMs over a
+  kept tile, then one GEMM per tile into d hidden and the LoRA's grads). The forward leaves each
+  tile holding exp(logit - its row's max), which its logsumexp sums, so the backward's softmax is
+  one scaling of it; exponentiating again there (exp(logit - lse)) cost 512 positions of SmolLM2
+  ~12 ms at 1 thread and ~9 at 2. The head LoRA's products are oneDNN's from LORA_MIN_ROWS rows of
+  a block (its comment): with both, that head pass with a rank-32 LoRA, fwd + bwd, median of 15,
+  alternated processes, went from 345-348 to 300-305 ms at 1 thread and 185-192 to 158-172 at 2
+  (128 rows: 90 -> 81-83 and 50-51 -> 46.5; 32 rows unchanged). Whole-row GEMMs over a
   vocabulary tile run nearer the machine's rate than a few rows against the whole vocabulary
   (fp32, [512, 576] x [576, 8192] at 130 GFLOP/s on 2 threads, [128, 576] x [576, 49152] at 93),
   and the in-place softmax saves autograd's [M, V] temporaries. 512 positions of SmolLM2 through
@@ -57,6 +63,13 @@ MIN_TILE = 2048
 # 633 ms in 85-row chunks, 514 in 128; at 152k, 27-row chunks took 6.0 s against 3.4 s in 128).
 CHUNK_MIN_ROWS = 128
 CHUNK_CELLS = 1 << 22
+# From this many rows of a run's block the head LoRA's three rank-sized products per tile (the
+# delta into the logits, d B and d^T xs) are oneDNN's (engine/gemm.py), below MKL's. SmolLM2's tile
+# of 2048 columns, rank 32, ms per tile for the three, MKL / oneDNN: 1 thread 8 rows 0.040 / 0.061,
+# 32 rows 0.146 / 0.106, 64 rows 0.296 / 0.170, 512 rows 2.31 / 0.99; 2 threads 32 rows 0.081 /
+# 0.082, 64 rows 0.155 / 0.110, 512 rows 1.19 / 0.55 (AMD EPYC Zen 5). A run's blocks have the same
+# rows alone and in a shared pass, so they take the same products either way.
+LORA_MIN_ROWS = 64
 
 
 def head_lora(rt: "ModelRuntime", slot: int | None = None) -> tuple[torch.Tensor, torch.Tensor, float] | None:
@@ -81,8 +94,9 @@ def tiled(rt: "ModelRuntime", loras: list) -> bool:
 
 
 def direct_b_grad(rows: int) -> bool:
-    """Whether a head LoRA's B gradient over a block of `rows` is made as d^T @ xs into B's own
-    layout, rather than as xs^T @ d and transposed at the end. SmolLM2's 6 tiles of 8192 (fp32,
+    """Whether a head LoRA's B gradient over a block of `rows` is made with MKL (below
+    LORA_MIN_ROWS, or without oneDNN) as d^T @ xs into B's own layout, rather than as xs^T @ d and
+    transposed at the end (oneDNN's always is the latter). SmolLM2's 6 tiles of 8192 (fp32,
     rank 32), ms per block, xs^T @ d + transpose against d^T @ xs: 1 thread 8 rows 2.63 / 0.47,
     128 rows 9.6 / 8.6, 256 rows 18.6 / 16.7, 384 rows 24.9 / 26.9, 512 rows 31.2 / 39.4;
     2 threads 8 rows 4.0 / 0.47, 256 rows 14.6 / 10.2, 512 rows 31.8 / 21.0. With the 24 tiles of
@@ -162,9 +176,10 @@ class HeadPass:
             self.tiles = tiles(vocab)
             with torch.no_grad():
                 done = [self._block_forward(span, runs) for span, runs in self.blocks]
-            self.kept = [tiles for _, _, tiles in done] if self.keep else None
-            self.lse = [lse for _, lse, _ in done]
-            self.logprobs = torch.cat([lp for lp, _, _ in done] + [self._empty()])
+            self.kept = [tiles for _, _, tiles, _ in done] if self.keep else None
+            self.lse = [lse for _, lse, _, _ in done]
+            self.maxes = [maxes for _, _, _, maxes in done]
+            self.logprobs = torch.cat([lp for lp, _, _, _ in done] + [self._empty()])
         else:
             rows = max(CHUNK_MIN_ROWS, CHUNK_CELLS // vocab)
             self.blocks = [slice(i, min(i + rows, m)) for i in range(0, m, rows)]
@@ -220,14 +235,16 @@ class HeadPass:
         return out
 
     def _block_forward(self, span: slice, runs: list[_Block]):
-        """(logprobs, per run block its logsumexp [R_b], the logit tiles) of one GEMM's rows. Only the
-        GEMMs span the runs' blocks: the rest runs block by block, on the shapes the run alone has
-        (a vectorised exp or log rounds a tensor's last few elements another way, so a row's bits
-        would otherwise depend on how many rows share its tensor)."""
+        """(logprobs, per run block its logsumexp [R_b], the tiles, per tile the blocks' row maxima)
+        of one GEMM's rows. A tile leaves holding exp(logit - its row's max in the tile) (_exp_rows),
+        which the backward scales into the softmax instead of exponentiating again. Only the GEMMs
+        span the runs' blocks: the rest runs block by block, on the shapes the run alone has (a
+        vectorised exp or log rounds a tensor's last few elements another way, so a row's bits would
+        otherwise depend on how many rows share its tensor)."""
         x, targets = self.hidden[span], self.targets[span]
         xs = [self._lora_rows(x[blk.at], blk.lora) for blk in runs]
         lses: list[list[torch.Tensor]] = [[] for _ in runs]
-        tiles = []
+        tiles, maxes = [], []
         # [R, K] like `inside`: shaped [R] it would broadcast to [R, R] (and to [0, 0] for a rank
         # without datums, engine/sharding.py, whose lp[:, 0] then fails).
         picked = torch.zeros((targets.shape[0], targets.shape[1] if targets.dim() == 2 else 1), dtype=torch.float32,
@@ -235,14 +252,18 @@ class HeadPass:
         for tile in self.tiles:
             z = self._logits(x, runs, xs, tile)
             index, inside = self._local(targets, tile)
+            picked = torch.where(inside, z.gather(-1, index), picked)  # before z turns into exponentials
+            row_max = []
             for blk, out in zip(runs, lses):
-                out.append(torch.logsumexp(z[blk.at], dim=-1))
-            picked = torch.where(inside, z.gather(-1, index), picked)
+                m = _exp_rows(z[blk.at])
+                out.append(z[blk.at].sum(-1).log_().add_(m[:, 0]))  # the tile's logsumexp, as torch's
+                row_max.append(m)
+            maxes.append(row_max)
             if self.keep:
                 tiles.append(z)
         lse = [got[0] if len(got) == 1 else torch.logsumexp(torch.stack(got), dim=0) for got in lses]
         lp = torch.cat([picked[blk.at] - b[:, None] for blk, b in zip(runs, lse)])  # [R, K]
-        return (lp if targets.dim() == 2 else lp[:, 0]), lse, tiles
+        return (lp if targets.dim() == 2 else lp[:, 0]), lse, tiles, maxes
 
     def _block_backward(self, k: int, span: slice, runs: list[_Block], g: torch.Tensor, g_x: torch.Tensor):
         """d loss / d logits tile by tile, into d hidden of the GEMM's rows (g_x) and, per run block
@@ -256,14 +277,21 @@ class HeadPass:
         # [V, r], or as xs^T @ d into [r, V] and transposed once at the end (direct_b_grad says
         # which). The two give the same bits on this CPU (every block size measured); which is
         # faster depends on the block's rows and the threads.
-        direct = [direct_b_grad(blk.at.stop - blk.at.start) for blk in runs]
+        rows = [blk.at.stop - blk.at.start for blk in runs]
+        onednn = [gemm.lora_on_onednn(x, n, LORA_MIN_ROWS) for n in rows]
+        direct = [not fast and direct_b_grad(n) for n, fast in zip(rows, onednn)]
         g_b = [None if blk.lora is None else blk.lora[1].new_empty(blk.lora[1].shape[::1 if way else -1])
                for blk, way in zip(runs, direct)]
         for t, tile in enumerate(self.tiles):
-            z = self.kept[k][t] if self.kept is not None else self._logits(x, runs, xs, tile)
-            d = z
-            for blk, lse, total in zip(runs, self.lse[k], totals):
-                d[blk.at].sub_(lse[:, None]).exp_().mul_(total)  # -sum(g) * softmax, in place
+            if self.kept is not None:
+                d = self.kept[k][t]
+            else:  # the forward's exponentials again: the same GEMMs, maxima and kernels
+                d = self._logits(x, runs, xs, tile)
+                for blk, m in zip(runs, self.maxes[k][t]):
+                    d[blk.at].sub_(m).exp_()
+            for blk, lse, total, m in zip(runs, self.lse[k], totals, self.maxes[k][t]):
+                # exp(z - m) * exp(m - lse) * -sum(g) = -sum(g) * softmax, in place
+                d[blk.at].mul_((m - lse[:, None]).exp_().mul_(total))
             index, inside = self._local(targets, tile)
             d.scatter_add_(-1, index, torch.where(inside, g2, 0.0))
             w = self.weight[tile]
@@ -272,8 +300,13 @@ class HeadPass:
                 if blk.lora is None:
                     continue
                 b, d_blk = blk.lora[1], d[blk.at]
-                q[i] = d_blk @ b[tile] if q[i] is None else q[i].addmm_(d_blk, b[tile])
-                if direct[i]:
+                if q[i] is None:
+                    q[i] = gemm.lora_mm(d_blk, b[tile], rows[i], LORA_MIN_ROWS)
+                else:
+                    gemm.add_lora(q[i], d_blk, b[tile], 1.0, rows[i], LORA_MIN_ROWS)
+                if onednn[i]:
+                    g_b[i][:, tile].copy_(gemm.lora_mm(xs[i].t(), d_blk, rows[i], LORA_MIN_ROWS))
+                elif direct[i]:
                     torch.mm(d_blk.t(), xs[i], out=g_b[i][tile])
                 else:
                     torch.mm(xs[i].t(), d_blk, out=g_b[i][:, tile])
@@ -303,7 +336,7 @@ class HeadPass:
         z = gemm.linear(x, self.weight[tile])
         for blk, u in zip(runs, xs):
             if u is not None:
-                z[blk.at].addmm_(u, blk.lora[1][tile].t())
+                gemm.add_lora(z[blk.at], u, blk.lora[1][tile].t(), 1.0, blk.at.stop - blk.at.start, LORA_MIN_ROWS)
         return z
 
     @staticmethod
@@ -332,6 +365,16 @@ class HeadPass:
                 if g is not None:
                     head_grads[i] = g if head_grads[i] is None else head_grads[i] + g
         return head_grads
+
+
+def _exp_rows(z: torch.Tensor) -> torch.Tensor:
+    """z [R, W] -> exp(z - m) in place, m [R, 1] each row's max (0 where that is infinite), as
+    torch.logsumexp subtracts it; returns m. The logsumexp is then m + log(sum(z)), and the backward's
+    softmax z * exp(m - lse): one scaling pass where exp(z - lse) took a subtraction and an exp."""
+    m = z.amax(-1, keepdim=True)
+    m.masked_fill_(m.abs() == float("inf"), 0.0)
+    z.sub_(m).exp_()
+    return m
 
 
 def _logprobs(rt: "ModelRuntime", hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

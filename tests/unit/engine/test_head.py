@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.unit.engine.test_training import BASE, adapter_of, assert_identical, create, run
-from tinkerd.engine import head
+from tinkerd.engine import gemm, head
 from tinkerd.engine.head import HeadPass
 from tinkerd.engine.lora.layers import LoraContext, LoraWeights, MultiLoraLinear
 from tinkerd.types import Datum, ForwardBackwardOp
@@ -34,15 +34,21 @@ def _runtime(vocab: int, hidden: int, lora: LoraWeights | None):
 @pytest.mark.parametrize("soft", [False, True])
 @pytest.mark.parametrize("scaling", [None, 1.0, 0.75])
 @pytest.mark.parametrize("direct", [False, True])
-def test_tiled_head_equals_a_float64_reference(monkeypatch, soft, scaling, direct):
+@pytest.mark.parametrize("lora_onednn_from", [64, 14])
+def test_tiled_head_equals_a_float64_reference(monkeypatch, soft, scaling, direct, lora_onednn_from):
     """Logprobs, d hidden and the head LoRA's grads of the written-out backward, over several row
     blocks and vocabulary tiles (targets in every tile), against autograd in float64; B's gradient
-    made either way (head.direct_b_grad), in B's layout."""
+    made either way (head.direct_b_grad), in B's layout. With the LoRA's products on oneDNN from 14
+    rows, the 14-row block takes them there (three per tile) and the 13-row ones stay on MKL."""
     monkeypatch.setattr(head, "direct_b_grad", lambda rows: direct)
+    monkeypatch.setattr(head, "LORA_MIN_ROWS", lora_onednn_from)
+    calls = []
+    linear, onednn = gemm._linear, gemm.onednn()  # onednn() probes _linear once per process: before counting
+    monkeypatch.setattr(gemm, "_linear", lambda x, w, b: calls.append(tuple(w.shape)) or linear(x, w, b))
     monkeypatch.setattr(head, "ROW_BLOCK", 16)
     monkeypatch.setattr(head, "TILE_CELLS", 16 * 700)
     monkeypatch.setattr(head, "MIN_TILE", 1)
-    vocab, hidden, m, rank = 3000, 24, 40, 4  # 3 blocks (16, 16, 8 rows); tiles of 700 and 1400 columns
+    vocab, hidden, m, rank = 3000, 24, 40, 4  # 3 blocks (14, 13, 13 rows); tiles of 700 columns (the last 200)
     gen = torch.Generator().manual_seed(1)
     lora = None if scaling is None else LoraWeights(torch.randn(rank, hidden, generator=gen) * 0.1,
                                                     torch.randn(vocab, rank, generator=gen) * 0.1, scaling)
@@ -73,6 +79,9 @@ def test_tiled_head_equals_a_float64_reference(monkeypatch, soft, scaling, direc
         assert (ours.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
     for ours, p in zip(g_params, params):
         assert ours.stride() == p.stride()  # fused CPU AdamW reads a gradient in its parameter's memory order
+    if onednn:  # beside the base GEMMs, a forward and an input gradient per block and tile (kept logits)
+        lora_calls = len(calls) - 2 * len(got.blocks) * len(got.tiles)
+        assert lora_calls == (0 if lora is None or lora_onednn_from > 14 else 3 * len(got.tiles))
 
 
 def _data(loss_fn: str, soft: bool = False) -> list[Datum]:
