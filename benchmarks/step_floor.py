@@ -109,12 +109,19 @@ class Floor:
             g_x, g_u = torch.empty_like(xs), None
             for t, tile in enumerate(head.tiles(self.config.vocab_size)):
                 z = gemm.linear(xs, self.head_w[tile])  # the logits tile, then (in the engine) d logits in its place
-                if us is not None:
-                    z.addmm_(us, self.head_lora[1][tile].t())
+                if us is not None:  # the LoRA's products as the engine's head makes them (head.LORA_MIN_ROWS)
+                    gemm.add_lora(z, us, self.head_lora[1][tile].t(), 1.0, n, head.LORA_MIN_ROWS)
                 gemm.add_input_grad(g_x, z, self.head_w[tile], first=t == 0)
                 if us is not None:
-                    g_u = z @ self.head_lora[1][tile] if g_u is None else g_u.addmm_(z, self.head_lora[1][tile])
-                    z.t() @ us
+                    b_tile = self.head_lora[1][tile]
+                    if g_u is None:
+                        g_u = gemm.lora_mm(z, b_tile, n, head.LORA_MIN_ROWS)
+                    else:
+                        gemm.add_lora(g_u, z, b_tile, 1.0, n, head.LORA_MIN_ROWS)
+                    if gemm.lora_on_onednn(z, n, head.LORA_MIN_ROWS):
+                        gemm.lora_mm(us.t(), z, n, head.LORA_MIN_ROWS)  # B's gradient as the engine makes it
+                    else:
+                        z.t() @ us
             if g_u is not None:
                 g_u.t() @ xs
                 g_x.addmm_(g_u, self.head_lora[0])

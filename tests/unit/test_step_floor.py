@@ -35,10 +35,11 @@ MAPPING = {torch.ops.aten.addmm_: _addmm_flops, torch.ops.mkldnn._linear_pointwi
 
 
 @pytest.mark.parametrize("unembed", [False, True])
-def test_floor_runs_the_steps_gemms(unembed):
+@pytest.mark.parametrize("tokens", [16, 32])  # 64 rows: the head LoRA's products on oneDNN (head.LORA_MIN_ROWS)
+def test_floor_runs_the_steps_gemms(unembed, tokens):
     config = LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=20_000)  # ten vocabulary tiles (engine/head.py)
-    rows, tokens, rank = 2, 16, 4
+    rows, rank = 2, 4
     floor = Floor(config, rows, tokens, rank, unembed)
     counted = {}
     for name in ("body", "head"):
