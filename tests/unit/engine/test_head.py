@@ -169,3 +169,33 @@ def test_tiled_and_autograd_heads_agree_through_the_engine(engine, monkeypatch, 
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
     for a, b in zip(tiled[2], autograd[2]):
         assert (a - b).abs().max() <= 1e-4 * b.abs().max()
+
+
+@pytest.mark.parametrize("soft", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_target_logprobs_of_the_autograd_head_against_float64(soft, dtype):
+    """The non-tiled head's logprobs (head.TargetLogprobs: a bf16 head, a softcap, a bias): fp32
+    logprobs whose forward is torch's logsumexp to the bit (its sequence, on the upcast logits), and
+    d logits from the kept exponentials within fp32 rounding of float64 autograd, in the logits'
+    dtype; soft targets may repeat a token."""
+    gen = torch.Generator().manual_seed(2)
+    logits = (torch.randn(37, 5000, generator=gen) * 4).to(dtype)
+    targets = torch.randint(0, 5000, (37, 3) if soft else (37,), generator=gen)
+    if soft:
+        targets[:, 2] = targets[:, 0]
+    g = torch.randn(targets.shape, generator=gen)
+    leaf = logits.clone().requires_grad_(True)
+    lp = head.TargetLogprobs.apply(leaf, targets)
+    (d,) = torch.autograd.grad(lp, leaf, g)
+
+    up = logits.float()
+    t = targets if soft else targets[:, None]
+    want = up.gather(-1, t) - torch.logsumexp(up, -1, keepdim=True)
+    assert lp.dtype == torch.float32 and torch.equal(lp, want if soft else want[:, 0])
+
+    x64 = logits.double().requires_grad_(True)
+    lp64 = x64.gather(-1, t) - torch.logsumexp(x64, -1, keepdim=True)
+    (d64,) = torch.autograd.grad(lp64 if soft else lp64[:, 0], x64, g.double())
+    assert d.dtype == dtype
+    tol = 1e-6 if dtype == torch.float32 else 1e-2  # bf16: the gradient is rounded to bf16 at the end
+    assert (d.double() - d64).abs().max() <= tol * d64.abs().max()
