@@ -256,8 +256,8 @@ class HeadPass:
             picked = torch.where(inside, z.gather(-1, index), picked)  # before z turns into exponentials
             row_max = []
             for blk, out in zip(runs, lses):
-                m = _exp_rows(z[blk.at])
-                out.append(z[blk.at].sum(-1).log_().add_(m[:, 0]))  # the tile's logsumexp, as torch's
+                m, lse = _exp_rows(z[blk.at])
+                out.append(lse[:, 0])
                 row_max.append(m)
             maxes.append(row_max)
             if self.keep:
@@ -291,8 +291,7 @@ class HeadPass:
                 for blk, m in zip(runs, self.maxes[k][t]):
                     d[blk.at].sub_(m).exp_()
             for blk, lse, total, m in zip(runs, self.lse[k], totals, self.maxes[k][t]):
-                # exp(z - m) * exp(m - lse) * -sum(g) = -sum(g) * softmax, in place
-                d[blk.at].mul_((m - lse[:, None]).exp_().mul_(total))
+                d[blk.at].mul_(_softmax_scale(m, lse[:, None], total))  # -sum(g) * softmax, in place
             index, inside = self._local(targets, tile)
             d.scatter_add_(-1, index, torch.where(inside, g2, 0.0))
             w = self.weight[tile]
@@ -368,14 +367,20 @@ class HeadPass:
         return head_grads
 
 
-def _exp_rows(z: torch.Tensor) -> torch.Tensor:
+def _exp_rows(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """z [R, W] -> exp(z - m) in place, m [R, 1] each row's max (0 where that is infinite), as
-    torch.logsumexp subtracts it; returns m. The logsumexp is then m + log(sum(z)), and the backward's
-    softmax z * exp(m - lse): one scaling pass where exp(z - lse) took a subtraction and an exp."""
+    torch.logsumexp subtracts it; returns (m, the rows' logsumexp [R, 1], torch's sequence and bits).
+    The backward's softmax is then z times _softmax_scale: one scaling pass where exp(z - lse) took a
+    subtraction and an exp."""
     m = z.amax(-1, keepdim=True)
     m.masked_fill_(m.abs() == float("inf"), 0.0)
     z.sub_(m).exp_()
-    return m
+    return m, z.sum(-1, keepdim=True).log_().add_(m)
+
+
+def _softmax_scale(m: torch.Tensor, lse: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """[R, 1]: what turns _exp_rows' exp(z - m) into total * softmax (lse over the whole row)."""
+    return (m - lse).exp_().mul_(total)
 
 
 def _logprobs(rt: "ModelRuntime", hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -402,8 +407,7 @@ class TargetLogprobs(torch.autograd.Function):
         z = logits.float() if logits.dtype != torch.float32 else logits.clone()  # ours to overwrite
         t = targets if targets.dim() == 2 else targets[:, None]
         picked = z.gather(-1, t)  # before z turns into exponentials
-        m = _exp_rows(z)
-        lse = z.sum(-1, keepdim=True).log_().add_(m)  # [C, 1]
+        m, lse = _exp_rows(z)
         ctx.save_for_backward(z, m, lse, t)
         ctx.dtype, ctx.soft = logits.dtype, targets.dim() == 2
         lp = picked - lse
@@ -413,6 +417,6 @@ class TargetLogprobs(torch.autograd.Function):
     def backward(ctx, g: torch.Tensor):
         e, m, lse, t = ctx.saved_tensors
         g2 = g if ctx.soft else g[:, None]
-        d = e * (m - lse).exp_().mul_(g2.sum(-1, keepdim=True).neg())  # -sum(g) * softmax
+        d = e * _softmax_scale(m, lse, g2.sum(-1, keepdim=True).neg())  # -sum(g) * softmax
         d.scatter_add_(-1, t, g2.to(d.dtype))
         return d.to(ctx.dtype), None
