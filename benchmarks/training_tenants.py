@@ -17,11 +17,20 @@ its solo one.
     python benchmarks/training_tenants.py                         # SmolLM2-135M, 2 x 128 per client, 1 thread
     python benchmarks/training_tenants.py --tenants 1,4 --rounds 3 --threads 2
     python benchmarks/training_tenants.py --server-args="--dtype bfloat16"
+    python benchmarks/training_tenants.py --tenants 1,4 --rows 1 --tokens 8 --threads 2 --steps 30 --client-processes
+
+`--client-processes` runs each client in a process of its own, as separate tenants' programs are,
+instead of a thread of this one (whose GIL the clients share). On 2 cores it changed nothing
+(1 x 8 tokens, 2 threads, 2 rounds of 30 steps, alternated: threads 1.75x aggregate and 2.00x
+worst latency, processes 1.88x and 2.06x): the clients' CPU (6-9 ms a step), not their GIL, is
+what they cost the server. Short phases (`--steps` of a few) read lower than a long run: clients
+that start together split into two or three passes first and come together within a few steps.
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import shlex
 import shutil
@@ -78,6 +87,50 @@ def phase(tenants: list[Tenant], steps: int) -> tuple[float, list[list[float]]]:
     return time.perf_counter() - t0, latencies
 
 
+class ClientProcess:
+    """A Tenant in a process of its own (`--client-processes`): tenants are separate programs, each
+    with its own interpreter, not threads sharing this one's GIL."""
+
+    def __init__(self, ctx, url: str, model: str, rank: int, batch: np.ndarray, seed: int):
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_client_main, args=(child, url, model, rank, batch, seed), daemon=True)
+        self.proc.start()
+
+    def ready(self) -> None:
+        if self.conn.recv() != "ready":
+            raise RuntimeError("a client process failed to start")
+
+    def close(self) -> None:
+        self.conn.send(None)
+        self.proc.join(timeout=30)
+
+
+def _client_main(conn, url: str, model: str, rank: int, batch: np.ndarray, seed: int) -> None:
+    os.environ.setdefault("TINKER_TELEMETRY", "0")
+    tenant = Tenant(url, model, rank, batch, seed)
+    tenant.step()  # warm-up: first-step allocations, the optimizer's state
+    conn.send("ready")
+    while (msg := conn.recv()) is not None:
+        steps, start_at = msg
+        time.sleep(max(0.0, start_at - time.time()))
+        cpu0, latencies = time.process_time(), []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            tenant.step()
+            latencies.append(time.perf_counter() - t0)
+        conn.send((latencies, time.time(), time.process_time() - cpu0))
+
+
+def phase_in_processes(clients: list[ClientProcess], steps: int) -> tuple[float, list[list[float]], float]:
+    """phase() with each tenant in its own process: (wall seconds, each tenant's step latencies,
+    the clients' CPU seconds). They start together at a wall-clock time a little ahead."""
+    start_at = time.time() + 0.2
+    for c in clients:
+        c.conn.send((steps, start_at))
+    results = [c.conn.recv() for c in clients]
+    return max(r[1] for r in results) - start_at, [r[0] for r in results], sum(r[2] for r in results)
+
+
 def engine_counts(url: str) -> dict[str, float]:
     """What the server's metrics say so far: `passes`, the forward_backward passes run (a pass of
     several runs counts once, tinkerd_shared_pass_runs_count; an op that ran alone is a pass of its
@@ -116,6 +169,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="passes over every N")
     ap.add_argument("--steps", type=int, default=2, help="steps per client per phase")
     ap.add_argument("--server-args", default="", help="extra `tinkerd serve` arguments, e.g. '--dtype bfloat16'")
+    ap.add_argument("--client-processes", action="store_true",
+                    help="each SDK client in a process of its own instead of a thread of this one")
     args = ap.parse_args()
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     counts = [int(n) for n in args.tenants.split(",")]
@@ -132,10 +187,16 @@ def main() -> None:
         model_dir = cache_dir_for(args.model, base / "models")
         vocab = AutoConfig.from_pretrained(str(model_dir) if model_dir.exists() else args.model).vocab_size
         # Each tenant its own data and adapter seed: nothing is shared but the base model.
-        tenants = [Tenant(server.url, args.model, args.rank, make_batch(vocab, args.rows, args.tokens, seed=i), seed=i)
-                   for i in range(max(counts))]
-        for t in tenants:  # warm-up: first-step allocations, the optimizer's state
-            t.step()
+        batches = [make_batch(vocab, args.rows, args.tokens, seed=i) for i in range(max(counts))]
+        if args.client_processes:
+            ctx = multiprocessing.get_context("spawn")
+            tenants = [ClientProcess(ctx, server.url, args.model, args.rank, batches[i], seed=i) for i in range(max(counts))]
+            for t in tenants:
+                t.ready()
+        else:
+            tenants = [Tenant(server.url, args.model, args.rank, batches[i], seed=i) for i in range(max(counts))]
+            for t in tenants:  # warm-up: first-step allocations, the optimizer's state
+                t.step()
         load_before = load_average()
         busy0, total0 = cpu_jiffies()
         walls: dict[int, list[float]] = {n: [] for n in counts}
@@ -147,8 +208,12 @@ def main() -> None:
         for _ in range(args.rounds):
             for n in counts:
                 before, cpu0 = engine_counts(server.url), time.process_time()
-                wall, lat = phase(tenants[:n], args.steps)
-                client_cpu[n] += time.process_time() - cpu0
+                if args.client_processes:
+                    wall, lat, cpu = phase_in_processes(tenants[:n], args.steps)
+                else:
+                    wall, lat = phase(tenants[:n], args.steps)
+                    cpu = time.process_time() - cpu0
+                client_cpu[n] += cpu
                 after = engine_counts(server.url)
                 for k in after:
                     seen[n][k] = seen[n].get(k, 0.0) + after[k] - before[k]
@@ -156,12 +221,15 @@ def main() -> None:
                 lats[n].extend(lat)
         busy1, total1 = cpu_jiffies()
     finally:
+        for t in locals().get("tenants", []) if args.client_processes else []:
+            t.close()
         server.stop()
         shutil.rmtree(data_dir, ignore_errors=True)
 
     tokens = args.rows * args.tokens
     print(f"model={args.model} threads={args.threads} server_args={args.server_args!r} per-client batch="
-          f"{args.rows}x{args.tokens} rank={args.rank} steps/client/phase={args.steps} rounds={args.rounds} cpus={os.cpu_count()}")
+          f"{args.rows}x{args.tokens} rank={args.rank} steps/client/phase={args.steps} rounds={args.rounds} cpus={os.cpu_count()} "
+          f"clients in {'processes' if args.client_processes else 'threads of this process'}")
     print(f"load average before: {load_before}, after: {load_average()}; machine busy "
           f"{100 * (busy1 - busy0) / max(1, total1 - total0):.0f}% during the run (all processes)")
     # Passes per round: N when every round's forward_backward ops of the N clients share one pass.
