@@ -106,7 +106,6 @@ class ClientProcess:
 
 
 def _client_main(conn, url: str, model: str, rank: int, batch: np.ndarray, seed: int) -> None:
-    os.environ.setdefault("TINKER_TELEMETRY", "0")
     tenant = Tenant(url, model, rank, batch, seed)
     tenant.step()  # warm-up: first-step allocations, the optimizer's state
     conn.send("ready")
@@ -179,6 +178,7 @@ def main() -> None:
     share_models(base / "models")
     data_dir = Path(tempfile.mkdtemp(prefix="tenants-", dir=base))
     server = start_server(data_dir, [args.model], ["--threads", str(args.threads), *shlex.split(args.server_args)])
+    clients: list[ClientProcess] = []  # with --client-processes, to stop at the end
     try:
         from transformers import AutoConfig
 
@@ -190,7 +190,8 @@ def main() -> None:
         batches = [make_batch(vocab, args.rows, args.tokens, seed=i) for i in range(max(counts))]
         if args.client_processes:
             ctx = multiprocessing.get_context("spawn")
-            tenants = [ClientProcess(ctx, server.url, args.model, args.rank, batches[i], seed=i) for i in range(max(counts))]
+            tenants = clients = [ClientProcess(ctx, server.url, args.model, args.rank, batches[i], seed=i)
+                                 for i in range(max(counts))]
             for t in tenants:
                 t.ready()
         else:
@@ -221,8 +222,8 @@ def main() -> None:
                 lats[n].extend(lat)
         busy1, total1 = cpu_jiffies()
     finally:
-        for t in locals().get("tenants", []) if args.client_processes else []:
-            t.close()
+        for c in clients:
+            c.close()
         server.stop()
         shutil.rmtree(data_dir, ignore_errors=True)
 
