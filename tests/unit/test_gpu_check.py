@@ -5,6 +5,7 @@ weights of the tiny model's config), the path a lent machine takes."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +25,9 @@ def test_gpu_check_runs_its_sft_loop_sampling_and_tenant_phase_on_random_weights
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     lines = out.stdout.splitlines()
-    assert any(line.startswith("batched LoRA GEMMs == single GEMMs on cpu float32: yes") for line in lines), out.stdout
+    # The verdict is the BLAS's (MKL on AMD Zen 5: yes; on an Intel Xeon with AMX: no, at 64 and 512
+    # rows), which the engine probes for itself (lora/batched.py keeps_bits): here only that it is given.
+    assert any(re.match(r"batched LoRA GEMMs == single GEMMs on cpu float32: (yes|no)", line) for line in lines), out.stdout
     assert any(line.startswith("model=") and "random-weights" in line for line in lines), out.stdout
     train = next(line for line in lines if line.startswith("train: "))
     assert float(train.split()[1]) > 0

@@ -263,7 +263,8 @@ def _shared_pass(rt: "ModelRuntime", parts: list[training.Prepared]):
             lora = head_lora(rt, p.adapter.slot)
             head_grads.append({} if got is None else {id(lora[0]): got[0], id(lora[1]): got[1]})
     body = [[t for t in p.adapter.parameters() if id(t) not in grads] for p, grads in zip(parts, head_grads)]
-    flat_grads = torch.autograd.grad(hidden, [t for b in body for t in b], grad_outputs=g_hidden, allow_unused=True)
+    body_params = [t for b in body for t in b]  # none where every run trains only its head
+    flat_grads = torch.autograd.grad(hidden, body_params, grad_outputs=g_hidden, allow_unused=True) if body_params else []
     at = 0
     for k, p in enumerate(parts):
         by_id = head_grads[k] | {id(t): g for t, g in zip(body[k], flat_grads[at : at + len(body[k])])}

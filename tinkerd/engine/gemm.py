@@ -68,9 +68,13 @@ def _linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torc
     return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [None], "")
 
 
+def ours(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether x and W's fp32 CPU GEMMs outside autograd go through oneDNN here (`linear`, `input_grad`)."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and w.dtype == torch.float32 and onednn()
+
+
 def _ours(x: torch.Tensor, w: torch.Tensor) -> bool:
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and w.dtype == torch.float32
-            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)) and onednn())
+    return not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)) and ours(x, w)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -4,14 +4,19 @@ A shared training pass (engine/cotrain.py) runs the frozen linears of the body o
 run's rows, and the head's GEMMs over consecutive blocks of several runs. Each run gets the bits of
 its op alone only if a row's output is the same in the GEMM its op runs alone and in the shared
 one. That is a property of the BLAS, of the kernels it picks for the CPU it finds and of the thread
-count, not of torch. MKL's sgemm on this project's CI machine (fp32, SmolLM2's shapes): at 1, 3 or
-4 threads a GEMM of 1-3 rows takes another kernel than a bigger one; at 2 or 8 threads one of 1-3,
-5-7 or 9-11 rows does too; from 12 rows up a row's bits never moved. A shared pass that took a
-6-token op at 2 threads gave that run other numbers than its op alone, silently; recovery's replay
-and "equals an uninterrupted run" rest on those bits.
+count, not of torch. MKL's sgemm (fp32, SmolLM2's shapes) on an AMD EPYC (Zen 5): at 1, 3 or 4
+threads a GEMM of 1-3 rows takes another kernel than a bigger one; at 2 or 8 threads one of 1-3,
+5-7 or 9-11 rows does too; from 12 rows up a row's bits never moved. On an Intel Xeon with AMX at
+2 threads, 1-15 rows in the forward and, for the [1536, 576] weights, every count from 17 to 128
+rows in the input gradient or the forward: no shared pass could keep a run's bits there. oneDNN's
+GEMMs (engine/gemm.py), which a fp32 training pass runs for every LoRA-wrapped linear, moved a row
+only alone (1 row) on both. A shared pass that took a 6-token op at 2 threads gave that run other
+numbers than its op alone, silently; recovery's replay and "equals an uninterrupted run" rest on
+those bits.
 
 So before a model's first shared pass the engine asks, once per model and thread count, for every
-distinct linear of the body (forward x W^T with its bias, and the input gradient dY W) and for the
+distinct linear of the body (forward x W^T with its bias, and the input gradient dY W, through the
+GEMMs the pass runs on it: oneDNN's for a wrapped fp32 linear, else torch's) and for the
 head's tiles (x W_tile^T, and dY W_tile accumulated as the tiled head does, engine/head.py): which
 row counts up to SCAN_ROWS, as a GEMM of their own and at an offset inside one, give other bits
 than the same rows of a GEMM of BATCH_ROWS rows (the "odd" row counts). cotrain then shares a pass
@@ -95,15 +100,21 @@ def _probes(rt: "ModelRuntime") -> list[tuple[str, tuple[int, int], torch.dtype,
     a shared pass spans."""
     out_head = rt.model.get_output_embeddings()
     head_linear = getattr(out_head, "base", out_head)
+    # A LoRA-wrapped fp32 linear trains through the fused node with or without adapters, whose GEMMs
+    # are oneDNN's where it is on (lora/fused.py: fits): torch's never run on it in a shared pass.
+    fused_only = {id(layer.base) for layer in rt.layers.values()
+                  if gemm.onednn() and layer.base.weight.dtype == torch.float32 and layer.base.weight.device.type == "cpu"}
     seen, probes = set(), []
     for module in rt.model.modules():
         if not isinstance(module, torch.nn.Linear) or module is head_linear:
             continue
         key = (tuple(module.weight.shape), module.weight.dtype, module.bias is not None)
-        if key not in seen:
-            seen.add(key)
-            probes.append(("the forward", *key, _forward, True))
-            probes.append(("the input gradient", *key, _input_grad, False))
+        torch_path = id(module) not in fused_only
+        if (key, torch_path) not in seen:
+            seen.add((key, torch_path))
+            if torch_path:
+                probes.append(("the forward", *key, _forward, True))
+                probes.append(("the input gradient", *key, _input_grad, False))
             if gemm.onednn():
                 probes.append(("the fused node's forward", *key, gemm.linear, True))
                 probes.append(("the fused node's input gradient", *key, _pass_input_grad, False))

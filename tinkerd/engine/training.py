@@ -165,7 +165,8 @@ def _logprobs_and_grads(rt, input_ids, mask, inputs, loss: LossFn, config, param
     g_head, head_grads = unembed.backward(g_lp, head_params)
     g_hidden = g_head if m == hidden.shape[0] else torch.cat([g_head, hidden.new_zeros((hidden.shape[0] - m, hidden.shape[1]))])
     body_params = [p for p in params if not any(p is h for h in head_params)]
-    body_grads = torch.autograd.grad(hidden, body_params, grad_outputs=g_hidden, allow_unused=True)
+    # An adapter of the head alone (train_attn and train_mlp off) has nothing in the body to differentiate.
+    body_grads = torch.autograd.grad(hidden, body_params, grad_outputs=g_hidden, allow_unused=True) if body_params else []
     by_id = {id(p): g for p, g in zip(head_params, head_grads)} | {id(p): g for p, g in zip(body_params, body_grads)}
     grads = [by_id[id(p)] for p in params]
     if ranks is not None:

@@ -174,43 +174,94 @@ def two_threads():
     torch.set_num_threads(1)
 
 
-def test_at_two_threads_an_op_whose_gemm_rows_round_otherwise_runs_alone(engine, two_threads):
-    """engine/rowbits.py: at 2 threads MKL gives a GEMM of 5-7 or 9-11 rows other bits than the same
-    rows inside a bigger batch, so a 6-token op that shared a pass (32 rows here) got other numbers
-    than alone. The probe finds those row counts on the machine; an op whose rows alone, or whose
-    pass's, are among them runs alone, the others still share, and each gets its bits alone."""
-    odd = engine.runtime(BASE).odd_rows
-    assert odd is not None and {1, 2, 3} <= odd  # MKL's small-GEMM kernel at any thread count
-    solo, fused = twins(engine, "cotrain-2t")
+@pytest.mark.parametrize("path", ["onednn", "torch"])
+def test_at_two_threads_an_op_whose_gemm_rows_round_otherwise_runs_alone(engine, two_threads, monkeypatch, path):
+    """engine/rowbits.py: at 2 threads MKL gives a GEMM of 5-7 or 9-11 rows (AMD Zen 5), or of 17-128
+    rows for some shapes (Intel Xeon), other bits than the same rows inside a bigger batch, so a
+    6-token op that shared a pass (32 rows here) got other numbers than alone. The probe finds those
+    row counts on the machine, for the GEMMs the pass runs (oneDNN's, or torch's with
+    TINKERD_CPU_GEMM=torch); an op whose rows alone, or whose pass's, are among them runs alone, the
+    others still share, a model whose odd rows do not settle shares nothing, and each op gets its
+    bits alone whichever it is."""
+    from tinkerd.engine import gemm
+    from tinkerd.engine.lora import fused
+
+    if path == "torch":
+        monkeypatch.setattr(gemm, "onednn", lambda: False)
+    elif not gemm.onednn():
+        pytest.skip("oneDNN's linear is not in this torch build")
+    fused.keeps_bits.cache_clear()
+    rt = engine.runtime(BASE)
+    monkeypatch.setattr(rt, "odd_rows_by_threads", {})
+    odd = rt.odd_rows
+    assert odd is None or 1 in odd  # both BLASes take another kernel for a row alone
+    solo, together_ids = twins(engine, f"cotrain-2t-{path}")
     data = [sft_data(71, lengths=(6,)), sft_data(72, lengths=(8,)), sft_data(73, lengths=(8, 8))]
-    ops = [ForwardBackwardOp(m, data[k], "cross_entropy") for k, m in enumerate(fused)]
+    ops = [ForwardBackwardOp(m, data[k], "cross_entropy") for k, m in enumerate(together_ids)]
     together, shared = step(engine, ops)
-    assert shared == ([2] if 6 in odd else [3])
-    assert_each_as_alone(engine, solo, fused, data, together, "a pass at 2 threads")
+    assert shared == ([] if odd is None else [2] if odd & {6, 24} else [3])
+    assert_each_as_alone(engine, solo, together_ids, data, together, f"a pass at 2 threads ({path})")
+    fused.keeps_bits.cache_clear()
+
+
+def test_layers_no_run_trains_take_onednns_gemms_alone_and_shared_and_keep_each_runs_bits(engine, two_threads, monkeypatch):
+    """Runs trained without their MLP (and one without attention): in a pass those layers have no
+    adapter of any run, and still take the fused node's GEMMs (oneDNN's, lora/fused.py: fits), as
+    the same op alone does, so the probe checks only those for a wrapped linear (MKL's fp32 sgemm
+    at 2 threads on an Intel Xeon rounds a row by the batch from 17 rows, and turned the whole model's
+    shared passes off). The runs share one pass and each gets its bits alone."""
+    from tinkerd.engine import gemm, rowbits
+
+    if not gemm.onednn():
+        pytest.skip("oneDNN's linear is not in this torch build")
+    rt = engine.runtime(BASE)
+    assert not [p for p in rowbits._probes(rt) if p[0] in ("the forward", "the input gradient")
+                and p[2] == torch.float32]  # every fp32 linear of the tiny body is wrapped
+    specs = [LoraSpec(rank=8, alpha=16.0, seed=21, train_mlp=False), LoraSpec(rank=4, alpha=8.0, seed=22, train_mlp=False),
+             LoraSpec(rank=8, alpha=16.0, seed=23, train_attn=False, train_mlp=False)]
+    solo, together_ids = twins_of(engine, "cotrain-nomlp", specs)
+    data = [sft_data(91 + k, lengths=(16, 12)) for k in range(len(specs))]
+    weights = []
+    linear = gemm._linear
+    monkeypatch.setattr(gemm, "_linear", lambda x, w, b: weights.append(w.data_ptr()) or linear(x, w, b))
+    together, shared = step(engine, [ForwardBackwardOp(m, data[k], "cross_entropy") for k, m in enumerate(together_ids)])
+    assert shared == [len(specs)]
+    down = [layer.base.weight.data_ptr() for name, layer in rt.layers.items() if name.endswith("down_proj")]
+    # The untrained MLP's GEMMs were oneDNN's: forward x W^T and input gradient d W (W^T, the same memory).
+    assert all(weights.count(ptr) == 2 for ptr in down), [weights.count(ptr) for ptr in down]
+    monkeypatch.setattr(gemm, "_linear", linear)
+    assert_each_as_alone(engine, solo, together_ids, data, together, "a pass without MLP adapters")
+    # Runs that train only the head: nothing of the body to differentiate, alone or shared.
+    heads = [LoraSpec(rank=8, alpha=16.0, seed=24 + k, train_attn=False, train_mlp=False) for k in range(2)]
+    solo, together_ids = twins_of(engine, "cotrain-head", heads)
+    together, shared = step(engine, [ForwardBackwardOp(m, data[k], "cross_entropy") for k, m in enumerate(together_ids)])
+    assert shared == [2]
+    assert_each_as_alone(engine, solo, together_ids, data[:2], together, "a pass of head adapters")
 
 
 def test_the_probe_sends_ops_of_odd_row_counts_alone_and_turns_a_model_off_when_they_do_not_settle(engine, monkeypatch):
     """A BLAS faked inside the probe: one that rounds GEMMs of 5 or 6 rows another way keeps 8-token
     ops sharing and sends 5- and 6-token ones alone; one that does so for every 5th row count turns
     the model's shared passes off. No op is refused either way."""
-    from tinkerd.engine import rowbits
+    from tinkerd.engine import gemm, rowbits
 
     rt = engine.runtime(BASE)
-    forward = rowbits._forward
+    forwards = {rowbits: rowbits._forward, gemm: gemm.linear}  # torch's, and oneDNN's (the fused node's)
 
-    def skewed(odd_if):
-        def gemm(x, w, b):
+    def skewed(forward, odd_if):
+        def product(x, w, b=None):
             y = forward(x, w, b)
             return y.add(1e-3) if odd_if(x.shape[0]) else y
-        return gemm
+        return product
 
     solo, _ = twins(engine, "cotrain-odd")
     for odd_if, found, expected in ((lambda m: m in (5, 6), {5, 6}, [1, 1, 2]), (lambda m: m % 5 == 0, None, [1, 1, 1, 1])):
-        monkeypatch.setattr(rowbits, "_forward", skewed(odd_if))
+        monkeypatch.setattr(rowbits, "_forward", skewed(forwards[rowbits], odd_if))
+        monkeypatch.setattr(gemm, "linear", skewed(forwards[gemm], odd_if))
         monkeypatch.setattr(rt, "odd_rows_by_threads", {})
         ops = [ForwardBackwardOp(m, sft_data(81 + k, lengths=(n,)), "cross_entropy")
                for k, (m, n) in enumerate(((solo[0], 5), (solo[1], 6), (solo[2], 8), (solo[0], 8)))]
-        assert rt.odd_rows is None if found is None else found <= rt.odd_rows  # with MKL's own (1-3 rows)
+        assert rt.odd_rows is None if found is None else found <= rt.odd_rows  # with the BLAS's own (1 row, ...)
         assert [len(p) for p in cotrain.passes(engine, [(str(i), op) for i, op in enumerate(ops)])] == expected
 
 

@@ -85,7 +85,8 @@ class LoraLinear(torch.autograd.Function):
                 us = u * p.scaling if power_of_two(p.scaling) and p.scaling != 1.0 else u
                 _add_into(y, p, us, b.t(), _alpha(p))
                 kept += [xs if p.width < x.shape[1] else None, us]
-            ctx.save_for_backward(x, weight, *a_s, *b_s, *[t for t in kept if t is not None])
+            # With no parts x is not needed (its frozen base's input gradient is d W): not kept, as autograd's linear.
+            ctx.save_for_backward(x if parts else None, weight, *a_s, *b_s, *[t for t in kept if t is not None])
             ctx.narrow = [p.width < x.shape[1] for p in parts]
         ctx.parts, ctx.batched = parts, batched
         return y
@@ -192,9 +193,13 @@ def keeps_bits(g: int, m: int, in_features: int, out_features: int, rank: int, s
 
 def fits(x: torch.Tensor, base: torch.nn.Linear, loras: list) -> bool:
     """Whether this layer's training forward takes LoraLinear: a 3-D input, a frozen base, and
-    every adapter on it in the input's dtype (fp32 masters on a bf16 base keep autograd's path)."""
+    every adapter on it in the input's dtype (fp32 masters on a bf16 base keep autograd's path).
+    A layer with no adapter of any of the pass's runs (a run trained without its MLP, say) takes it
+    too, with no parts, where its GEMMs are oneDNN's (gemm.py): alone and in a shared pass alike, so
+    no base GEMM of a fp32 training pass is MKL's, whose rows round by the batch on some CPUs
+    (engine/rowbits.py: an Intel Xeon at 2 threads, from 17 rows)."""
     return (x.dim() == 3 and not base.weight.requires_grad and (base.bias is None or not base.bias.requires_grad)
-            and any(lw is not None for lw in loras)
+            and (any(lw is not None for lw in loras) or gemm.ours(x, base.weight))
             and all(lw is None or (lw.a.dtype == x.dtype and lw.b.dtype == x.dtype) for lw in loras))
 
 
