@@ -13,8 +13,11 @@ calls cost about what they save); 2 x 512 at 2 threads 1.054x.
 
 From causal_gemm.MIN_WIDTH to MAX_WIDTH tokens (224-4096), with oneDNN on (engine/gemm.py), the
 blocks are not this kernel's calls but oneDNN GEMMs and torch's softmax (engine/causal_gemm.py:
-1.2-1.9x faster again on these shapes), cut by that module's `spans` and held to the same mask rule;
-a bf16 pass's attention goes there too, computed in fp32.
+1.2-1.9x faster again on these shapes on an AMD CPU), cut by that module's `spans` and held to the
+same mask rule; a bf16 pass's attention goes there too, computed in fp32. Not on a CPU where the
+flash kernel is the faster (engine/cpu.py): an Intel CPU's MKL in fp32 (there these blocks, 1 thread,
+2 x 256 tokens: 7.1 ms against the GEMM blocks' 11.2; 2 threads 4.4 against 7.7), and AMX in bf16,
+where HF's one SDPA call runs (4.5 ms against 7.9 at 2 threads).
 
 fp32 only: in bf16 the kernel's per-call cost ate the gain (1 thread, the shapes above: 256 tokens
 16.4 -> 18.0 ms, 512: 54.9 -> 49.5, 1024: 132 -> 167), and the keys' gradients summed block by

@@ -30,7 +30,7 @@ import functools
 
 import torch
 
-from tinkerd.engine import gemm
+from tinkerd.engine import cpu, gemm
 
 # Queries per block: fewer, larger GEMMs against skipping more of the masked half. 128 (two blocks at
 # 256 tokens, four at 512) was fastest up to 1024 tokens on the CPU above; 1/8 of the width beyond.
@@ -52,11 +52,12 @@ def spans(t: int) -> list[tuple[int, int]]:
 
 def fits(q: torch.Tensor, sees: torch.Tensor | None = None) -> bool:
     """Whether these blocks take an attention of q [B, H, T, d] (mask rules aside: causal._fits): fp32
-    or bf16, a width in range, oneDNN on, and a mask (if any) of HF's [B or 1, 1, T, T] shape, one for
-    every head."""
+    or bf16, a width in range, oneDNN on, a CPU where they beat the flash kernel at this dtype
+    (engine/cpu.py: not an Intel CPU's MKL in fp32, nor AMX in bf16), and a mask (if any) of HF's
+    [B or 1, 1, T, T] shape, one for every head."""
     return (q.dtype in (torch.float32, torch.bfloat16) and MIN_WIDTH <= q.shape[2] <= MAX_WIDTH
             and (sees is None or (sees.dim() == 4 and sees.shape[1] == 1 and sees.shape[0] in (1, q.shape[0])))
-            and gemm.onednn())
+            and gemm.onednn() and cpu.gemm_attention(q.dtype))
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sees: torch.Tensor | None,

@@ -4,7 +4,10 @@ torch runs an fp32 `F.linear` or `mm` on a CPU through MKL's sgemm. On AMD CPUs 
 kernels even where the core has full-width AVX-512 (Zen 5), while oneDNN, which torch also ships
 (the `mkldnn` ops), picks its kernels by the CPU's features. SmolLM2-135M's shapes, 512 rows, fp32,
 AMD EPYC (Zen 5): MKL 111-119 GFLOP/s at 1 thread, oneDNN 250-270; 237 against 507 at 2 threads.
-At 32 rows oneDNN is 1.5-2.3x, at 8 rows 0.95-2.5x. Both are fp32 throughout (no bf16 or TF32
+At 32 rows oneDNN is 1.5-2.3x, at 8 rows 0.95-2.5x. On an Intel Xeon (MKL's AVX-512 kernels) the two
+ran the base GEMMs at 512 rows within a few percent of each other (the input gradient 0-12% slower
+on oneDNN), but MKL's rounded a row by its batch from 17 rows at 2 threads where oneDNN's did not
+(engine/rowbits.py), so oneDNN stays the base GEMMs' everywhere. Both are fp32 throughout (no bf16 or TF32
 shortcut): against a float64 product their largest relative error was 3-7e-7 (MKL) and 4-12e-7
 (oneDNN), the rounding of a different summation order.
 
@@ -31,6 +34,8 @@ import os
 
 import torch
 import torch.nn.functional as F
+
+from tinkerd.engine import cpu
 
 log = logging.getLogger(__name__)
 
@@ -91,32 +96,36 @@ def input_grad(d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 # products that write a fresh tensor (x A^T, d B and the two weight gradients), rank 32, all 30
 # layers, ms MKL / oneDNN: 1 thread 8 rows 5.2 / 12.9, 32 rows 14.2 / 17.8, 128 rows 54 / 39,
 # 256 rows 103 / 67, 512 rows 208 / 122; 2 threads 32 rows 10.0 / 16.6, 128 rows 30.1 / 30.3,
-# 256 rows 58 / 49, 512 rows 112 / 85. A part's rows are the same alone and in a shared pass.
-LORA_MIN_ROWS = 256
+# 256 rows 58 / 49, 512 rows 112 / 85 (AMD EPYC Zen 5). On an Intel CPU MKL runs AVX-512 and was
+# the faster at every size (Xeon with AMX, 2 threads, 512 rows, us per product MKL / oneDNN: x A^T
+# 59 / 69, d^T u 88 / 112, the sum u B^T 78 / 108; a step 1.047x): there never (engine/cpu.py).
+# A part's rows are the same alone and in a shared pass.
+NEVER = 1 << 62
+LORA_MIN_ROWS = NEVER if cpu.mkl_avx512() else 256
 
 
-def lora_on_onednn(t: torch.Tensor, rows: int, min_rows: int = LORA_MIN_ROWS) -> bool:
+def lora_on_onednn(t: torch.Tensor, rows: int, min_rows: int | None = None) -> bool:
     """Whether a LoRA product of operand `t` over a part of `rows` rows goes through oneDNN here."""
-    return rows >= min_rows and _ours(t, t)
+    return rows >= (LORA_MIN_ROWS if min_rows is None else min_rows) and _ours(t, t)
 
 
-def lora_mm(a: torch.Tensor, b: torch.Tensor, rows: int, min_rows: int = LORA_MIN_ROWS) -> torch.Tensor:
+def lora_mm(a: torch.Tensor, b: torch.Tensor, rows: int, min_rows: int | None = None) -> torch.Tensor:
     """a [M, K] b [K, N] for a LoRA product over a part of `rows` rows (either operand possibly a
-    transposed view): through oneDNN from `min_rows` rows, else torch.mm."""
-    return _linear(a, b.t(), None) if rows >= min_rows and _ours(a, b) else torch.mm(a, b)
+    transposed view): through oneDNN from `min_rows` rows (default LORA_MIN_ROWS), else torch.mm."""
+    return _linear(a, b.t(), None) if lora_on_onednn(a, rows, min_rows) and _ours(b, b) else torch.mm(a, b)
 
 
 def lora_b_grad(d: torch.Tensor, u: torch.Tensor, rows: int) -> torch.Tensor:
     """d^T u [out, R] (d [M, out], u [M, R]): a LoRA B's gradient over a part of `rows` rows. oneDNN
     copies a transposed input operand (not a transposed weight), so from LORA_MIN_ROWS rows it is
     made as (u^T d)^T: the copy is u^T's R rows, not d^T's `out` (3 MB a call for SmolLM2's MLP)."""
-    if rows >= LORA_MIN_ROWS and _ours(d, u):
+    if lora_on_onednn(d, rows) and _ours(u, u):
         return _linear(u.t(), d.t(), None).t()
     return torch.mm(d.t(), u)
 
 
 def add_lora(out: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor, alpha: float, rows: int,
-             min_rows: int = LORA_MIN_ROWS) -> None:
+             min_rows: int | None = None) -> None:
     """out [M, N] += alpha * m1 [M, R] m2 [R, N]: a LoRA delta summed into a base output or input
     gradient over a part of `rows` rows. From LORA_MIN_ROWS rows oneDNN's product, then an in-place
     add; below, MKL's addmm_ (the sum inside the GEMM). SmolLM2, 2 x 256 tokens, rank 32, a step in
@@ -124,7 +133,7 @@ def add_lora(out: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor, alpha: float
     everywhere against 1037 / 1079 / 1115 (alone, rank-32 sums into 512 x 576 and 512 x 1536:
     1.2-1.4x at 2 threads, 1.4-1.6x at 1); at 1 thread the step moved within its noise. The head's
     LoRA (engine/head.py) passes its own `min_rows`: its products span a 2048-column tile."""
-    if rows >= min_rows and _ours(m1, m2):
+    if lora_on_onednn(m1, rows, min_rows) and _ours(m2, m2):
         out.add_(_linear(m1, m2.t(), None), alpha=alpha)
     else:
         out.addmm_(m1, m2, alpha=alpha)

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tinkerd.engine import gemm
+from tinkerd.engine import cpu, gemm
 
 if TYPE_CHECKING:
     from tinkerd.engine.engine import ModelRuntime
@@ -69,8 +69,9 @@ CHUNK_CELLS = 1 << 22
 # of 2048 columns, rank 32, ms per tile for the three, MKL / oneDNN: 1 thread 8 rows 0.040 / 0.061,
 # 32 rows 0.146 / 0.106, 64 rows 0.296 / 0.170, 512 rows 2.31 / 0.99; 2 threads 32 rows 0.081 /
 # 0.082, 64 rows 0.155 / 0.110, 512 rows 1.19 / 0.55 (AMD EPYC Zen 5). A run's blocks have the same
-# rows alone and in a shared pass, so they take the same products either way.
-LORA_MIN_ROWS = 64
+# rows alone and in a shared pass, so they take the same products either way. On an Intel CPU (MKL's
+# AVX-512 kernels, engine/cpu.py) MKL's throughout: a step 1.009-1.014x (Xeon with AMX, 1 and 2 threads).
+LORA_MIN_ROWS = gemm.NEVER if cpu.mkl_avx512() else 64
 
 
 def head_lora(rt: "ModelRuntime", slot: int | None = None) -> tuple[torch.Tensor, torch.Tensor, float] | None:

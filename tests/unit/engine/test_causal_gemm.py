@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.unit.engine.cpus import pin
 from tinkerd.engine import causal, causal_gemm, gemm
 
 LAYER = SimpleNamespace(is_causal=True, num_key_value_groups=3)
@@ -84,8 +85,10 @@ def calls(monkeypatch):
 
 @pytest.mark.parametrize("case,expected", [("wide", "GemmBlocks"), ("narrow", "CausalBlocks"),
                                            ("too wide", "CausalBlocks"), ("oneDNN off", "CausalBlocks"),
-                                           ("a mask per head", "CausalBlocks")])
+                                           ("a mask per head", "CausalBlocks"), ("an Intel CPU", "CausalBlocks")])
 def test_which_blocks_a_training_pass_gets(case, expected, calls, monkeypatch):
+    """engine/cpu.py: on an Intel CPU MKL's AVX-512 runs the flash kernel's products, and its blocks beat these."""
+    pin(monkeypatch, "intel" if case == "an Intel CPU" else "amd")
     mask = None
     if case == "a mask per head":  # not HF's [B, 1, T, T]: the flash kernel broadcasts it, these blocks would not
         mask = torch.ones(256, 256, dtype=torch.bool).tril().expand(2, 6, 256, 256)
@@ -105,10 +108,12 @@ def test_which_blocks_a_training_pass_gets(case, expected, calls, monkeypatch):
     torch.testing.assert_close(out.transpose(1, 2), ref, rtol=1e-5, atol=2e-5)
 
 
-def test_a_bf16_pass_gets_the_blocks_in_fp32_nearer_the_exact_answer_than_the_bf16_kernel(calls):
+def test_a_bf16_pass_gets_the_blocks_in_fp32_nearer_the_exact_answer_than_the_bf16_kernel(calls, monkeypatch):
     """bf16 q, k, v: widened, attended in fp32, output and gradients rounded to bf16 once; each
     nearer the float64 answer than transformers' bf16 SDPA call (the kernel it replaces)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    pin(monkeypatch, "amd")
 
     t = 256
     q, k, v, g = inputs(t)
@@ -125,3 +130,19 @@ def test_a_bf16_pass_gets_the_blocks_in_fp32_nearer_the_exact_answer_than_the_bf
         ours_err, theirs_err = ((y.float() - x).abs().max().item() for y in (a, b))
         assert ours_err < theirs_err, (what, ours_err, theirs_err)
         torch.testing.assert_close(a.float(), x, rtol=2 ** -7, atol=1e-3, msg=what)  # one rounding to bf16
+
+
+def test_a_bf16_pass_on_amx_gets_transformers_sdpa_call(calls, monkeypatch):
+    """engine/cpu.py: with AMX torch's bf16 flash kernel beats the fp32 blocks (1.15x a SmolLM2 step at
+    2 threads), so a bf16 pass's attention is transformers' own SDPA call there, to the bit."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    pin(monkeypatch, "intel")
+    q, k, v, g = inputs(256)
+    low = [x.detach().bfloat16().requires_grad_() for x in (q, k, v)]
+    ours = grads(lambda *a: causal.sdpa_attention(LAYER, *a, None, scaling=0.25, tinkerd_causal_blocks=True)[0]
+                 .transpose(1, 2), *low, g.bfloat16())
+    theirs = grads(lambda *a: sdpa_attention_forward(LAYER, *a, None, scaling=0.25)[0].transpose(1, 2), *low,
+                   g.bfloat16())
+    assert calls == []
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))

@@ -420,16 +420,20 @@ def test_a_sliding_window_that_bites_keeps_a_runs_attention_call_masked():
     assert attention_calls(groups, mask, 8) == [(4, 12, False)]  # the window bites every run
 
 
-@pytest.mark.parametrize("lengths,blocks", [(((100, 96), (64, 64), (90,)), "CausalBlocks"),
-                                            (((240, 230), (224, 224), (250,)), "GemmBlocks")])
-def test_runs_wide_enough_for_causal_query_blocks_keep_their_bits(engine, monkeypatch, lengths, blocks):
+@pytest.mark.parametrize("lengths,column,blocks", [(((100, 96), (64, 64), (90,)), "amd", "CausalBlocks"),
+                                                   (((240, 230), (224, 224), (250,)), "amd", "GemmBlocks"),
+                                                   (((240, 230), (224, 224), (250,)), "intel", "CausalBlocks")])
+def test_runs_wide_enough_for_causal_query_blocks_keep_their_bits(engine, monkeypatch, lengths, column, blocks):
     """From 64 tokens attention runs in causal query blocks cut from the width (engine/causal.py,
-    from 224 as oneDNN GEMMs, engine/causal_gemm.py): each run's call at its own width, padded or
-    not, gives the bits of its op alone."""
+    from 224 as oneDNN GEMMs, engine/causal_gemm.py, where the CPU's MKL is not AVX-512: engine/cpu.py):
+    each run's call at its own width, padded or not, gives the bits of its op alone."""
+    from tests.unit.engine.cpus import pin
     from tinkerd.engine import causal, causal_gemm
 
+    pin(monkeypatch, column)
+
     specs = [LoraSpec(rank=4 * (k + 1), alpha=16.0, seed=40 + k) for k in range(len(lengths))]
-    solo, fused = twins_of(engine, f"cotrain-{blocks}", specs)
+    solo, fused = twins_of(engine, f"cotrain-{blocks}-{column}", specs)
     widths = []
     for fn in (causal.CausalBlocks, causal_gemm.GemmBlocks):
         apply = fn.apply

@@ -32,9 +32,16 @@ def counted(monkeypatch):
     return calls
 
 
+@pytest.fixture(params=[256, gemm.NEVER], ids=["lora-onednn-from-256", "lora-mkl"])
+def lora_min_rows(request, monkeypatch):
+    """engine/cpu.py's two columns for the LoRA products: oneDNN's from 256 rows (AMD), MKL's always (Intel)."""
+    monkeypatch.setattr(gemm, "LORA_MIN_ROWS", request.param)
+    return request.param
+
+
 @needs_onednn
 @pytest.mark.parametrize("rows", [8, 300])
-def test_each_function_equals_the_float64_product(rows, counted):
+def test_each_function_equals_the_float64_product(rows, counted, lora_min_rows):
     g = torch.Generator().manual_seed(0)
     x, w, bias = torch.randn(rows, 96, generator=g), torch.randn(160, 96, generator=g), torch.randn(160, generator=g)
     d = torch.randn(rows, 160, generator=g)
@@ -62,7 +69,7 @@ def test_under_autograd_it_leaves_the_product_to_torch(counted):
 
 @needs_onednn
 @pytest.mark.parametrize("rows_per_part", [12, 300])
-def test_the_fused_node_runs_its_gemms_on_onednn_and_equals_the_layer(rows_per_part, counted):
+def test_the_fused_node_runs_its_gemms_on_onednn_and_equals_the_layer(rows_per_part, counted, lora_min_rows):
     """Two runs of a shared pass, fp32: output and every gradient within fp32 rounding of the layer
     as float64 autograd ops; the base forward and input gradient on oneDNN, and the four LoRA
     products and the two sums of each run's deltas there too once a run has LORA_MIN_ROWS rows."""
