@@ -101,7 +101,9 @@ def _probes(rt: "ModelRuntime") -> list[tuple[str, tuple[int, int], torch.dtype,
     out_head = rt.model.get_output_embeddings()
     head_linear = getattr(out_head, "base", out_head)
     # A LoRA-wrapped fp32 linear trains through the fused node with or without adapters, whose GEMMs
-    # are oneDNN's where it is on (lora/fused.py: fits): torch's never run on it in a shared pass.
+    # are oneDNN's where it is on (lora/fused.py: fits): torch's never run on it in a shared pass. That
+    # holds for its 3-D inputs; a wrapped linear with 2-D ones (a MoE's shared expert, its rows routed
+    # per token) belongs to a family without shared passes (cotrain.SHARED_MOE).
     fused_only = {id(layer.base) for layer in rt.layers.values()
                   if gemm.onednn() and layer.base.weight.dtype == torch.float32 and layer.base.weight.device.type == "cpu"}
     seen, probes = set(), []
