@@ -119,6 +119,15 @@ def test_two_training_clients_keep_separate_weights(service_client, sft_data):
     assert fa.result().metrics["loss:sum"] < loss_b_before
 
 
+def test_an_adapter_of_the_head_alone_trains(service_client, sft_data):
+    """train_attn and train_mlp off, train_unembed on: nothing of the body to differentiate (the
+    engine once failed every such forward_backward with a server error)."""
+    tc = service_client.create_lora_training_client(base_model=TINY, rank=4, seed=3, train_attn=False,
+                                                    train_mlp=False, train_unembed=True).result()
+    losses = _train(tc, sft_data, 6)
+    assert losses[-1] < losses[0], losses
+
+
 def test_llama_architecture_trains(service_client, sft_data):
     tc = service_client.create_lora_training_client(base_model="tinkerd/tiny-llama", rank=4, seed=1).result()
     losses = _train(tc, sft_data, 8)

@@ -104,8 +104,7 @@ def _probes(rt: "ModelRuntime") -> list[tuple[str, tuple[int, int], torch.dtype,
     # are oneDNN's where it is on (lora/fused.py: fits): torch's never run on it in a shared pass. That
     # holds for its 3-D inputs; a wrapped linear with 2-D ones (a MoE's shared expert, its rows routed
     # per token) belongs to a family without shared passes (cotrain.SHARED_MOE).
-    fused_only = {id(layer.base) for layer in rt.layers.values()
-                  if gemm.onednn() and layer.base.weight.dtype == torch.float32 and layer.base.weight.device.type == "cpu"}
+    fused_only = {id(layer.base) for layer in rt.layers.values() if gemm.ours(layer.base.weight, layer.base.weight)}
     seen, probes = set(), []
     for module in rt.model.modules():
         if not isinstance(module, torch.nn.Linear) or module is head_linear:
