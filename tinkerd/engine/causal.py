@@ -19,6 +19,18 @@ flash kernel is the faster (engine/cpu.py): an Intel CPU's MKL in fp32 (there th
 2 x 256 tokens: 7.1 ms against the GEMM blocks' 11.2; 2 threads 4.4 against 7.7), and AMX in bf16,
 where HF's one SDPA call runs (4.5 ms against 7.9 at 2 threads).
 
+On that Intel CPU the one call also wins on long rows without a mask: with is_causal the kernel
+skips whole key blocks past the diagonal by itself, in query tiles of 256 from 768 queries, while
+a block's call of fewer queries runs tiles of 32-64. SmolLM2's attention, fp32, forward + backward
+of a layer, ms at 2 threads (1 thread), the one call / blocks of T/16 queries / blocks of 256:
+1 x 1024 tokens 33.1 (47.6) / 36.2 (44.4) / 31.7 (45.5); 1 x 1536: 60.6 (90.1) / 76.2 (97.0) /
+66.0 (96.2); 1 x 2048: 110 (150) / 136 (175) / 122 (166); 1 x 3072: 220 (316) / 252 (361) / 247
+(359); 1 x 4096: 389 (531) / 445 (656) (T/16 is 256). With a padding mask the kernel computes every
+key (is_causal is off) and the blocks win at every width: 2 x 1024 73.4 (135) / 54.7 (92.7) / 52.4
+(92.5); 2 x 2048 304 (549) / 218 (368) / 196 (330). So there (`cpu.mkl_avx512`) an unmasked call
+of PLAIN_FROM tokens or more is HF's own, and the blocks are LONG_BLOCK queries from LONG_WIDTH.
+(On the AMD CPU the blocks won at every width measured: the numbers above.)
+
 fp32 only: in bf16 the kernel's per-call cost ate the gain (1 thread, the shapes above: 256 tokens
 16.4 -> 18.0 ms, 512: 54.9 -> 49.5, 1024: 132 -> 167), and the keys' gradients summed block by
 block would round in bf16 at every block where the one call rounds once.
@@ -41,21 +53,25 @@ import functools
 
 import torch
 
-from tinkerd.engine import causal_gemm
+from tinkerd.engine import causal_gemm, cpu
 
 IMPLEMENTATION = "tinkerd_sdpa"
 # Queries per block: small blocks skip the most keys, but each is a kernel call (forward, backward).
 # 32 was fastest up to 512 tokens on this CPU, 64-128 beyond (the numbers above).
 MIN_BLOCK = 32
 BLOCKS = 16
+# On an Intel CPU's MKL (engine/cpu.py), measured in the module docstring: queries per block from
+# LONG_WIDTH tokens, and the kernel's one call for an unmasked attention from PLAIN_FROM.
+LONG_WIDTH, LONG_BLOCK = 1024, 256
+PLAIN_FROM = 1536
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
 def spans(t: int) -> list[tuple[int, int]]:
-    """The query blocks [start, stop) of a width-t attention: a function of t alone."""
-    size = max(MIN_BLOCK, t // BLOCKS)
+    """The query blocks [start, stop) of a width-t attention: a function of t alone (on a machine)."""
+    size = LONG_BLOCK if t >= LONG_WIDTH and cpu.mkl_avx512() else max(MIN_BLOCK, t // BLOCKS)
     return [(s, min(t, s + size)) for s in range(0, t, size)]
 
 
@@ -69,9 +85,16 @@ def sdpa_attention(module, query, key, value, attention_mask, tinkerd_causal_blo
         if causal_gemm.fits(query, attention_mask):  # fp32 or bf16
             if _fits(module, query, key, attention_mask, kwargs, causal_gemm.spans):
                 return causal_gemm.attend(query, key, value, attention_mask, scale).transpose(1, 2), None
-        elif query.dtype == torch.float32 and _fits(module, query, key, attention_mask, kwargs):
+        elif (query.dtype == torch.float32 and not _kernel_skips(query, attention_mask)
+              and _fits(module, query, key, attention_mask, kwargs)):
             return CausalBlocks.apply(query, key, value, attention_mask, scale).transpose(1, 2), None
     return hf.sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _kernel_skips(query: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
+    """Whether HF's one call is the faster here: no mask (HF's is_causal, so the kernel skips whole
+    key blocks past the diagonal itself), from PLAIN_FROM tokens, on an Intel CPU's MKL (docstring)."""
+    return attention_mask is None and query.shape[2] >= PLAIN_FROM and cpu.mkl_avx512()
 
 
 def _fits(module, query, key, attention_mask, kwargs, cuts=spans) -> bool:

@@ -56,7 +56,7 @@ def blocked(monkeypatch):
 
 
 @pytest.mark.parametrize("column", ["amd", "intel"])  # engine/cpu.py: GEMM blocks from 224 tokens, or flash blocks
-@pytest.mark.parametrize("t", [64, 100, 257, 1030])  # 1030: blocks of 64, masks past CACHED_KEYS made per call
+@pytest.mark.parametrize("t", [64, 100, 257, 1030])  # 1030: blocks of 64 (256 on Intel), masks past CACHED_KEYS made per call
 @pytest.mark.parametrize("mask", ["none", "padding", "window", "prefix", "left padding", "one for all rows"])
 def test_blocks_equal_hf_sdpa_and_its_gradients(t, mask, column, blocked, monkeypatch):
     """Any mask under which no query of a block sees a key past the block's last position: causal,
@@ -80,6 +80,31 @@ def test_blocks_equal_hf_sdpa_and_its_gradients(t, mask, column, blocked, monkey
     gemms = t >= causal_gemm.MIN_WIDTH and column == "amd"
     assert blocked == [("GemmBlocks" if gemms else "CausalBlocks", t)]
     assert len((causal_gemm.spans if gemms else causal.spans)(t)) >= 2
+
+
+@pytest.mark.parametrize("column", ["amd", "intel"])
+@pytest.mark.parametrize("mask", ["none", "padding"])
+def test_a_long_unmasked_attention_is_the_kernels_one_call_on_intel(column, mask, blocked, monkeypatch):
+    """From causal.PLAIN_FROM tokens, on an Intel CPU's MKL, an attention without a mask (HF's
+    is_causal, whose key blocks the kernel skips itself) is HF's one SDPA call to the bit; a padded
+    one (where the kernel would compute every key) still takes blocks, of LONG_BLOCK queries. On
+    the AMD column both take the GEMM blocks."""
+    pin(monkeypatch, column)
+    t = causal.PLAIN_FROM + 64
+    q, k, v, g = inputs(t)
+    m = None if mask == "none" else padding_mask([t, t - 300], t)
+    ours = run(causal.sdpa_attention, q, k, v, g, m, tinkerd_causal_blocks=True)
+    theirs = run(sdpa_attention_forward, q, k, v, g, m)
+    if column == "intel" and mask == "none":
+        assert blocked == []
+        for a, b in zip(ours, theirs):
+            assert torch.equal(a, b)
+        return
+    for a, b, what in zip(ours, theirs, ("output", "d q", "d k", "d v")):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=what)
+    assert blocked == [("CausalBlocks" if column == "intel" else "GemmBlocks", t)]
+    if column == "intel":
+        assert {e - s for s, e in causal.spans(t)[:-1]} == {causal.LONG_BLOCK}
 
 
 @pytest.mark.parametrize("t", [130, 300])  # the flash kernel's blocks, the GEMMs'

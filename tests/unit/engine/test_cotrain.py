@@ -422,18 +422,20 @@ def test_a_sliding_window_that_bites_keeps_a_runs_attention_call_masked():
 
 @pytest.mark.parametrize("lengths,column,blocks", [(((100, 96), (64, 64), (90,)), "amd", "CausalBlocks"),
                                                    (((240, 230), (224, 224), (250,)), "amd", "GemmBlocks"),
-                                                   (((240, 230), (224, 224), (250,)), "intel", "CausalBlocks")])
+                                                   (((240, 230), (224, 224), (250,)), "intel", "CausalBlocks"),
+                                                   (((1540, 1530), (1536, 1536)), "intel", "CausalBlocks")])
 def test_runs_wide_enough_for_causal_query_blocks_keep_their_bits(engine, monkeypatch, lengths, column, blocks):
     """From 64 tokens attention runs in causal query blocks cut from the width (engine/causal.py,
-    from 224 as oneDNN GEMMs, engine/causal_gemm.py, where the CPU's MKL is not AVX-512: engine/cpu.py):
-    each run's call at its own width, padded or not, gives the bits of its op alone."""
+    from 224 as oneDNN GEMMs, engine/causal_gemm.py, where the CPU's MKL is not AVX-512: engine/cpu.py),
+    except, on Intel, an unpadded run from causal.PLAIN_FROM tokens (the kernel's one call): each
+    run's call at its own width, padded or not, gives the bits of its op alone."""
     from tests.unit.engine.cpus import pin
     from tinkerd.engine import causal, causal_gemm
 
     pin(monkeypatch, column)
 
     specs = [LoraSpec(rank=4 * (k + 1), alpha=16.0, seed=40 + k) for k in range(len(lengths))]
-    solo, fused = twins_of(engine, f"cotrain-{blocks}-{column}", specs)
+    solo, fused = twins_of(engine, f"cotrain-{blocks}-{column}-{lengths[0][0]}", specs)
     widths = []
     for fn in (causal.CausalBlocks, causal_gemm.GemmBlocks):
         apply = fn.apply
@@ -442,5 +444,8 @@ def test_runs_wide_enough_for_causal_query_blocks_keep_their_bits(engine, monkey
     data = [sft_data(400 + k, lengths=n) for k, n in enumerate(lengths)]
     together, shared = step(engine, [ForwardBackwardOp(m, data[k], "cross_entropy") for k, m in enumerate(fused)])
     assert shared == [len(specs)]
-    assert widths == [(blocks, n[0]) for n in lengths] * engine.runtime_of(fused[0]).model.config.num_hidden_layers
+    one_call = [column == "intel" and len(set(n)) == 1 and n[0] >= causal.PLAIN_FROM for n in lengths]
+    assert any(one_call) == (lengths[0][0] >= causal.PLAIN_FROM)
+    assert widths == [(blocks, n[0]) for n, one in zip(lengths, one_call) if not one] * engine.runtime_of(
+        fused[0]).model.config.num_hidden_layers
     assert_each_as_alone(engine, solo, fused, data, together, "a pass in query blocks")
