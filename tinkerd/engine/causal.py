@@ -31,9 +31,13 @@ key (is_causal is off) and the blocks win at every width: 2 x 1024 73.4 (135) / 
 of PLAIN_FROM tokens or more is HF's own, and the blocks are LONG_BLOCK queries from LONG_WIDTH.
 (On the AMD CPU the blocks won at every width measured: the numbers above.)
 
-fp32 only: in bf16 the kernel's per-call cost ate the gain (1 thread, the shapes above: 256 tokens
-16.4 -> 18.0 ms, 512: 54.9 -> 49.5, 1024: 132 -> 167), and the keys' gradients summed block by
-block would round in bf16 at every block where the one call rounds once.
+In bf16 the kernel's per-call cost ate the gain on the AMD CPU (1 thread, the shapes above: 256
+tokens 16.4 -> 18.0 ms, 512: 54.9 -> 49.5, 1024: 132 -> 167). With AMX, where bf16 otherwise runs
+HF's one call, the blocks win where that call has a mask (so the kernel computes every key): 2 rows
+padded to 1024 tokens 47.8 -> 40.6 ms (1 thread 91.4 -> 77.0), 2 x 2048 195 -> 144 (376 -> 274),
+4 x 1536 221 -> 169 (430 -> 326), in blocks of LONG_BLOCK queries (128: 58-459, 512: 44-343); so
+there a masked bf16 call from LONG_WIDTH tokens takes them. The keys' and values' gradients are
+summed over the blocks in fp32 and rounded to bf16 once.
 
 It applies where HF's SDPA call would be a self-attention in which no query of a block sees a key
 past the block's last position: a CPU tensor, as many queries as keys, no dropout, and no mask (HF's
@@ -85,16 +89,20 @@ def sdpa_attention(module, query, key, value, attention_mask, tinkerd_causal_blo
         if causal_gemm.fits(query, attention_mask):  # fp32 or bf16
             if _fits(module, query, key, attention_mask, kwargs, causal_gemm.spans):
                 return causal_gemm.attend(query, key, value, attention_mask, scale).transpose(1, 2), None
-        elif (query.dtype == torch.float32 and not _kernel_skips(query, attention_mask)
-              and _fits(module, query, key, attention_mask, kwargs)):
+        elif _blocks_win(query, attention_mask) and _fits(module, query, key, attention_mask, kwargs):
             return CausalBlocks.apply(query, key, value, attention_mask, scale).transpose(1, 2), None
     return hf.sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
-def _kernel_skips(query: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
-    """Whether HF's one call is the faster here: no mask (HF's is_causal, so the kernel skips whole
-    key blocks past the diagonal itself), from PLAIN_FROM tokens, on an Intel CPU's MKL (docstring)."""
-    return attention_mask is None and query.shape[2] >= PLAIN_FROM and cpu.mkl_avx512()
+def _blocks_win(query: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
+    """Whether the flash kernel's blocks beat its one call here (module docstring): fp32, except an
+    unmasked call (HF's is_causal: the kernel skips the key blocks past the diagonal itself) from
+    PLAIN_FROM tokens on an Intel CPU's MKL; bf16 on AMX with a mask (where the kernel computes every
+    key) from LONG_WIDTH tokens."""
+    t = query.shape[2]
+    if query.dtype == torch.float32:
+        return not (attention_mask is None and t >= PLAIN_FROM and cpu.mkl_avx512())
+    return query.dtype == torch.bfloat16 and attention_mask is not None and t >= LONG_WIDTH and cpu.amx()
 
 
 def _fits(module, query, key, attention_mask, kwargs, cuts=spans) -> bool:
@@ -178,12 +186,12 @@ class CausalBlocks(torch.autograd.Function):
             dq, dk, dv = _flash_backward(g[:, :, s:e], q[:, :, s:e], k[:, :, :e], v[:, :, :e], out[:, :, s:e], lse,
                                          0.0, mask is None, attn_mask=mask, scale=ctx.scale)
             g_q[:, :, s:e] = dq
-            if g_k is None:
-                g_k, g_v = dk, dv
+            if g_k is None:  # summed in fp32 (a copy for bf16), rounded to q's dtype once at the end
+                g_k, g_v = dk.float(), dv.float()
             else:
                 g_k[:, :, :e] += dk
                 g_v[:, :, :e] += dv
-        return g_q, g_k, g_v, None, None
+        return g_q, g_k.to(q.dtype), g_v.to(q.dtype), None, None
 
 
 def install(model) -> None:
