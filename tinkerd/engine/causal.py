@@ -31,13 +31,22 @@ key (is_causal is off) and the blocks win at every width: 2 x 1024 73.4 (135) / 
 of PLAIN_FROM tokens or more is HF's own, and the blocks are LONG_BLOCK queries from LONG_WIDTH.
 (On the AMD CPU the blocks won at every width measured: the numbers above.)
 
-In bf16 the kernel's per-call cost ate the gain on the AMD CPU (1 thread, the shapes above: 256
-tokens 16.4 -> 18.0 ms, 512: 54.9 -> 49.5, 1024: 132 -> 167). With AMX, where bf16 otherwise runs
-HF's one call, the blocks win where that call has a mask (so the kernel computes every key): 2 rows
-padded to 1024 tokens 47.8 -> 40.6 ms (1 thread 91.4 -> 77.0), 2 x 2048 195 -> 144 (376 -> 274),
-4 x 1536 221 -> 169 (430 -> 326), in blocks of LONG_BLOCK queries (128: 58-459, 512: 44-343); so
-there a masked bf16 call from LONG_WIDTH tokens takes them. The keys' and values' gradients are
-summed over the blocks in fp32 and rounded to bf16 once.
+fp32 only: in bf16 the kernel's per-call cost ate the gain (1 thread, the shapes above: 256 tokens
+16.4 -> 18.0 ms, 512: 54.9 -> 49.5, 1024: 132 -> 167), and the keys' gradients summed block by
+block would round in bf16 at every block where the one call rounds once (with AMX, blocks of 256
+beat a padded one call from 1024 tokens, 2 x 2048 195 -> 144 ms a layer, but d k came out ~1.3x
+further from float64 than the call's).
+
+Right-padded rows (a batch of datums of different lengths: HF's sdpa_mask with nothing but causality
+and each row's length) are the common mask, and a mask turns the kernel's own skipping off: the call
+computes every key. With AMX a bf16 attention of such rows from LONG_WIDTH tokens runs each row
+alone at its own length without a mask, and its padding gets zeros (nothing reads it: no real query
+sees its keys, and its positions' gradient is zero). A layer forward + backward, 2 threads (1 thread),
+the padded one call -> row by row: rows of 2048 and 1900 tokens 213 -> 151 ms (421 -> 228), 1600 and
+1200 136 -> 83 (275 -> 132), 1100, 900, 1000 and 1024 144 -> 108 (279 -> 156). A row's bits then
+depend on its own length, alike alone and in a shared pass. In fp32 on that CPU the blocks of 256
+with the mask ran as fast as the rows one by one at 2 threads (199 against 213 ms for the first
+pair; 367 against 330 at 1 thread), so there the mask stays.
 
 It applies where HF's SDPA call would be a self-attention in which no query of a block sees a key
 past the block's last position: a CPU tensor, as many queries as keys, no dropout, and no mask (HF's
@@ -54,6 +63,7 @@ blocks are cut from the width alone, so a run's rows give the same bits alone an
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 
@@ -86,6 +96,9 @@ def sdpa_attention(module, query, key, value, attention_mask, tinkerd_causal_blo
 
     if tinkerd_causal_blocks:
         scale = kwargs.get("scaling")
+        lengths = _row_lengths(module, query, key, attention_mask, kwargs)
+        if lengths is not None:  # right-padded rows, each its own unmasked call at its own length
+            return _by_row(module, query, key, value, lengths, kwargs), None
         if causal_gemm.fits(query, attention_mask):  # fp32 or bf16
             if _fits(module, query, key, attention_mask, kwargs, causal_gemm.spans):
                 return causal_gemm.attend(query, key, value, attention_mask, scale).transpose(1, 2), None
@@ -97,12 +110,61 @@ def sdpa_attention(module, query, key, value, attention_mask, tinkerd_causal_blo
 def _blocks_win(query: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
     """Whether the flash kernel's blocks beat its one call here (module docstring): fp32, except an
     unmasked call (HF's is_causal: the kernel skips the key blocks past the diagonal itself) from
-    PLAIN_FROM tokens on an Intel CPU's MKL; bf16 on AMX with a mask (where the kernel computes every
-    key) from LONG_WIDTH tokens."""
+    PLAIN_FROM tokens on an Intel CPU's MKL."""
+    return query.dtype == torch.float32 and not (
+        attention_mask is None and query.shape[2] >= PLAIN_FROM and cpu.mkl_avx512())
+
+
+def _row_lengths(module, query, key, attention_mask, kwargs) -> list[int] | None:
+    """Each row's real length where `attention_mask` is right padding alone (row b: causal, keys
+    below n_b) in a bf16 attention from LONG_WIDTH tokens on AMX, else None: such a mask turns the
+    kernel's skipping off, and row by row at its own length none is needed (module docstring)."""
     t = query.shape[2]
-    if query.dtype == torch.float32:
-        return not (attention_mask is None and t >= PLAIN_FROM and cpu.mkl_avx512())
-    return query.dtype == torch.bfloat16 and attention_mask is not None and t >= LONG_WIDTH and cpu.amx()
+    if (attention_mask is None or query.dtype != torch.bfloat16 or t < LONG_WIDTH or not cpu.amx()
+            or attention_mask.dtype != torch.bool or attention_mask.shape[1:] != (1, t, t)):
+        return None
+    if not _fits(module, query, key, None, kwargs):  # dropout, softcap, sinks, ...: HF's
+        return None
+    return _right_padding(attention_mask)
+
+
+# The last mask _right_padding read: (a weak reference to its tensor, the view's place, its version,
+# the lengths). HF makes a pass's mask once and hands it (or the same view of it, engine/grouped.py)
+# to every layer; the check reads B x T^2 values, a few ms at 2048 tokens, so it runs once a pass.
+_last_padding: tuple | None = None
+
+
+def _right_padding(sees: torch.Tensor) -> list[int] | None:
+    """Per row b, n_b where sees[b, 0] is exactly (j <= i) & (j < n_b) (HF's sdpa_mask of a
+    right-padded row) with n_b >= 1, else None."""
+    global _last_padding
+    base = sees if sees._base is None else sees._base
+    key = (sees.storage_offset(), tuple(sees.shape), sees.stride(), sees._version)
+    if _last_padding is not None and _last_padding[0]() is base and _last_padding[1] == key:
+        return _last_padding[2]
+    t = sees.shape[-1]
+    lengths = sees[:, 0, -1].sum(-1).tolist()  # the last query sees every real key
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    keys = torch.arange(t)
+    ok = all(n >= 1 and torch.equal(sees[b, 0], causal & (keys < n)) for b, n in enumerate(lengths))
+    found = lengths if ok else None
+    _last_padding = (weakref.ref(base), key, found)
+    return found
+
+
+def _by_row(module, query, key, value, lengths: list[int], kwargs) -> torch.Tensor:
+    """[B, T, heads, d]: row b's attention over its first n_b positions, without a mask (HF's one
+    call), and zeros
+    past them. Those are padding: no real query sees their keys, and nothing reads their outputs but
+    their own positions, whose gradient is zero; so the real positions get what the masked call
+    gives them, up to its rounding (engine/grouped.py widens a run's rows the same way)."""
+    t = query.shape[2]
+    rows = []
+    for b, n in enumerate(lengths):
+        q, k, v = (x[b : b + 1, :, :n] for x in (query, key, value))
+        o, _ = sdpa_attention(module, q, k, v, None, tinkerd_causal_blocks=True, **kwargs)  # [1, n, heads, d]
+        rows.append(o if n == t else torch.nn.functional.pad(o, (0, 0, 0, 0, 0, t - n)))
+    return rows[0] if len(rows) == 1 else torch.cat(rows)
 
 
 def _fits(module, query, key, attention_mask, kwargs, cuts=spans) -> bool:
@@ -186,12 +248,12 @@ class CausalBlocks(torch.autograd.Function):
             dq, dk, dv = _flash_backward(g[:, :, s:e], q[:, :, s:e], k[:, :, :e], v[:, :, :e], out[:, :, s:e], lse,
                                          0.0, mask is None, attn_mask=mask, scale=ctx.scale)
             g_q[:, :, s:e] = dq
-            if g_k is None:  # summed in fp32 (a copy for bf16), rounded to q's dtype once at the end
-                g_k, g_v = dk.float(), dv.float()
+            if g_k is None:
+                g_k, g_v = dk, dv
             else:
                 g_k[:, :, :e] += dk
                 g_v[:, :, :e] += dv
-        return g_q, g_k.to(q.dtype), g_v.to(q.dtype), None, None
+        return g_q, g_k, g_v, None, None
 
 
 def install(model) -> None:

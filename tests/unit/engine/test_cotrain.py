@@ -420,6 +420,30 @@ def test_a_sliding_window_that_bites_keeps_a_runs_attention_call_masked():
     assert attention_calls(groups, mask, 8) == [(4, 12, False)]  # the window bites every run
 
 
+def test_bf16_right_padded_runs_attend_row_by_row_and_keep_their_bits(bf16_engine, monkeypatch):
+    """With AMX a bf16 attention of right-padded rows from causal.LONG_WIDTH tokens runs each row
+    alone at its own length (engine/causal.py): in a shared pass a padded run's rows take those
+    calls as its op alone does, and every run keeps its bits alone."""
+    from tests.unit.engine.cpus import pin
+    from tinkerd.engine import causal
+
+    pin(monkeypatch, "intel")
+    rows = []
+    by_row = causal._by_row
+    monkeypatch.setattr(causal, "_by_row", lambda m, q, k, v, lengths, kw: rows.append(tuple(lengths)) or by_row(m, q, k, v, lengths, kw))
+    width = causal.LONG_WIDTH
+    lengths = [(width + 20, width + 4), (width + 10,)]
+    specs = [LoraSpec(rank=4, alpha=16.0, seed=60 + k) for k in range(len(lengths))]
+    solo, fused = twins_of(bf16_engine, "cotrain-bf16-rows", specs)
+    data = [sft_data(500 + k, lengths=n) for k, n in enumerate(lengths)]
+    together, shared = step(bf16_engine, [ForwardBackwardOp(m, data[k], "cross_entropy") for k, m in enumerate(fused)])
+    assert shared == [len(specs)]
+    layers = bf16_engine.runtime_of(fused[0]).model.config.num_hidden_layers
+    assert rows == [lengths[0]] * layers  # the padded run's rows; the other run has no mask
+    assert_each_as_alone(bf16_engine, solo, fused, data, together, "bf16 rows one by one")
+    assert rows == [lengths[0]] * 2 * layers  # alone, the same calls
+
+
 @pytest.mark.parametrize("lengths,column,blocks", [(((100, 96), (64, 64), (90,)), "amd", "CausalBlocks"),
                                                    (((240, 230), (224, 224), (250,)), "amd", "GemmBlocks"),
                                                    (((240, 230), (224, 224), (250,)), "intel", "CausalBlocks"),
@@ -444,8 +468,8 @@ def test_runs_wide_enough_for_causal_query_blocks_keep_their_bits(engine, monkey
     data = [sft_data(400 + k, lengths=n) for k, n in enumerate(lengths)]
     together, shared = step(engine, [ForwardBackwardOp(m, data[k], "cross_entropy") for k, m in enumerate(fused)])
     assert shared == [len(specs)]
-    one_call = [column == "intel" and len(set(n)) == 1 and n[0] >= causal.PLAIN_FROM for n in lengths]
-    assert any(one_call) == (lengths[0][0] >= causal.PLAIN_FROM)
-    assert widths == [(blocks, n[0]) for n, one in zip(lengths, one_call) if not one] * engine.runtime_of(
-        fused[0]).model.config.num_hidden_layers
+    # On Intel an unpadded run from PLAIN_FROM tokens takes the kernel's one call.
+    calls = [(blocks, n[0]) for n in lengths if not (column == "intel" and len(set(n)) == 1 and n[0] >= causal.PLAIN_FROM)]
+    assert len(calls) < len(lengths) if lengths[0][0] >= causal.PLAIN_FROM else len(calls) == len(lengths)
+    assert widths == calls * engine.runtime_of(fused[0]).model.config.num_hidden_layers
     assert_each_as_alone(engine, solo, fused, data, together, "a pass in query blocks")
