@@ -121,7 +121,7 @@ def _row_lengths(module, query, key, attention_mask, kwargs) -> list[int] | None
     kernel's skipping off, and row by row at its own length none is needed (module docstring)."""
     t = query.shape[2]
     if (attention_mask is None or query.dtype != torch.bfloat16 or t < LONG_WIDTH or not cpu.amx()
-            or attention_mask.dtype != torch.bool or attention_mask.shape[1:] != (1, t, t)):
+            or attention_mask.dtype != torch.bool or attention_mask.shape != (query.shape[0], 1, t, t)):
         return None
     if not _fits(module, query, key, None, kwargs):  # dropout, softcap, sinks, ...: HF's
         return None

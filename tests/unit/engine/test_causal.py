@@ -87,7 +87,7 @@ def rel_error(got: list, ref: list) -> list[float]:
 
 
 @pytest.mark.parametrize("column", ["amd", "intel"])
-@pytest.mark.parametrize("mask", ["none", "padding", "window"])
+@pytest.mark.parametrize("mask", ["none", "padding", "window", "one for all rows"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_long_attention_takes_the_faster_of_the_kernels_one_call_and_its_blocks(column, mask, dtype, blocked, monkeypatch):
     """From causal.PLAIN_FROM tokens, on an Intel CPU with AMX, an attention without a mask (HF's
@@ -101,14 +101,16 @@ def test_long_attention_takes_the_faster_of_the_kernels_one_call_and_its_blocks(
     t = causal.PLAIN_FROM + 64
     short = causal.PLAIN_FROM - 236
     q, k, v, g = inputs(t, dtype)
-    m = {"none": None, "padding": padding_mask([t, short], t), "window": padding_mask([t, t], t, window=700)}[mask]
+    m = {"none": None, "padding": padding_mask([t, short], t), "window": padding_mask([t, t], t, window=700),
+         "one for all rows": padding_mask([short], t)}[mask]
     real = torch.ones(2, t, dtype=torch.bool)
     if mask == "padding":
         real[1, short:] = False
         g = g * real[:, :, None, None]  # a pass's gradient at padding is zero: nothing reads it
     ours = run(causal.sdpa_attention, q, k, v, g, m, tinkerd_causal_blocks=True)
     theirs = run(sdpa_attention_forward, q, k, v, g, m)
-    hf_own = column == "intel" and (mask == "none" or (mask == "window" and dtype == torch.bfloat16))
+    # "one for all rows": right padding, but one mask broadcast over the rows: HF's call in bf16.
+    hf_own = column == "intel" and (mask == "none" or (mask != "padding" and dtype == torch.bfloat16))
     if hf_own:
         assert blocked == []
         for a, b in zip(ours, theirs):
