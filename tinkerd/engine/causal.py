@@ -128,36 +128,36 @@ def _row_lengths(module, query, key, attention_mask, kwargs) -> list[int] | None
     return _right_padding(attention_mask)
 
 
-# The last mask _right_padding read: (a weak reference to its tensor, the view's place, its version,
-# the lengths). HF makes a pass's mask once and hands it (or the same view of it, engine/grouped.py)
-# to every layer; the check reads B x T^2 values, a few ms at 2048 tokens, so it runs once a pass.
-_last_padding: tuple | None = None
+# Masks _right_padding read lately: (a weak reference to the tensor, the view's place and version,
+# the lengths). HF makes a pass's mask once and hands it (a shared pass: the same view of it per run,
+# engine/grouped.py) to every layer; the check reads B x T^2 values, a few ms at 2048 tokens, so it
+# runs once per mask and pass.
+_seen: list[tuple] = []
+SEEN = 8
 
 
 def _right_padding(sees: torch.Tensor) -> list[int] | None:
     """Per row b, n_b where sees[b, 0] is exactly (j <= i) & (j < n_b) (HF's sdpa_mask of a
     right-padded row) with n_b >= 1, else None."""
-    global _last_padding
     base = sees if sees._base is None else sees._base
     key = (sees.storage_offset(), tuple(sees.shape), sees.stride(), sees._version)
-    if _last_padding is not None and _last_padding[0]() is base and _last_padding[1] == key:
-        return _last_padding[2]
+    for ref, seen_key, found in _seen:
+        if ref() is base and seen_key == key:
+            return found
     t = sees.shape[-1]
     lengths = sees[:, 0, -1].sum(-1).tolist()  # the last query sees every real key
-    causal = torch.ones(t, t, dtype=torch.bool).tril()
-    keys = torch.arange(t)
-    ok = all(n >= 1 and torch.equal(sees[b, 0], causal & (keys < n)) for b, n in enumerate(lengths))
-    found = lengths if ok else None
-    _last_padding = (weakref.ref(base), key, found)
+    tril, keys = torch.ones(t, t, dtype=torch.bool).tril(), torch.arange(t)
+    right = all(n >= 1 and torch.equal(sees[b, 0], tril & (keys < n)) for b, n in enumerate(lengths))
+    found = lengths if right else None
+    _seen[:] = [(weakref.ref(base), key, found)] + [e for e in _seen[: SEEN - 1] if e[0]() is not None]
     return found
 
 
 def _by_row(module, query, key, value, lengths: list[int], kwargs) -> torch.Tensor:
-    """[B, T, heads, d]: row b's attention over its first n_b positions, without a mask (HF's one
-    call), and zeros
-    past them. Those are padding: no real query sees their keys, and nothing reads their outputs but
-    their own positions, whose gradient is zero; so the real positions get what the masked call
-    gives them, up to its rounding (engine/grouped.py widens a run's rows the same way)."""
+    """[B, T, heads, d]: row b's attention over its first n_b positions without a mask (HF's one
+    call), and zeros past them. Those are padding: no real query sees their keys, and nothing reads
+    their outputs but their own positions, whose gradient is zero; so the real positions get what the
+    masked call gives them, up to its rounding (engine/grouped.py widens a run's rows the same way)."""
     t = query.shape[2]
     rows = []
     for b, n in enumerate(lengths):
