@@ -39,11 +39,14 @@ further from float64 than the call's).
 
 Right-padded rows (a batch of datums of different lengths: HF's sdpa_mask with nothing but causality
 and each row's length) are the common mask, and a mask turns the kernel's own skipping off: the call
-computes every key. With AMX a bf16 attention of such rows from LONG_WIDTH tokens runs each row
-alone at its own length without a mask, and its padding gets zeros (nothing reads it: no real query
-sees its keys, and its positions' gradient is zero). A layer forward + backward, 2 threads (1 thread),
-the padded one call -> row by row: rows of 2048 and 1900 tokens 213 -> 151 ms (421 -> 228), 1600 and
-1200 136 -> 83 (275 -> 132), 1100, 900, 1000 and 1024 144 -> 108 (279 -> 156). A row's bits then
+computes every key. With AMX a bf16 attention of such rows wider than the kernel's key block
+(KEY_BLOCK, 512: narrower, the one call has a single key block to skip) runs each row alone at its
+own length without a mask, and its padding gets zeros (nothing reads it: no real query sees its
+keys, and its positions' gradient is zero). A layer forward + backward, 2 threads (1 thread), the
+padded one call -> row by row: rows of 2048 and 1900 tokens 213 -> 151 ms (421 -> 228), 1600 and
+1200 136 -> 83 (275 -> 132), 1100, 900, 1000 and 1024 144 -> 108 (279 -> 156), 600 and 500 30.5 ->
+22.7 (54.7 -> 31.1), 520 and 400 24.4 -> 17.5; at 512 and below the rows lost at 2 threads (512 and
+450 15.7 -> 17.3, 256 and 200 5.2 -> 6.4; 1 thread 29.3 -> 26.2, 10.3 -> 9.7). A row's bits then
 depend on its own length, alike alone and in a shared pass. In fp32 on that CPU the blocks of 256
 with the mask ran as fast as the rows one by one at 2 threads (199 against 213 ms for the first
 pair; 367 against 330 at 1 thread), so there the mask stays.
@@ -78,6 +81,8 @@ BLOCKS = 16
 # LONG_WIDTH tokens, and the kernel's one call for an unmasked attention from PLAIN_FROM.
 LONG_WIDTH, LONG_BLOCK = 1024, 256
 PLAIN_FROM = 1536
+# The kernel's key block: a bf16 attention of right-padded rows wider than this runs row by row on AMX.
+KEY_BLOCK = 512
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -117,10 +122,10 @@ def _blocks_win(query: torch.Tensor, attention_mask: torch.Tensor | None) -> boo
 
 def _row_lengths(module, query, key, attention_mask, kwargs) -> list[int] | None:
     """Each row's real length where `attention_mask` is right padding alone (row b: causal, keys
-    below n_b) in a bf16 attention from LONG_WIDTH tokens on AMX, else None: such a mask turns the
+    below n_b) in a bf16 attention wider than KEY_BLOCK on AMX, else None: such a mask turns the
     kernel's skipping off, and row by row at its own length none is needed (module docstring)."""
     t = query.shape[2]
-    if (attention_mask is None or query.dtype != torch.bfloat16 or t < LONG_WIDTH or not cpu.amx()
+    if (attention_mask is None or query.dtype != torch.bfloat16 or t <= KEY_BLOCK or not cpu.amx()
             or attention_mask.dtype != torch.bool or attention_mask.shape != (query.shape[0], 1, t, t)):
         return None
     if not _fits(module, query, key, None, kwargs):  # dropout, softcap, sinks, ...: HF's

@@ -19,7 +19,7 @@ alternating (ms, 2 threads unless said):
 | the LoRA products from 256 rows (head: 64): oneDNN vs MKL | oneDNN 1.2-2x faster | MKL: step 1.047x (1 thread 1.037x); head 1.01x |
 | fp32 attention without a mask from 1536 tokens: flash blocks vs the kernel's one call | blocks (1 thread, 2 x 2048: 529 -> 500 ms a layer) | one call: 1 x 2048 a layer 1.24x (1 thread 1.17x) |
 | fp32 flash blocks from 1024 tokens: T/16 vs 256 queries | T/16 | 256: 1 x 1024 a layer 1.14x, 2 x 2048 padded 1.11x |
-| bf16 attention of right-padded rows from 1024 tokens: the kernel's masked call vs each row alone unmasked | GEMM blocks (above) | row by row: a step of 2048 + 1900 tokens 1.21x (1 thread 1.35x) |
+| bf16 attention of right-padded rows wider than 512 tokens: the kernel's masked call vs each row alone unmasked | GEMM blocks (above) | row by row: a step of 2048 + 1900 tokens 1.21x (1 thread 1.35x), of 500-600 1.11x |
 
 `mkl_avx512` and `amx` say which column a machine is in. They read the CPU's vendor and features,
 never a timing, so a replay after a crash on the same machine takes the kernels the first run took

@@ -141,7 +141,7 @@ def test_long_attention_takes_the_faster_of_the_kernels_one_call_and_its_blocks(
 
 @pytest.mark.parametrize("t,padded,column,dtype", [(130, False, "amd", torch.float32), (300, False, "amd", torch.float32),
                                                    (causal.PLAIN_FROM + 10, True, "intel", torch.float32),  # blocks of 256
-                                                   (causal.LONG_WIDTH + 10, True, "intel", torch.bfloat16)])  # rows alone
+                                                   (causal.KEY_BLOCK + 10, True, "intel", torch.bfloat16)])  # rows alone
 def test_a_rows_bits_depend_on_its_width_alone(t, padded, column, dtype, blocked, monkeypatch):
     """Blocks are cut from the width alone, so a row computes the same bits in any batch of its
     width (what lets a shared pass keep each run's bits, engine/grouped.py); bf16 right-padded rows
@@ -157,11 +157,14 @@ def test_a_rows_bits_depend_on_its_width_alone(t, padded, column, dtype, blocked
     assert blocked == ([] if dtype == torch.bfloat16 else [("CausalBlocks" if t < 224 or column == "intel" else "GemmBlocks", t)] * 2)
 
 
-@pytest.mark.parametrize("case", ["no flag", "short", "sees ahead", "decode", "not causal", "bf16"])
-def test_any_other_call_is_hfs_own(case, blocked):
+@pytest.mark.parametrize("case", ["no flag", "short", "sees ahead", "decode", "not causal", "bf16", "bf16 padded"])
+def test_any_other_call_is_hfs_own(case, blocked, monkeypatch):
+    pin(monkeypatch, "intel")  # bf16: AMX; right-padded rows no wider than causal.KEY_BLOCK stay one call
     t = 40 if case == "short" else 96
-    q, k, v, g = inputs(t, torch.bfloat16 if case == "bf16" else torch.float32)
+    q, k, v, g = inputs(t, torch.bfloat16 if case.startswith("bf16") else torch.float32)
     mask, kw = None, {"tinkerd_causal_blocks": case != "no flag"}
+    if case == "bf16 padded":
+        mask = padding_mask([t, t - 20], t)
     if case == "sees ahead":  # the first 60 positions see each other (an image's tokens, say), past a block
         mask = padding_mask([t, t], t)
         mask[:, :, :60, :60] = True

@@ -421,7 +421,7 @@ def test_a_sliding_window_that_bites_keeps_a_runs_attention_call_masked():
 
 
 def test_bf16_right_padded_runs_attend_row_by_row_and_keep_their_bits(bf16_engine, monkeypatch):
-    """With AMX a bf16 attention of right-padded rows from causal.LONG_WIDTH tokens runs each row
+    """With AMX a bf16 attention of right-padded rows wider than causal.KEY_BLOCK runs each row
     alone at its own length (engine/causal.py): in a shared pass a padded run's rows take those
     calls as its op alone does, and every run keeps its bits alone."""
     from tests.unit.engine.cpus import pin
@@ -431,7 +431,7 @@ def test_bf16_right_padded_runs_attend_row_by_row_and_keep_their_bits(bf16_engin
     rows = []
     by_row = causal._by_row
     monkeypatch.setattr(causal, "_by_row", lambda m, q, k, v, lengths, kw: rows.append(tuple(lengths)) or by_row(m, q, k, v, lengths, kw))
-    width = causal.LONG_WIDTH
+    width = causal.KEY_BLOCK
     lengths = [(width + 20, width + 4), (width + 10,)]
     specs = [LoraSpec(rank=4, alpha=16.0, seed=60 + k) for k in range(len(lengths))]
     solo, fused = twins_of(bf16_engine, "cotrain-bf16-rows", specs)
