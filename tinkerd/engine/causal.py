@@ -168,8 +168,15 @@ def _by_row(module, query, key, value, lengths: list[int], kwargs) -> torch.Tens
     for b, n in enumerate(lengths):
         q, k, v = (x[b : b + 1, :, :n] for x in (query, key, value))
         o, _ = sdpa_attention(module, q, k, v, None, tinkerd_causal_blocks=True, **kwargs)  # [1, n, heads, d]
-        rows.append(o if n == t else torch.nn.functional.pad(o, (0, 0, 0, 0, 0, t - n)))
+        rows.append(widen(o, t))
     return rows[0] if len(rows) == 1 else torch.cat(rows)
+
+
+def widen(o: torch.Tensor, t: int) -> torch.Tensor:
+    """An output [B, w, ...] padded with zeros to width t along dim 1: rows' padding (here, and a
+    shared pass's runs narrower than the pass, engine/grouped.py)."""
+    w = o.shape[1]
+    return o if w == t else torch.nn.functional.pad(o, (0, 0) * (o.dim() - 2) + (0, t - w))
 
 
 def _fits(module, query, key, attention_mask, kwargs, cuts=spans) -> bool:

@@ -68,7 +68,7 @@ def grouped_attention(module, query, key, value, attention_mask, tinkerd_attenti
         q, k, v = (x[start : start + size, :, :w] for x in (query, key, value))
         mask = None if unmasked else attention_mask[start : start + size, :, :w, :w]
         o, _ = inner(module, q, k, v, mask, **kwargs)  # [B_k, w, heads, d]
-        outs.append(_widen(o, t))
+        outs.append(causal.widen(o, t))
         start += size
     return (outs[0] if len(outs) == 1 else torch.cat(outs)), None
 
@@ -117,17 +117,12 @@ def grouped_linear_attention(module, ctx, hidden_states, cache=None, attention_m
                 mask = None
             ctx.groups, ctx.blocks = [SlotGroup(slot_group.slot, None)], False
             o = forward(module, hidden_states[start : start + g.size, :w], cache=cache, attention_mask=mask, **kwargs)
-            outs.append(_widen(o, t))
+            outs.append(causal.widen(o, t))
             start += g.size
     finally:
         ctx.groups, ctx.blocks = groups, blocks
     return torch.cat(outs)
 
-
-def _widen(o: torch.Tensor, t: int) -> torch.Tensor:
-    """A run's output [B_k, w, ...] padded with zeros to the pass's width t along dim 1."""
-    w = o.shape[1]
-    return o if w == t else torch.nn.functional.pad(o, (0, 0) * (o.dim() - 2) + (0, t - w))
 
 def install(rt: "ModelRuntime") -> None:
     """Switch the model to grouped_attention, which equals HF's SDPA (or its eager function) outside
