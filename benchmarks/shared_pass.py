@@ -100,7 +100,7 @@ def main() -> None:
     if args.per_run_loras:
         from tinkerd.engine.lora import batched
 
-        batched.fits = lambda *a: False
+        batched.fits = lambda *a, **k: False
     keep_freed_memory()  # as the engine process does (engine/malloc.py): without it page faults inflate shared rounds ~1.8x
     torch.set_num_threads(args.threads)
     if args.toy:
