@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from tinkerd.artifacts import ArtifactStore, LocalArtifactStore
-from tinkerd.engine import causal, cotrain, rowbits
+from tinkerd.engine import causal, cotrain, head, rowbits
+from tinkerd.engine.lora import packed_head
 from tinkerd.engine.lora.experts import ExpertsRouting, wrap_experts
 from tinkerd.engine.lora.layers import LoraContext, MultiLoraLinear, wrap_model, targets_for
 from tinkerd.engine.lora.pool import AdapterPool
@@ -138,6 +139,7 @@ class Engine:
             raise UserError(f"base model {name!r} has no {loaded.family.experts_class} module to put expert LoRA on "
                             f"(a quantized checkpoint's experts are not served; load it dequantized)")
         layers = wrap_model(loaded.model, ctx, targets_for(True, True, True))
+        packed_head.install(loaded.model, self.precision.device, head.chunk_rows(loaded.model.get_output_embeddings().out_features))
         causal.install(loaded.model)
         pool = AdapterPool({**layers, **experts}, self.max_lora_rank, device=self.precision.torch_device)
         runtime = ModelRuntime(loaded, ctx, layers, pool, routing, self.precision, self.artifacts)

@@ -95,6 +95,11 @@ def tiled(rt: "ModelRuntime", loras: list) -> bool:
             and all(lora is None or lora[0].dtype == torch.float32 for lora in loras))
 
 
+def chunk_rows(vocab: int) -> int:
+    """Rows of each chunk of the autograd path (CHUNK_CELLS logits, at least CHUNK_MIN_ROWS rows)."""
+    return max(CHUNK_MIN_ROWS, CHUNK_CELLS // vocab)
+
+
 def direct_b_grad(rows: int) -> bool:
     """Whether a head LoRA's B gradient over a block of `rows` is made with MKL (below
     LORA_MIN_ROWS, or without oneDNN) as d^T @ xs into B's own layout, rather than as xs^T @ d and
@@ -183,7 +188,7 @@ class HeadPass:
             self.maxes = [maxes for _, _, _, maxes in done]
             self.logprobs = torch.cat([lp for lp, _, _, _ in done] + [self._empty()])
         else:
-            rows = max(CHUNK_MIN_ROWS, CHUNK_CELLS // vocab)
+            rows = chunk_rows(vocab)
             self.blocks = [slice(i, min(i + rows, m)) for i in range(0, m, rows)]
             self.kept = [self._chunk_graph(c) for c in self.blocks] if self.keep else None
             with torch.no_grad():

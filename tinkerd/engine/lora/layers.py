@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from tinkerd.engine.lora import batched, deltanet, fused
+from tinkerd.engine.lora import batched, deltanet, fused, packed_head
 from tinkerd.engine.precision import lora_delta, lora_delta_add
 
 log = logging.getLogger(__name__)
@@ -136,6 +136,8 @@ class MultiLoraLinear(nn.Module):
         # Output row blocks that checkpoints store as separate LoRAs (Qwen3.5's fused in_proj_qkv:
         # q | k | v, lora/deltanet.py); None = one.
         self.out_split: tuple[int, ...] | None = None
+        # A bf16 head's forward in training through packed_weight (lora/packed_head.py); None = F.linear.
+        self.head_pack: "packed_head.HeadPack | None" = None
 
     @property
     def in_features(self) -> int:
@@ -171,7 +173,8 @@ class MultiLoraLinear(nn.Module):
             if fused.fits(x, self.base, loras):  # one autograd node, deltas summed in by the GEMMs
                 return fused.lora_linear(x, self.base, fused.parts_of(x, groups, loras), loras,
                                          self.ctx.blocks and batched.fits(x, groups, loras, probe=fused.keeps_bits))
-        out = self.base(x)
+        packed = None if self.head_pack is None else self.head_pack.weight_for(x)
+        out = self.base(x) if packed is None else packed_head.PackedLinear.apply(x, packed, self.base.weight)
         if self.ctx.blocks and x.dim() == 3:
             return self._add_blocks(x, out)
         for group in self.ctx.groups:
