@@ -62,6 +62,16 @@ def engine(models_dir) -> Engine:
 
 
 @pytest.fixture(scope="session")
+def bf16_session_engine(models_dir) -> Engine:
+    """A `--dtype bfloat16` engine shared like `engine`: bf16 base, fp32 master adapters."""
+    from tinkerd.engine.precision import Precision
+
+    eng = Engine(models_dir, precision=Precision("cpu", "bfloat16"))
+    eng.load_base_model(TINY_QWEN3)
+    return eng
+
+
+@pytest.fixture(scope="session")
 def tiny_runtime(engine) -> ModelRuntime:
     return engine.runtime(TINY_QWEN3)
 

@@ -13,8 +13,9 @@ weights is:
   avx512_core_bf16 brgemm runs a transformer-shaped linear ~2-5x faster than MKL's fp32 sgemm);
 - LoRA A/B (master weights), their gradients and the AdamW moments: fp32 (a bf16 update of
   lr 1e-4 on a weight of ~0.05 would round to nothing: bf16 keeps 8 bits of mantissa);
-- the LoRA branch is computed in bf16 with A/B cast to bf16 for each pass (`lora_delta_add`), as
-  PEFT's Linear computes it under `torch.autocast(dtype=bfloat16)`;
+- the LoRA branch is computed in bf16 with A/B cast to bf16 (`lora_delta_add`), as PEFT's Linear
+  computes it under `torch.autocast(dtype=bfloat16)`; the copies are kept until A or B changes
+  (engine/lora/casts.py);
 - the head's logits are a bf16 matmul, upcast to fp32 before the log-softmax (as HF's
   ForCausalLMLoss does): a logsumexp over 49k-151k logits in bf16 is off by up to ~0.03 nats;
   losses, target logprobs and the gradient with respect to them are fp32.

@@ -20,16 +20,6 @@ SPEC = LoraSpec(rank=4, alpha=8.0, seed=3)
 LENGTHS = (100, 90, 93)
 
 
-@pytest.fixture(scope="module")
-def bf16_engine(models_dir):
-    from tinkerd.engine.engine import Engine
-    from tinkerd.engine.precision import Precision
-
-    eng = Engine(models_dir, precision=Precision("cpu", "bfloat16"))
-    eng.load_base_model(BASE)
-    return eng
-
-
 def train(engine, model_id: str, steps: int) -> list:
     got = []
     for i in range(steps):
@@ -49,25 +39,25 @@ def assert_same(packed: list, plain: list) -> None:
             assert torch.equal(a, state_b["weights"][name][0]) and torch.equal(b, state_b["weights"][name][1]), name
 
 
-def test_a_bf16_head_trains_through_its_packed_weight_with_f_linears_bits(bf16_engine, monkeypatch):
+def test_a_bf16_head_trains_through_its_packed_weight_with_f_linears_bits(bf16_session_engine, monkeypatch):
     """Every chunk's forward GEMM of the head goes through the packed copy, and twin adapters, one
     trained that way and one through F.linear, stay equal to the bit over steps: logprobs, loss,
     gradients and weights. The packed copy is the one the sampler then uses."""
-    rt = bf16_engine.runtime(BASE)
+    rt = bf16_session_engine.runtime(BASE)
     head = rt.model.get_output_embeddings()
     pack = head.head_pack
     assert pack is not None and pack.max_rows == 128
     for m in ("packed-head-on", "packed-head-off"):
-        assert not isinstance(alone(bf16_engine, CreateModelOp(m, BASE, SPEC)), Exception)
+        assert not isinstance(alone(bf16_session_engine, CreateModelOp(m, BASE, SPEC)), Exception)
     calls = []
     apply = packed_head.PackedLinear.apply
     monkeypatch.setattr(packed_head.PackedLinear, "apply", lambda x, p, w: calls.append(x.shape[0]) or apply(x, p, w))
-    packed = train(bf16_engine, "packed-head-on", 2)
+    packed = train(bf16_session_engine, "packed-head-on", 2)
     assert sorted(calls) == sorted([128, 128, 27] * 2)
     calls.clear()
     head.head_pack = None
     try:
-        plain = train(bf16_engine, "packed-head-off", 2)
+        plain = train(bf16_session_engine, "packed-head-off", 2)
     finally:
         head.head_pack = pack
     assert calls == []
@@ -78,10 +68,10 @@ def test_a_bf16_head_trains_through_its_packed_weight_with_f_linears_bits(bf16_e
     assert head.packed_weight is kept  # the sampler's copy is the training one, not a second
 
 
-def test_a_packed_head_that_rounds_otherwise_keeps_f_linear(bf16_engine, monkeypatch):
+def test_a_packed_head_that_rounds_otherwise_keeps_f_linear(bf16_session_engine, monkeypatch):
     """Where the check finds the packed product off F.linear's bits at some row count, the head
     trains through F.linear, and its numbers are those of an engine that never packed."""
-    rt = bf16_engine.runtime(BASE)
+    rt = bf16_session_engine.runtime(BASE)
     head = rt.model.get_output_embeddings()
     from tinkerd.engine.lora import layers
 
@@ -99,11 +89,11 @@ def test_a_packed_head_that_rounds_otherwise_keeps_f_linear(bf16_engine, monkeyp
     apply = packed_head.PackedLinear.apply
     monkeypatch.setattr(packed_head.PackedLinear, "apply", lambda x, p, w: calls.append(x.shape[0]) or apply(x, p, w))
     for m in ("refused-head-a", "refused-head-b"):
-        assert not isinstance(alone(bf16_engine, CreateModelOp(m, BASE, SPEC)), Exception)
-    refused = train(bf16_engine, "refused-head-a", 1)
+        assert not isinstance(alone(bf16_session_engine, CreateModelOp(m, BASE, SPEC)), Exception)
+    refused = train(bf16_session_engine, "refused-head-a", 1)
     assert calls == []
     monkeypatch.setattr(head, "head_pack", None)
-    assert_same(refused, train(bf16_engine, "refused-head-b", 1))
+    assert_same(refused, train(bf16_session_engine, "refused-head-b", 1))
 
 
 def test_only_a_bf16_cpu_head_gets_a_pack(models_dir):

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from tinkerd.engine.lora import batched, deltanet, fused, packed_head
+from tinkerd.engine.lora import batched, casts, deltanet, fused, packed_head
 from tinkerd.engine.precision import lora_delta, lora_delta_add
 
 log = logging.getLogger(__name__)
@@ -119,6 +119,7 @@ class LoraWeights:
     a: torch.Tensor  # [R, in]
     b: torch.Tensor  # [out, R]
     scaling: float
+    casts: tuple | None = field(default=None, repr=False, compare=False)  # a frozen adapter's bf16 copies (lora/casts.py)
 
 
 class MultiLoraLinear(nn.Module):
@@ -211,8 +212,8 @@ class MultiLoraLinear(nn.Module):
             w = group.width or t
             if w < t:
                 xs = xs[:, :w]
-            # A bf16 base casts the fp32 master A/B per pass, as lora_delta_add does (engine/precision.py).
-            delta = lora_delta(xs, lw.a.to(xs.dtype), lw.b.to(xs.dtype), lw.scaling)
+            # A bf16 base casts the fp32 master A/B, as lora_delta_add does (engine/precision.py; lora/casts.py).
+            delta = lora_delta(xs, *casts.cast_pair(lw, xs.dtype), lw.scaling)
             parts.append(delta if w == t else torch.nn.functional.pad(delta, (0, 0, 0, t - w)))
         return out + (parts[0] if len(parts) == 1 else torch.cat(parts))
 
@@ -243,10 +244,11 @@ def _mixed_add(out: torch.Tensor, x: torch.Tensor, lw: LoraWeights, rows: torch.
     """One group's LoRA delta on a bf16 layer with fp32 master A/B (lora_delta_add). The delta of a
     subset of rows is computed as for those rows alone, so a row routed with other adapters' rows
     gets the same numbers as alone."""
+    a, b = casts.cast_pair(lw, x.dtype)  # a sampling adapter's bf16 copies are kept (lora/casts.py)
     if rows is None:
-        return lora_delta_add(out, x, lw.a, lw.b, lw.scaling)
+        return lora_delta_add(out, x, a, b, lw.scaling)
     rows = rows.to(out.device)  # LoraContext builds its row lists on the CPU
-    delta = lora_delta(x[rows], lw.a.to(x.dtype), lw.b.to(x.dtype), lw.scaling)
+    delta = lora_delta(x[rows], a, b, lw.scaling)
     return out.index_add(0, rows, delta)
 
 
