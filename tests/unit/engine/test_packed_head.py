@@ -103,3 +103,21 @@ def test_only_a_bf16_cpu_head_gets_a_pack(models_dir):
     rt = Engine(models_dir).load_base_model(BASE)
     assert rt.model.get_output_embeddings().head_pack is None
     assert packed_head.probe_rows(128)[:3] == [1, 2, 3] and packed_head.probe_rows(128)[-2:] == [127, 128]
+
+
+def test_a_head_that_cannot_be_packed_keeps_f_linear_and_is_not_packed_again(bf16_session_engine, monkeypatch):
+    from tinkerd.engine.lora import layers
+
+    head = bf16_session_engine.runtime(BASE).model.get_output_embeddings()
+    tries = []
+
+    def no_op_here(weight, conv):
+        tries.append(conv)
+        raise RuntimeError("no oneDNN reorder op in this build")
+
+    monkeypatch.setattr(layers, "_pack", no_op_here)
+    monkeypatch.setattr(head, "packed_weight", None)
+    pack = packed_head.HeadPack(head, 128)
+    x = torch.zeros(5, head.in_features, dtype=torch.bfloat16)
+    assert pack.weight_for(x) is None and pack.weight_for(x) is None
+    assert tries == [False]

@@ -56,6 +56,8 @@ class HeadPack:
             return None
         packed = layer.packed_weight
         if packed is None:
+            if self._checked is not None and self._checked[0] is None:
+                return None  # packing failed here once: it is not tried again
             from tinkerd.engine.lora.layers import _pack
 
             try:
