@@ -47,24 +47,23 @@ class HeadPack:
     def __init__(self, layer, max_rows: int):
         self.layer = layer
         self.max_rows = max_rows  # the head's largest chunk (engine/head.py)
+        self.unpackable = False  # packing failed here once: not tried again
         self._checked: tuple[torch.Tensor, bool] | None = None  # (the packed tensor checked, its verdict)
 
     def weight_for(self, x: torch.Tensor) -> torch.Tensor | None:
         """The packed weight to run x through, or None for F.linear."""
         layer = self.layer
-        if x.dim() != 2 or x.shape[0] > self.max_rows or x.dtype != layer.base.weight.dtype or layer.base.bias is not None:
+        if x.dim() != 2 or x.shape[0] > self.max_rows or x.dtype != layer.base.weight.dtype or self.unpackable:
             return None
         packed = layer.packed_weight
         if packed is None:
-            if self._checked is not None and self._checked[0] is None:
-                return None  # packing failed here once: it is not tried again
             from tinkerd.engine.lora.layers import _pack
 
             try:
                 packed = layer.packed_weight = _pack(layer.base.weight.detach(), conv=False)
             except (RuntimeError, AttributeError) as e:  # no oneDNN op here: F.linear, as before
                 log.info("packing the head for training failed (%s): it keeps F.linear", e)
-                self._checked = (None, False)
+                self.unpackable = True
                 return None
         if self._checked is None or self._checked[0] is not packed:
             self._checked = (packed, same_bits(layer.base.weight.detach(), packed, probe_rows(self.max_rows)))
