@@ -52,6 +52,7 @@ def blocked(monkeypatch):
     calls = []
     record(monkeypatch, calls, causal.CausalBlocks)
     record(monkeypatch, calls, causal_gemm.GemmBlocks)
+    record(monkeypatch, calls, causal.WidenedBackward)
     return calls
 
 
@@ -141,7 +142,8 @@ def test_long_attention_takes_the_faster_of_the_kernels_one_call_and_its_blocks(
 
 @pytest.mark.parametrize("t,padded,column,dtype", [(130, False, "amd", torch.float32), (300, False, "amd", torch.float32),
                                                    (causal.PLAIN_FROM + 10, True, "intel", torch.float32),  # blocks of 256
-                                                   (causal.KEY_BLOCK + 10, True, "intel", torch.bfloat16)])  # rows alone
+                                                   (causal.KEY_BLOCK + 10, True, "intel", torch.bfloat16),  # rows alone
+                                                   (200, True, "intel", torch.bfloat16)])  # widened backward
 def test_a_rows_bits_depend_on_its_width_alone(t, padded, column, dtype, blocked, monkeypatch):
     """Blocks are cut from the width alone, so a row computes the same bits in any batch of its
     width (what lets a shared pass keep each run's bits, engine/grouped.py); bf16 right-padded rows
@@ -154,13 +156,16 @@ def test_a_rows_bits_depend_on_its_width_alone(t, padded, column, dtype, blocked
     alone = run(causal.sdpa_attention, *one, g[1:2], None if m is None else m[1:2], tinkerd_causal_blocks=True)
     for a, b in zip(together, alone):
         assert torch.equal(a[1:2], b)
-    assert blocked == ([] if dtype == torch.bfloat16 else [("CausalBlocks" if t < 224 or column == "intel" else "GemmBlocks", t)] * 2)
+    kind = ("WidenedBackward" if t <= causal.WIDE_BACKWARD else None) if dtype == torch.bfloat16 else (
+        "CausalBlocks" if t < 224 or column == "intel" else "GemmBlocks")
+    assert blocked == ([] if kind is None else [(kind, t)] * 2)
 
 
 @pytest.mark.parametrize("case", ["no flag", "short", "sees ahead", "decode", "not causal", "bf16", "bf16 padded"])
 def test_any_other_call_is_hfs_own(case, blocked, monkeypatch):
     pin(monkeypatch, "intel")  # bf16: AMX; right-padded rows no wider than causal.KEY_BLOCK stay one call
-    t = 40 if case == "short" else 96
+    # bf16 wider than WIDE_BACKWARD: narrower, its backward is the fp32 kernel's (the test below).
+    t = 40 if case == "short" else causal.WIDE_BACKWARD + 44 if case.startswith("bf16") else 96
     q, k, v, g = inputs(t, torch.bfloat16 if case.startswith("bf16") else torch.float32)
     mask, kw = None, {"tinkerd_causal_blocks": case != "no flag"}
     if case == "bf16 padded":
@@ -177,3 +182,24 @@ def test_any_other_call_is_hfs_own(case, blocked, monkeypatch):
     for a, b in zip(ours, theirs):
         assert torch.equal(a, b)
     assert blocked == []
+
+
+@pytest.mark.parametrize("t", [64, 100, causal.WIDE_BACKWARD])
+@pytest.mark.parametrize("mask", ["none", "padding", "window", "one for all rows"])
+def test_a_short_bf16_attention_keeps_hfs_output_and_takes_its_gradients_from_fp32_blocks(t, mask, blocked, monkeypatch):
+    """With AMX, a bf16 attention up to WIDE_BACKWARD tokens is HF's one call forward, to the bit,
+    and its backward the fp32 kernel's in query blocks from widened tensors: gradients nearer
+    float64 than the bf16 kernel's own backward, each rounded to bf16 once."""
+    pin(monkeypatch, "intel")
+    q, k, v, g = inputs(t, torch.bfloat16)
+    m = {"none": None, "padding": padding_mask([t, t - 21], t), "window": padding_mask([t, t], t, window=40),
+         "one for all rows": padding_mask([t - 5], t)}[mask]
+    ours = run(causal.sdpa_attention, q, k, v, g, m, tinkerd_causal_blocks=True)
+    theirs = run(sdpa_attention_forward, q, k, v, g, m)
+    assert blocked == [("WidenedBackward", t)]
+    assert len(causal.spans(t)) >= 2
+    assert torch.equal(ours[0], theirs[0])
+    assert all(x.dtype == torch.bfloat16 and not x.isnan().any() for x in ours[1:])
+    exact = run(sdpa_attention_forward, *(x.detach().double().requires_grad_() for x in (q, k, v)), g.double(), m)
+    for what, mine, hf in zip(("d q", "d k", "d v"), rel_error(ours[1:], exact[1:]), rel_error(theirs[1:], exact[1:])):
+        assert mine < hf, (what, mine, hf)

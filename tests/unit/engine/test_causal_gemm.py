@@ -134,11 +134,12 @@ def test_a_bf16_pass_gets_the_blocks_in_fp32_nearer_the_exact_answer_than_the_bf
 
 def test_a_bf16_pass_on_amx_gets_transformers_sdpa_call(calls, monkeypatch):
     """engine/cpu.py: with AMX torch's bf16 flash kernel beats the fp32 blocks (1.15x a SmolLM2 step at
-    2 threads), so a bf16 pass's attention is transformers' own SDPA call there, to the bit."""
+    2 threads), so a bf16 pass's attention is transformers' own SDPA call there, to the bit, from
+    causal.WIDE_BACKWARD tokens (narrower, only its forward is: test_causal.py)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     pin(monkeypatch, "intel")
-    q, k, v, g = inputs(256)
+    q, k, v, g = inputs(causal.WIDE_BACKWARD + 64)
     low = [x.detach().bfloat16().requires_grad_() for x in (q, k, v)]
     ours = grads(lambda *a: causal.sdpa_attention(LAYER, *a, None, scaling=0.25, tinkerd_causal_blocks=True)[0]
                  .transpose(1, 2), *low, g.bfloat16())
