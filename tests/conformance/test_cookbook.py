@@ -253,7 +253,12 @@ def test_rl_loop_with_its_default_loss_stable_reinforce_raises_reward(cookbook_e
         print(f"rl_loop reward curve {rewards}; seeded rate base {base:.3f} -> trained {trained:.3f}")
         # Measured (16 unseeded samples a step): [0.375, 0.938, 1.0, 1.0] and [0.25, 0.56, 0.5, 1.0], then
         # 0.30 -> 0.97 seeded; CI also saw [0.125, 0.44, 0.69, 0.875], 0.30 -> 0.72 seeded, a rise that an
-        # earlier 'some step reaches 0.9' rule refused. The seeded rates are the noise-free half of the check.
-        if rewards[-1] >= rewards[0] + 0.3 and base < 0.7 and trained >= base + 0.3:
+        # earlier 'some step reaches 0.9' rule refused. The seeded rates are the noise-free half of the check:
+        # they see the final weights, after the last step's update, which no point of the curve reflects.
+        # So the rise is asserted there; the curve (16 unseeded samples a point, ~0.12 of noise each) must
+        # only not fall. Session 40's CI saw three runs fail 'last >= first + 0.3': [0.31, 0.19, 0.31,
+        # 0.31] with 0.16 -> 0.34 seeded, [0.5, 0.38, 0.31, 0.44] with 0.30 -> 0.47, and [0.44, 0.31,
+        # 0.25, 0.56] with 0.30 -> 0.89, which had learned.
+        if rewards[-1] >= rewards[0] and base < 0.7 and trained >= base + 0.3:
             return
     raise AssertionError(f"rl_loop's reward did not rise in three runs: last {rewards}, seeded {base} -> {trained}")
