@@ -25,7 +25,6 @@ benchmarks/recovery.py.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -35,10 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import training  # noqa: E402
-from training import TinkerdSDK, interleave, load_average, make_batch, serve  # noqa: E402
+from training import TinkerdSDK, add_run_args, interleave, load_average, make_batch, serve, start_run  # noqa: E402
 
-from tests.serverproc import share_models  # noqa: E402
-from tinkerd.engine.malloc import with_huge_pages  # noqa: E402
 
 DTYPES = ("float32", "bfloat16")
 SNAPSHOTS_OFF_S = 86400  # a run's first optim_step still snapshots: the warm-up step takes it
@@ -89,11 +86,7 @@ def run(args, base: Path, threads: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
-    ap.add_argument("--data-dir", default="/tmp/tinkerd-bench", help="its models/ is reused, so a model is converted once")
-    ap.add_argument("--rows", type=int, default=2)
-    ap.add_argument("--tokens", type=int, default=256)
-    ap.add_argument("--rank", type=int, default=32)
+    add_run_args(ap)
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts, one interleaved run each")
     ap.add_argument("--rounds", type=int, default=6, help="A B rounds; each dtype runs --steps steps per round")
     ap.add_argument("--steps", type=int, default=3, help="steps per turn, the first of them not counted")
@@ -101,12 +94,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.steps < 2:
         ap.error("--steps must be at least 2: each turn's first step is not counted")
-    if "glibc.malloc.hugetlb" not in os.environ.get("GLIBC_TUNABLES", ""):
-        os.execve(sys.executable, [sys.executable, *sys.argv], with_huge_pages(os.environ))
-    os.environ.setdefault("TINKER_TELEMETRY", "0")
-    base = Path(args.data_dir).resolve()
-    (base / "models").mkdir(parents=True, exist_ok=True)
-    share_models((base / "models").resolve())
+    base = start_run(args.data_dir)
     try:
         ratios = {t: run(args, base, t) for t in (int(x) for x in args.threads.split(","))}
     finally:

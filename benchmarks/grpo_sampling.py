@@ -21,7 +21,6 @@ CPU time is less skewed by neighbours than wall time), the load average, and the
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import shutil
 import sys
@@ -33,9 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from benchmarks.training import _made, interleave, load_average, serve  # noqa: E402
-from tests.serverproc import API_KEY, share_models  # noqa: E402
-from tinkerd.engine.malloc import with_huge_pages  # noqa: E402
+from benchmarks.training import _made, interleave, load_average, serve, start_run  # noqa: E402
+from tests.serverproc import API_KEY  # noqa: E402
 
 
 class Side:
@@ -92,13 +90,7 @@ def main() -> None:
     ap.add_argument("--data-dir", default="/tmp/tinkerd-bench", help="its models/ is reused, so a model is converted once")
     ap.add_argument("--server-args", default="", help="extra `tinkerd serve` arguments for both sides, e.g. '--dtype bfloat16'")
     args = ap.parse_args()
-    if "glibc.malloc.hugetlb" not in os.environ.get("GLIBC_TUNABLES", ""):
-        # As benchmarks/training.py: the tunable is read at process start, so re-exec with it.
-        os.execve(sys.executable, [sys.executable, *sys.argv], with_huge_pages(os.environ))
-    os.environ.setdefault("TINKER_TELEMETRY", "0")
-    base = Path(args.data_dir).resolve()
-    (base / "models").mkdir(parents=True, exist_ok=True)
-    share_models((base / "models").resolve())
+    base = start_run(args.data_dir)
     server_args = ["--threads", str(args.threads), *shlex.split(args.server_args)]
     try:
         with ExitStack() as stack:

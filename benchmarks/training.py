@@ -388,13 +388,31 @@ def run_config(args, base: Path, dtype: str, threads: int) -> dict:
             "cpu_pct": {n: 100 * flops * r / tokens / cpu_ceiling for n, r in cpu_rates.items()}}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def add_run_args(ap: argparse.ArgumentParser) -> None:
+    """The model, data dir and batch arguments the SDK loop benchmarks share (here, dtype_ratio.py)."""
     ap.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
     ap.add_argument("--data-dir", default="/tmp/tinkerd-bench", help="its models/ is reused, so a model is converted once")
     ap.add_argument("--rows", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--rank", type=int, default=32)
+
+
+def start_run(data_dir: str) -> Path:
+    """A benchmark's process set up as the engine's is: re-executed with huge pages asked for (the
+    glibc tunable is read at process start), telemetry off, and `data_dir`'s models/ shared by its
+    servers. Returns `data_dir`, resolved."""
+    if "glibc.malloc.hugetlb" not in os.environ.get("GLIBC_TUNABLES", ""):
+        os.execve(sys.executable, [sys.executable, *sys.argv], with_huge_pages(os.environ))
+    os.environ.setdefault("TINKER_TELEMETRY", "0")
+    base = Path(data_dir).resolve()
+    (base / "models").mkdir(parents=True, exist_ok=True)
+    share_models((base / "models").resolve())
+    return base
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    add_run_args(ap)
     ap.add_argument("--group-size", type=int, default=1,
                     help="GRPO-shaped rows: each this many consecutive rows share their first --prompt-tokens tokens")
     ap.add_argument("--prompt-tokens", type=int, default=0)
@@ -410,14 +428,8 @@ def main() -> None:
     ap.add_argument("--hf-onednn", action="store_true",
                     help="also run the HF + PEFT loop with F.linear's GEMMs on the engine's (engine/gemm.py: oneDNN's)")
     args = ap.parse_args()
-    if "glibc.malloc.hugetlb" not in os.environ.get("GLIBC_TUNABLES", ""):
-        # The tunable is read at process start: re-exec with it, as the engine process is started.
-        os.execve(sys.executable, [sys.executable, *sys.argv], with_huge_pages(os.environ))
+    base = start_run(args.data_dir)
     keep_freed_memory()  # the HF side runs in this process
-    os.environ.setdefault("TINKER_TELEMETRY", "0")
-    base = Path(args.data_dir).resolve()
-    (base / "models").mkdir(parents=True, exist_ok=True)
-    share_models((base / "models").resolve())
     summary = []
     for dtype in args.dtypes.split(","):
         for threads in [int(t) for t in args.threads.split(",")]:
