@@ -32,6 +32,7 @@ import io
 import json
 import logging
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -227,13 +228,31 @@ class Captured:
         }
         if self.optimizer_state is not None and staging is not None:
             staging.reset()
-            torch.save(self.optimizer_state, staging)
+            with _without_crc32():
+                torch.save(self.optimizer_state, staging)
             files[OPTIMIZER_FILE] = staging.view()
         elif self.optimizer_state is not None:
             buf = io.BytesIO()
             torch.save(self.optimizer_state, buf)
             files[OPTIMIZER_FILE] = buf.getvalue()
         return files
+
+
+@contextmanager
+def _without_crc32():
+    """torch.save without the zip records' CRC-32, for a recovery snapshot's optimizer.pt (staging:
+    engine/snapshots.py). Its CRCs took ~40 of the ~95 ms that serialising a SmolLM2 rank-32 state
+    took in the training step, and nothing checks them: torch.load does not, and a snapshot is only
+    ever read back by the engine (a user's checkpoint keeps them). The setting is the process's;
+    the engine's step thread is the only one that serialises."""
+    from torch.utils.serialization import config
+
+    kept = config.save.compute_crc32
+    torch.serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(kept)
 
 
 class Staging:
