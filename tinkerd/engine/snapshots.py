@@ -3,9 +3,10 @@
 A snapshot after an optim_step is ~120 MB for a rank-32 SmolLM2 adapter with its AdamW state:
 serialising and fsyncing it took 0.5-1.4 s of the step on a loaded 2-core machine, more than the
 optimizer update itself. The step serialises the state into memory (safetensors, torch.save,
-straight from the live tensors: together ~80 ms for that adapter on a 2-core Xeon, once per snapshot
-interval; optimizer.pt without the zip's CRC-32s, which took a third of it: checkpoints._without_crc32); a single background thread writes the files through the ArtifactStore (temp dir,
-fsync, rename: visible whole or not at all) and then drops the older snapshots beside it. The op's
+straight from the live tensors: together ~80 ms for that adapter on a 2-core Xeon, once per
+snapshot interval; optimizer.pt without the zip's CRC-32s, which took a third of it:
+checkpoints._without_crc32); a single background thread writes the files through the
+ArtifactStore (temp dir, fsync, rename: visible whole or not at all) and then drops the older snapshots beside it. The op's
 result goes back meanwhile.
 
 Why the serialising is not in the background too: both serialisers hold the GIL for tens of ms at a
