@@ -59,6 +59,20 @@ def batch(seed: int, datums: int, tokens: int, vocab: int) -> list[Datum]:
     return out
 
 
+def unshared(engine: Engine, ids: list[str], passes: list[int]) -> str:
+    """Why N runs' ops did not go through one pass: the engine's row probe (engine/rowbits.py) found
+    row counts of this model's GEMMs that round a row another way in a bigger batch, at this dtype
+    and thread count, so the engine keeps each op's bits by running it alone; the benchmark has no
+    shared pass to time then."""
+    rt = engine.runtime_of(ids[0])
+    odd = rt.odd_rows
+    why = ("the probe turned shared passes off for this model (the engine's log line above names the GEMM)"
+           if odd is None else f"passes avoid GEMMs of {sorted(odd)} rows")
+    return (f"{len(ids)} runs did not share one pass (passes: {passes}): {why}, {rt.precision.dtype} at "
+            f"{torch.get_num_threads()} threads on this machine's CPU (engine/rowbits.py). Try another "
+            f"--tokens, --threads or --dtype.")
+
+
 def round_s(engine: Engine, ids: list[str], data: list[list[Datum]], shared: bool) -> tuple[float, float, list[float]]:
     """Seconds for the forward_backward ops of every run, for them and an optim_step of every run,
     and the losses."""
@@ -66,7 +80,8 @@ def round_s(engine: Engine, ids: list[str], data: list[list[Datum]], shared: boo
     t0 = time.perf_counter()
     if shared:
         out = engine.step(StepBatch(run=fbs))
-        assert len(ids) == 1 or out.shared_passes == [len(ids)], out.shared_passes
+        if len(ids) > 1 and out.shared_passes != [len(ids)]:
+            raise SystemExit(unshared(engine, ids, out.shared_passes))
         done = dict(out.done)
     else:
         done = {}
