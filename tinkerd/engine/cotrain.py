@@ -63,6 +63,7 @@ from tinkerd.engine import causal, grouped, head, training
 from tinkerd.engine.grouped import GROUPED, AttentionGroup
 from tinkerd.engine.head import HeadPass, head_lora
 from tinkerd.engine.lora.layers import SlotGroup
+from tinkerd.engine.step_bounds import magnitudes
 from tinkerd.errors import TinkerdError
 from tinkerd.types import ForwardBackwardOp
 
@@ -185,8 +186,15 @@ def forward_backward_together(engine: "Engine", ops: list[ForwardBackwardOp], gu
             for i, _ in ready:
                 results[i] = guarded(engine._run, ops[i])
             return results
-        for (i, prepared), out in zip(ready, outputs):
-            results[i] = guarded(lambda _: training.finish_forward_backward(prepared, *out), ops[i])
+        # Every run's max |g| at once: the batched GEMMs' gradients are slices of shared tensors.
+        largest = [None] * len(outputs)  # each run measures its own
+        if outputs[0][3] is not None:
+            try:
+                largest = magnitudes([out[3] for out in outputs])
+            except Exception:  # noqa: BLE001  a shortcut only: never worth failing the pass's ops
+                log.exception("measuring %d runs' gradients at once failed; each run measures its own", len(outputs))
+        for (i, prepared), out, most in zip(ready, outputs, largest):
+            results[i] = guarded(lambda _: training.finish_forward_backward(prepared, *out, most), ops[i])
         log.info("forward_backward of %d runs in one pass: %d datums, %d tokens, %.1f ms", len(ready),
                  sum(len(p.lengths) for _, p in ready), sum(sum(p.lengths) for _, p in ready),
                  1e3 * (time.perf_counter() - started))

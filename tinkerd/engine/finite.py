@@ -78,17 +78,20 @@ def first_non_finite(named: Iterable[tuple[str, torch.Tensor | None]],
 
 
 def check_forward_backward(adapter: "Adapter", loss_sum: torch.Tensor, n: int,
-                           per_datum_loss: Callable[[int], torch.Tensor], params, grads) -> float:
+                           per_datum_loss: Callable[[int], torch.Tensor], params, grads,
+                           largest: float | None = None) -> float:
     """Refuse a batch of `n` datums whose loss or fresh gradients are not finite, before they reach
     `.grad`; else max |g| over the fresh gradients (one aminmax per tensor: ~1 ms more than the sums
     first_non_finite takes, on SmolLM2's rank-32 adapter). `per_datum_loss(i)` recomputes datum i's loss alone (only on this
-    failure path), to name it."""
+    failure path), to name it. `largest`: that max, measured already (step_bounds.magnitudes, for the
+    runs of a shared pass at once)."""
     if not bool(torch.isfinite(loss_sum)):
         culprit = next((i for i in range(n) if not _finite_or_unknown(per_datum_loss, i)), None)
         where = f"for datum {culprit}" if culprit is not None else f"over the batch of {n} datums"
         raise UserError(f"loss is {kind(loss_sum)} {where}; the forward_backward was not applied and the "
                         f"accumulated gradients are unchanged {OPT_OUT}")
-    largest = magnitude(grads)
+    if largest is None:
+        largest = magnitude(grads)
     if math.isfinite(largest):
         return largest
     names = tensor_names(adapter)

@@ -74,6 +74,57 @@ def magnitude(tensors: Iterable[torch.Tensor | None], foreach: bool | None = Non
     return float(torch.maximum(-torch.stack(lows).min(), torch.stack(highs).max()))  # both propagate NaN
 
 
+def magnitudes(runs: list[list[torch.Tensor | None]]) -> list[float]:
+    """magnitude() of each run's tensors, all runs at once. A shared training pass's batched LoRA
+    GEMMs (engine/lora/fused.py) give k runs their gradients of one layer as the k slices of one
+    [k, ...] tensor; those are reduced per stacked tensor (its k minima and maxima in two calls)
+    rather than per slice. 4 runs of 1 x 8 tokens on SmolLM2, rank 32: 1,688 aminmax calls a pass,
+    each a dispatch and two casts, ~49 ms of a ~540 ms pass; the rest of a run's tensors as before."""
+    rest: list[list[torch.Tensor]] = [[] for _ in runs]
+    stacks: dict[int, tuple[torch.Tensor, dict[int, int]]] = {}  # id(stacked) -> (it, {run: slice})
+    for r, tensors in enumerate(runs):
+        for t in tensors:
+            if t is None or not t.numel():
+                continue
+            j = _slice_of(t)
+            if j is None:
+                rest[r].append(t)
+            else:
+                stacks.setdefault(id(t._base), (t._base, {}))[1].setdefault(r, j)
+    # Stacks holding the same runs at the same slices reduce together: [n, k] minima and maxima.
+    layouts: dict[tuple, list[torch.Tensor]] = {}
+    for base, where in stacks.values():
+        layouts.setdefault((base.shape[0], tuple(sorted(where.items()))), []).append(base.detach())
+    lows: list[list[torch.Tensor]] = [[] for _ in runs]
+    highs: list[list[torch.Tensor]] = [[] for _ in runs]
+    for (k, where), bases in layouts.items():
+        flat = [b.view(k, -1) for b in bases]
+        low = torch.stack([f.amin(1) for f in flat]).amin(0)  # [k]; amin and amax propagate NaN
+        high = torch.stack([f.amax(1) for f in flat]).amax(0)
+        for r, j in where:
+            lows[r].append(low[j].float())
+            highs[r].append(high[j].float())
+    out = []
+    for r in range(len(runs)):
+        alone = magnitude(rest[r])
+        if not lows[r]:
+            out.append(alone)
+            continue
+        both = torch.maximum(-torch.stack(lows[r]).min(), torch.stack(highs[r]).max())
+        out.append(float(torch.maximum(both, both.new_tensor(alone))))  # NaN wins either way
+    return out
+
+
+def _slice_of(t: torch.Tensor) -> int | None:
+    """j when t is exactly base[j] of a contiguous tensor `base` it is a view of, else None."""
+    base = t._base
+    if base is None or base.dim() != t.dim() + 1 or base.shape[1:] != t.shape or not (
+            base.is_contiguous() and t.is_contiguous()):
+        return None
+    offset = t.storage_offset() - base.storage_offset()
+    return offset // t.numel() if offset % t.numel() == 0 else None
+
+
 @dataclass(frozen=True)
 class StepBounds:
     """Upper bounds on max |weight|, max |exp_avg| and max exp_avg_sq of one optimizer's adapter."""

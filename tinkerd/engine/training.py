@@ -283,12 +283,14 @@ def _bucketed_hidden(rt: "ModelRuntime", data: list[Datum], groups: list[list[in
     return torch.cat(pieces)
 
 
-def finish_forward_backward(p: Prepared, target_logprobs, loss_sum, metrics, grads) -> ForwardBackwardResult:
-    """Check the pass's numbers, add its gradients to the adapter's .grad, and build the result."""
+def finish_forward_backward(p: Prepared, target_logprobs, loss_sum, metrics, grads,
+                            largest: float | None = None) -> ForwardBackwardResult:
+    """Check the pass's numbers, add its gradients to the adapter's .grad, and build the result.
+    `largest`: max |g| over `grads`, when measured already (engine/cotrain.py)."""
     op, adapter, inputs, lengths = p.op, p.adapter, p.inputs, p.lengths
     batch, params = len(lengths), adapter.parameters()
     offsets = np.cumsum([0] + lengths)
-    largest = None  # max |g| of this batch's gradients, once checked
+    measured, largest = largest, None  # max |g| of this batch's gradients, once checked
     if grads is not None and not op.allow_non_finite:
         # Forward-only passes change nothing, so a NaN loss there is reported as it is.
         def per_datum_loss(i: int) -> torch.Tensor:
@@ -299,7 +301,7 @@ def finish_forward_backward(p: Prepared, target_logprobs, loss_sum, metrics, gra
                 DATUM_INDEX: torch.zeros(lengths[i], dtype=torch.long, device=target_logprobs.device)}
             return p.loss(target_logprobs[rows], alone, p.config)[0]
 
-        largest = finite.check_forward_backward(adapter, loss_sum, batch, per_datum_loss, params, grads)
+        largest = finite.check_forward_backward(adapter, loss_sum, batch, per_datum_loss, params, grads, measured)
 
     if grads is not None:
         with torch.no_grad():

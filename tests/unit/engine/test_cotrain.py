@@ -8,11 +8,13 @@ step would run them one by one and that assertion fails). fp32, one torch thread
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
 
-from tinkerd.engine import cotrain, head
+from tinkerd.engine import cotrain, finite, head
 from tinkerd.errors import UserError
 from tinkerd.types import AdamParams, CreateModelOp, Datum, ForwardBackwardOp, LoraSpec, OptimStepOp, StepBatch
 
@@ -43,7 +45,10 @@ def state(engine, model_id: str) -> dict:
     adapter = engine.runtime_of(model_id).pool.get(model_id)
     return {"weights": {n: (a.detach().clone(), b.detach().clone()) for n, (a, b) in adapter.weights.items()},
             "grads": [None if t.grad is None else t.grad.clone() for t in adapter.parameters()],
-            "pending_grads": adapter.pending_grads}
+            "pending_grads": adapter.pending_grads,
+            # The bound on max |grad| the non-finite guard kept (engine/finite.py): a shared pass
+            # measures all its runs' gradients at once (step_bounds.magnitudes), alone each its own.
+            "grad_bound": adapter.extra.get(finite.GRAD_BOUND)}
 
 
 def assert_same_result(ours, theirs) -> None:
@@ -139,6 +144,35 @@ def test_a_bad_datum_fails_only_its_own_op_in_a_shared_pass(engine):
     assert shared == [2]  # the other two still share their pass
     for k in (0, 2):
         assert_same_result(results[k], alone(engine, ForwardBackwardOp(solo[k], data_of(k, 0), "cross_entropy")))
+        assert_identical(state(engine, fused[k]), state(engine, solo[k]))
+
+
+def test_a_gradient_that_overflows_fails_only_its_own_op_in_a_batched_shared_pass(engine, monkeypatch):
+    """Runs of one shape share each layer's batched GEMMs, so their gradients are slices of one
+    tensor (step_bounds.magnitudes measures them together): a run whose gradient overflows (loss
+    weights of 1e36: a finite loss, a non-finite gradient) is refused with the tensor named and its
+    state untouched; the others equal their ops alone."""
+    from tinkerd.engine.lora import fused as fused_linear
+
+    calls = []
+    apply = fused_linear.LoraLinear.apply
+    monkeypatch.setattr(fused_linear.LoraLinear, "apply", lambda x, w, bias, parts, together, *ab:
+                        (together and calls.append(len(parts))) or apply(x, w, bias, parts, together, *ab))
+    solo, fused = twins_of(engine, "cotrain-overflow", [LoraSpec(rank=8, alpha=16.0, seed=30 + k) for k in range(3)])
+    for m in solo + fused:  # B != 0, so every layer's A gets a gradient too
+        alone(engine, ForwardBackwardOp(m, sft_data(7, lengths=(9, 13)), "cross_entropy"))
+        alone(engine, OptimStepOp(m, ADAM))
+    data = [sft_data(300 + k, lengths=(9, 13)) for k in range(3)]
+    poison = dict(data[1][1].loss_fn_inputs, weights=np.full(13, 1e36, np.float32))
+    data[1] = [data[1][0], Datum(data[1][1].tokens, poison)]
+    before = state(engine, fused[1])
+    results, shared = step(engine, [ForwardBackwardOp(m, data[k], "cross_entropy") for k, m in enumerate(fused)])
+    assert shared == [3] and calls and set(calls) == {3}  # one pass, its layers' LoRA products batched
+    assert isinstance(results[1], UserError), results[1]
+    assert re.search(r"gradient of \S+\.lora_[AB] is (nan|-?inf)", results[1].message), results[1].message
+    assert_identical(state(engine, fused[1]), before)
+    for k in (0, 2):
+        assert_same_result(results[k], alone(engine, ForwardBackwardOp(solo[k], data[k], "cross_entropy")))
         assert_identical(state(engine, fused[k]), state(engine, solo[k]))
 
 

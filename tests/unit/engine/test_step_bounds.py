@@ -12,7 +12,7 @@ import torch
 
 from tests.unit.engine.test_training import ADAM, adapter_of, create, run, sft_data, train_step
 from tinkerd.engine import finite
-from tinkerd.engine.step_bounds import LIMIT, StepBounds, magnitude
+from tinkerd.engine.step_bounds import LIMIT, StepBounds, magnitude, magnitudes
 from tinkerd.types import AdamParams, ForwardBackwardOp, OptimStepOp
 
 
@@ -49,6 +49,29 @@ def test_magnitude_is_the_exact_max_abs_and_propagates_nan_and_inf(foreach):
             poisoned[where].view(-1)[3] = bad
             got = magnitude(poisoned, foreach=foreach)
             assert math.isnan(got) if math.isnan(bad) else got == float("inf"), (bad, where)
+
+
+def test_magnitudes_of_runs_sharing_stacked_gradients_equal_each_runs_magnitude():
+    """A shared pass's batched GEMMs give each run its gradients as slices of [k, ...] tensors
+    (engine/lora/fused.py): magnitudes() reduces those per stacked tensor and gives each run exactly
+    magnitude() of its own tensors, runs at any slice (not their order), with a partial view, a
+    transposed slice and plain tensors beside them; a NaN or an inf in one run's slice reaches that
+    run only."""
+    gen = torch.Generator().manual_seed(5)
+    stacks = [torch.randn(3, 4, 6, generator=gen) * 10 ** k for k in (-2, 0, 3)]
+    odd = torch.randn(3, 5, 4, generator=gen)  # run r's view of it: a transposed slice, not base[r]
+    at = {0: 2, 1: 0, 2: 1}  # run -> its slice of every stack
+    runs = [[*(s.unbind(0)[at[r]] for s in stacks), odd[r].t(), stacks[0][at[r], :2],
+             torch.randn(7, generator=gen) * 10 ** r, None, torch.empty(0)] for r in range(3)]
+    assert magnitudes(runs) == [magnitude(ts) for ts in runs]
+    assert magnitudes([runs[1], [None]]) == [magnitude(runs[1]), 0.0]
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        poisoned = [t.clone() for t in stacks]
+        poisoned[1][at[2], 3, 1] = bad
+        mixed = [[*(s.unbind(0)[at[r]] for s in poisoned), *ts[len(stacks):]] for r, ts in enumerate(runs)]
+        got = magnitudes(mixed)
+        assert got[:2] == [magnitude(ts) for ts in mixed[:2]] and all(math.isfinite(g) for g in got[:2])
+        assert math.isnan(got[2]) if math.isnan(bad) else got[2] == float("inf"), bad
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "foreach"])
