@@ -224,7 +224,7 @@ def test_at_two_threads_an_op_whose_gemm_rows_round_otherwise_runs_alone(engine,
         monkeypatch.setattr(gemm, "onednn", lambda: False)
     elif not gemm.onednn():
         pytest.skip("oneDNN's linear is not in this torch build")
-    fused.keeps_bits.cache_clear()
+    fused.layout.cache_clear()
     rt = engine.runtime(BASE)
     monkeypatch.setattr(rt, "odd_rows_by_threads", {})
     odd = rt.odd_rows
@@ -235,7 +235,7 @@ def test_at_two_threads_an_op_whose_gemm_rows_round_otherwise_runs_alone(engine,
     together, shared = step(engine, ops)
     assert shared == ([] if odd is None else [2] if odd & {6, 24} else [3])
     assert_each_as_alone(engine, solo, together_ids, data, together, f"a pass at 2 threads ({path})")
-    fused.keeps_bits.cache_clear()
+    fused.layout.cache_clear()
 
 
 def test_layers_no_run_trains_take_onednns_gemms_alone_and_shared_and_keep_each_runs_bits(engine, two_threads, monkeypatch):
@@ -418,6 +418,55 @@ def test_the_batched_path_asks_keeps_bits_on_the_cpu_only(monkeypatch):
     assert not batched.fits(torch.zeros(4, 5, 8), groups, loras)
     assert asked == [(2, 10, 8, 16, 4, (2.0, 2.0), torch.float32, torch.float32, torch.get_num_threads())]
     assert batched.fits(torch.zeros(4, 5, 8, device="meta"), groups, loras) and len(asked) == 1
+
+
+def test_runs_of_one_shape_keep_their_bits_with_d_b_per_run(engine, monkeypatch):
+    """The batched layout in which only the backward's d B runs per run (fused.D_B_APART: MKL at 2
+    threads on an Intel Xeon rounds SmolLM2's [8, 1536] x [1536, 32] another way in bmm than in mm),
+    taken by every layer the probe batches: each run's results, gradients and weights equal its op
+    alone over two rounds, as in the all-bmm layout."""
+    from tinkerd.engine.lora import fused as fused_linear
+
+    used, batched_calls = [], []
+    monkeypatch.setattr(fused_linear, "layout_for", lambda *a: used.append(1) or fused_linear.D_B_APART)
+    apply = fused_linear.LoraLinear.apply
+    monkeypatch.setattr(fused_linear.LoraLinear, "apply", lambda x, w, bias, parts, together, *ab:
+                        (together is True and batched_calls.append(1)) or apply(x, w, bias, parts, together, *ab))
+    specs = [LoraSpec(rank=8, alpha=alpha, seed=40 + k) for k, alpha in enumerate((8.0, 32.0, 16.0))]
+    solo, fused = twins_of(engine, "cotrain-d-b-apart", specs)
+    for round_ in range(2):
+        data = [sft_data(500 + 10 * round_ + k, lengths=(9, 13)) for k in range(len(specs))]
+        used.clear()
+        batched_calls.clear()
+        together, shared = step(engine, [ForwardBackwardOp(m, data[k], "cross_entropy") for k, m in enumerate(fused)])
+        assert shared == [len(specs)]
+        assert batched_calls and len(used) == len(batched_calls)  # every batched layer took the layout
+        assert_each_as_alone(engine, solo, fused, data, together, f"d B per run, round {round_}")
+
+
+def test_the_layout_probe_takes_all_bmm_first_then_d_b_per_run_then_none(monkeypatch):
+    """fused.layout: BMM where it keeps every run's bits, else D_B_APART where that does, else None
+    (the layer runs per run); keeps_bits is whether there is one. Here a layout "misses" by a
+    perturbed output."""
+    from tinkerd.engine.lora import fused as fused_linear
+
+    apply = fused_linear.LoraLinear.apply
+    missing: set = set()
+
+    def perturbed(x, w, bias, parts, batched, *ab):
+        out = apply(x, w, bias, parts, batched, *ab)
+        return out * (1 + 2.0 ** -20) if batched in missing else out
+
+    monkeypatch.setattr(fused_linear.LoraLinear, "apply", perturbed)
+    key = (2, 8, 16, 24, 8, (1.0, 1.0), torch.float32, torch.float32, torch.get_num_threads())
+    for miss, want in (((), fused_linear.BMM), ((fused_linear.BMM,), fused_linear.D_B_APART),
+                       ((fused_linear.BMM, fused_linear.D_B_APART), None)):
+        fused_linear.layout.cache_clear()
+        missing.clear()
+        missing.update(miss)
+        assert fused_linear.layout(*key) == want, miss
+        assert fused_linear.keeps_bits(*key) == (want is not None)
+    fused_linear.layout.cache_clear()
 
 
 def test_consecutive_runs_of_one_width_share_an_attention_call_and_keep_their_bits(engine, monkeypatch):

@@ -21,7 +21,11 @@ then `addmm_` with its own A, B and M rows. A part narrower than the batch (padd
 run) has its block copied out, summed into, and copied back, so its GEMMs see its M rows alone.
 Runs of one shape use `baddbmm_` over all their blocks at once instead (`batched.fits`), where
 `keeps_bits` found that it gives each matrix `addmm_`'s bits on this machine's MKL
-(tests/unit/engine/test_cotrain.py checks the whole pass against each op alone). A bf16 layer with fp32 master A/B keeps the autograd path
+(tests/unit/engine/test_cotrain.py checks the whole pass against each op alone). Where only the
+backward's d B misses them (MKL at 2 threads on an Intel Xeon: SmolLM2's gate and up projections,
+[8, 1536] x [1536, 32], whose long reduction mm splits another way than bmm), that one product runs
+per run and the rest batched (`layout`): 4 runs of 1 x 8 tokens, 2 threads, in process, 22
+alternated pairs: the pass 510 -> 499 ms, with those 60 of its 210 layers no longer run per run. A bf16 layer with fp32 master A/B keeps the autograd path
 (lora/layers.py), as do 2-D inputs (a MoE block's shared expert, whose rows are routed per token).
 
 The base GEMMs go through engine/gemm.py (oneDNN's on a CPU), and so do the LoRA products that
@@ -61,7 +65,8 @@ class Part:
 class LoraLinear(torch.autograd.Function):
     """x [B, T, in] through the frozen base (weight, bias) plus each part's LoRA delta: A_1..A_k
     [R, in] then B_1..B_k [out, R] after the parts. `batched`: the parts are equal blocks of full
-    width covering x in order, with one rank and power-of-two scalings."""
+    width covering x in order, with one rank and power-of-two scalings, their products batched in the
+    layout this machine keeps the parts' bits in (`layout`), or in the one named (BMM, D_B_APART)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, parts: tuple[Part, ...], batched: bool, *ab):
@@ -69,6 +74,7 @@ class LoraLinear(torch.autograd.Function):
         a_s, b_s = ab[:k], ab[k:]
         y = gemm.linear(x, weight, bias)
         if batched:
+            ctx.d_b_apart = (batched if isinstance(batched, str) else layout_for(x, parts, a_s, b_s)) == D_B_APART
             xb = x.view(k, -1, x.shape[-1])
             a, b = torch.stack(a_s), torch.stack(b_s)
             us = torch.bmm(xb, a.transpose(1, 2))
@@ -101,7 +107,12 @@ class LoraLinear(torch.autograd.Function):
             a, b, us = rest
             db = d.view(k, -1, d.shape[-1])
             g_b = torch.bmm(db.transpose(1, 2), us)
-            d_u = torch.bmm(db, b)
+            if ctx.d_b_apart:  # the product its part alone makes, one run at a time
+                d_u = db.new_empty(k, db.shape[1], b.shape[2])
+                for j in range(k):
+                    torch.mm(db[j], b[j], out=d_u[j])
+            else:
+                d_u = torch.bmm(db, b)
             scales = [p.scaling for p in parts]
             if scales != [1.0] * k:
                 d_u = d_u * (scales[0] if len(set(scales)) == 1 else d_u.new_tensor(scales)[:, None, None])
@@ -166,29 +177,59 @@ def parts_of(x: torch.Tensor, groups: list, loras: list) -> tuple[Part, ...]:
     return tuple(parts)
 
 
+# Batched layouts of LoraLinear: every product batched, or all but d B (the backward's d_u = d B,
+# one mm per run).
+BMM = "bmm"
+D_B_APART = "d B per run"
+
+
 @functools.lru_cache(maxsize=1024)
-def keeps_bits(g: int, m: int, in_features: int, out_features: int, rank: int, scalings: tuple[float, ...],
-               dtype: torch.dtype, master: torch.dtype, threads: int) -> bool:
-    """Whether LoraLinear over g runs of one shape in batched GEMMs (baddbmm_) gives each run the bits
-    of its part alone (addmm_), forward and backward, on random numbers of these shapes, on this
-    machine: batched.fits asks it instead of batched.keeps_bits for this node (same signature, same
-    cache key). MKL's batched GEMM does not keep mm's bits at every shape (batched.keeps_bits)."""
+def layout(g: int, m: int, in_features: int, out_features: int, rank: int, scalings: tuple[float, ...],
+           dtype: torch.dtype, master: torch.dtype, threads: int) -> str | None:
+    """The first batched layout (BMM, then D_B_APART) in which LoraLinear over g runs of one shape
+    gives each run the bits of its part alone (addmm_), forward and backward, on random numbers of
+    these shapes, on this machine; None if neither does. MKL's batched GEMM does not keep mm's bits
+    at every shape (batched.keeps_bits)."""
     x, d, a, b = probe_operands(g, m, in_features, out_features, rank, dtype, master)
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(out_features, in_features, generator=gen).div_(in_features ** 0.5).to(dtype)
     parts = tuple(Part(i, i + 1, m, s) for i, s in enumerate(scalings))
+    for way in (BMM, D_B_APART):
+        with torch.enable_grad():
+            xb, ab, bb = x.clone().requires_grad_(), [t.clone().requires_grad_() for t in a], [t.clone().requires_grad_() for t in b]
+            together = LoraLinear.apply(xb, w, None, parts, way, *ab, *bb)
+            together.backward(d)
+            if all(_alone_equals(x, d, w, a, b, i, m, scalings[i], together, xb, ab, bb) for i in range(g)):
+                return way
+    return None
+
+
+def _alone_equals(x, d, w, a, b, i: int, m: int, scaling: float, together, xb, ab, bb) -> bool:
+    """Whether run i's part alone gives what it got in the batched node `together` (and its grads)."""
     with torch.enable_grad():
-        xb, ab, bb = x.clone().requires_grad_(), [t.clone().requires_grad_() for t in a], [t.clone().requires_grad_() for t in b]
-        together = LoraLinear.apply(xb, w, None, parts, True, *ab, *bb)
-        together.backward(d)
-        for i in range(g):
-            xi, ai, bi = x[i:i + 1].clone().requires_grad_(), a[i].clone().requires_grad_(), b[i].clone().requires_grad_()
-            alone = LoraLinear.apply(xi, w, None, (Part(0, 1, m, scalings[i]),), False, ai, bi)
-            alone.backward(d[i:i + 1])
-            if not all(torch.equal(p, q) for p, q in ((together[i:i + 1], alone), (xb.grad[i:i + 1], xi.grad),
-                                                      (ab[i].grad, ai.grad), (bb[i].grad, bi.grad))):
-                return False
-    return True
+        xi, ai, bi = x[i:i + 1].clone().requires_grad_(), a[i].clone().requires_grad_(), b[i].clone().requires_grad_()
+        alone = LoraLinear.apply(xi, w, None, (Part(0, 1, m, scaling),), False, ai, bi)
+        alone.backward(d[i:i + 1])
+    return all(torch.equal(p, q) for p, q in ((together[i:i + 1], alone), (xb.grad[i:i + 1], xi.grad),
+                                             (ab[i].grad, ai.grad), (bb[i].grad, bi.grad)))
+
+
+def keeps_bits(g: int, m: int, in_features: int, out_features: int, rank: int, scalings: tuple[float, ...],
+               dtype: torch.dtype, master: torch.dtype, threads: int) -> bool:
+    """Whether LoraLinear over g runs of one shape keeps each run's bits in some batched layout on this
+    machine (`layout`): batched.fits asks it instead of batched.keeps_bits for this node (same signature)."""
+    return layout(g, m, in_features, out_features, rank, scalings, dtype, master, threads) is not None
+
+
+def layout_for(x: torch.Tensor, parts: tuple[Part, ...], a_s, b_s) -> str:
+    """The batched layout of a pass's layer (the parts equal blocks of x): the probed one on a CPU
+    (batched.fits took the layer only where there is one), BMM elsewhere (CUDA keeps no bits)."""
+    if x.device.type != "cpu":
+        return BMM
+    k = len(parts)
+    got = layout(k, (x.shape[0] // k) * x.shape[1], x.shape[-1], b_s[0].shape[0], a_s[0].shape[0],
+                 tuple(p.scaling for p in parts), x.dtype, a_s[0].dtype, torch.get_num_threads())
+    return got or BMM
 
 
 def fits(x: torch.Tensor, base: torch.nn.Linear, loras: list) -> bool:
