@@ -57,7 +57,8 @@ def magnitude(tensors: Iterable[torch.Tensor | None], foreach: bool | None = Non
     """max |x| over all elements of `tensors`: nan when one is NaN, inf when one is +-inf, 0 for none.
     One aminmax pass per tensor, as fast as the sum the finite check used to take. `foreach` (default:
     on CUDA, where those are 423 launches per SmolLM2 optim_step): two multi-tensor norms instead."""
-    tensors = [t.detach() for t in tensors if t is not None and t.numel()]
+    # Gradients need no detach and fp32 no cast: each is a dispatch, and a SmolLM2 adapter has 422 tensors.
+    tensors = [t.detach() if t.requires_grad else t for t in tensors if t is not None and t.numel()]
     if not tensors:
         return 0.0
     if tensors[0].is_cuda if foreach is None else foreach:
@@ -69,8 +70,8 @@ def magnitude(tensors: Iterable[torch.Tensor | None], foreach: bool | None = Non
     lows, highs = [], []
     for t in tensors:
         low, high = torch.aminmax(t)
-        lows.append(low.float())
-        highs.append(high.float())
+        lows.append(low if low.dtype == torch.float32 else low.float())
+        highs.append(high if high.dtype == torch.float32 else high.float())
     return float(torch.maximum(-torch.stack(lows).min(), torch.stack(highs).max()))  # both propagate NaN
 
 

@@ -51,6 +51,31 @@ def test_magnitude_is_the_exact_max_abs_and_propagates_nan_and_inf(foreach):
             assert math.isnan(got) if math.isnan(bad) else got == float("inf"), (bad, where)
 
 
+def test_magnitude_of_fp32_gradients_takes_one_dispatch_per_tensor():
+    """Fresh fp32 gradients (no requires_grad) get one aminmax each and no detach or cast: each of
+    those is a dispatch, 422 tensors a SmolLM2 adapter; a weight that requires grad is detached."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    gen = torch.Generator().manual_seed(4)
+    grads = [torch.randn(5, 3, generator=gen) * 10.0 ** (k - 20) for k in range(40)]
+    count = Count()
+    with count:
+        got = magnitude(grads)
+    assert got == max(float(t.abs().max()) for t in grads)
+    assert count.ops.count("aminmax") == len(grads) and len(count.ops) <= len(grads) + 8, count.ops[-12:]
+    weight = torch.randn(4, generator=gen, requires_grad=True)
+    assert magnitude([weight]) == float(weight.detach().abs().max())
+
+
 def test_magnitudes_of_runs_sharing_stacked_gradients_equal_each_runs_magnitude():
     """A shared pass's batched GEMMs give each run its gradients as slices of [k, ...] tensors
     (engine/lora/fused.py): magnitudes() reduces those per stacked tensor and gives each run exactly

@@ -143,8 +143,15 @@ def _alpha(p: Part) -> float:
     return 1.0 if power_of_two(p.scaling) else p.scaling
 
 
+def _whole(t: torch.Tensor, p: Part) -> bool:
+    """Whether part p is all of t [B, T, dim] (a run alone): its rows need no slicing."""
+    return p.start == 0 and p.stop == t.shape[0] and p.width == t.shape[1]
+
+
 def _rows(t: torch.Tensor, p: Part) -> torch.Tensor:
     """The part's [M, dim] rows of t [B, T, dim]: a view at full width, a copy when narrower."""
+    if _whole(t, p) and t.is_contiguous():  # one view instead of a slice and a view: a dispatch each
+        return t.view(-1, t.shape[-1])
     block = t[p.start:p.stop]
     if p.width < t.shape[1]:
         block = block[:, :p.width]
@@ -153,6 +160,9 @@ def _rows(t: torch.Tensor, p: Part) -> torch.Tensor:
 
 def _add_into(out: torch.Tensor, p: Part, m1: torch.Tensor, m2: torch.Tensor, alpha: float) -> None:
     """out's rows of part p += alpha * m1 @ m2, as one sum over the part's M rows (gemm.add_lora)."""
+    if _whole(out, p) and out.is_contiguous():
+        gemm.add_lora(out.view(-1, out.shape[-1]), m1, m2, alpha, m1.shape[0])
+        return
     block = out[p.start:p.stop, :p.width]
     if block.is_contiguous():  # full width, or a single row
         gemm.add_lora(block.view(-1, out.shape[-1]), m1, m2, alpha, m1.shape[0])
