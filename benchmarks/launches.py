@@ -50,15 +50,16 @@ VIEWS = {"view", "as_strided", "t", "transpose", "reshape", "_unsafe_view", "exp
 
 
 class OpCount(TorchDispatchMode):
-    """Non-view ATen ops dispatched inside the block, by name."""
+    """Non-view ATen ops dispatched inside the block, by name (`views`: the views too)."""
 
-    def __init__(self):
+    def __init__(self, views: bool = False):
         super().__init__()
         self.ops: collections.Counter = collections.Counter()
+        self.views = views
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.__name__.split(".")[0]
-        if name not in VIEWS:
+        if self.views or name not in VIEWS:
             self.ops[name] += 1
         return func(*args, **(kwargs or {}))
 

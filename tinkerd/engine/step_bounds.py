@@ -100,11 +100,11 @@ def magnitudes(runs: list[list[torch.Tensor | None]]) -> list[float]:
     highs: list[list[torch.Tensor]] = [[] for _ in runs]
     for (k, where), bases in layouts.items():
         flat = [b.view(k, -1) for b in bases]
-        low = torch.stack([f.amin(1) for f in flat]).amin(0)  # [k]; amin and amax propagate NaN
-        high = torch.stack([f.amax(1) for f in flat]).amax(0)
+        low = torch.stack([f.amin(1) for f in flat]).amin(0).float()  # [k]; amin and amax propagate NaN
+        high = torch.stack([f.amax(1) for f in flat]).amax(0).float()
         for r, j in where:
-            lows[r].append(low[j].float())
-            highs[r].append(high[j].float())
+            lows[r].append(low[j])
+            highs[r].append(high[j])
     out = []
     for r in range(len(runs)):
         alone = magnitude(rest[r])

@@ -284,13 +284,13 @@ def _bucketed_hidden(rt: "ModelRuntime", data: list[Datum], groups: list[list[in
 
 
 def finish_forward_backward(p: Prepared, target_logprobs, loss_sum, metrics, grads,
-                            largest: float | None = None) -> ForwardBackwardResult:
+                            measured: float | None = None) -> ForwardBackwardResult:
     """Check the pass's numbers, add its gradients to the adapter's .grad, and build the result.
-    `largest`: max |g| over `grads`, when measured already (engine/cotrain.py)."""
+    `measured`: max |g| over `grads`, when taken already (engine/cotrain.py)."""
     op, adapter, inputs, lengths = p.op, p.adapter, p.inputs, p.lengths
     batch, params = len(lengths), adapter.parameters()
     offsets = np.cumsum([0] + lengths)
-    measured, largest = largest, None  # max |g| of this batch's gradients, once checked
+    largest = None  # max |g| of this batch's gradients, once checked
     if grads is not None and not op.allow_non_finite:
         # Forward-only passes change nothing, so a NaN loss there is reported as it is.
         def per_datum_loss(i: int) -> torch.Tensor:

@@ -78,18 +78,8 @@ def test_a_run_alone_slices_nothing_and_gets_the_same_bits(monkeypatch):
     """A run alone covers every row at full width: its node takes its rows (and sums into them) as
     views of the whole tensor, without a slice each (a dispatch apiece, ~1,400 a SmolLM2 pass of
     1 x 8 tokens), and gets the bits of the sliced path, forward and backward."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
+    from benchmarks.launches import OpCount
     from tinkerd.engine.lora import fused
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops: list[str] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
 
     def run():
         g = torch.Generator().manual_seed(2)
@@ -97,8 +87,7 @@ def test_a_run_alone_slices_nothing_and_gets_the_same_bits(monkeypatch):
         w = torch.randn(OUT, IN, generator=g)
         parts = (Part(0, B, T, 2.0),)
         a_s, b_s = adapters(parts, dtype=torch.float32)
-        count = Count()
-        with count:
+        with OpCount(views=True) as count:
             y = LoraLinear.apply(x, w, None, parts, False, *a_s, *b_s)
             grads = torch.autograd.grad(y, [x, *a_s, *b_s], torch.ones_like(y))
         return (y.detach(), *grads), count.ops
