@@ -4,7 +4,11 @@ Both sides train the same model with the same LoRA (rank, layers), batch, dtype 
 with AdamW, interleaved A B A B in one run so machine noise hits both alike. The tinkerd side is
 the whole path a user pays for: SDK -> HTTP -> control -> engine. The baseline gets what the engine
 gets: glibc malloc tuned the same way (engine/malloc.py: freed memory kept, huge pages asked for),
-the same torch thread count, torch's fused AdamW over the adapter only, as the engine runs it
+and one more setting the engine does not need at these sizes: no block is mapped, since HF's loss
+makes [tokens, vocabulary] logits (100 MB at 2 x 256 on SmolLM2, past glibc's 32 MB ceiling for
+heap blocks) that were otherwise mapped and faulted in anew every step (session 43: ~0.8 s of
+system time a step at 2 threads, 2.2 against 1.75 s a step; every ratio this script printed before
+that was against the slower baseline). Also the same torch thread count, torch's fused AdamW over the adapter only, as the engine runs it
 (engine/adam.py; `--hf-adamw foreach` for the multi-tensor one), bf16 as PEFT does it (model loaded in bf16, step under autocast, fp32
 adapters, logits upcast before the loss: docs/precision.md).
 
@@ -429,7 +433,7 @@ def main() -> None:
                     help="also run the HF + PEFT loop with F.linear's GEMMs on the engine's (engine/gemm.py: oneDNN's)")
     args = ap.parse_args()
     base = start_run(args.data_dir)
-    keep_freed_memory()  # the HF side runs in this process
+    keep_freed_memory(map_large=False)  # the HF side runs in this process (module docstring)
     summary = []
     for dtype in args.dtypes.split(","):
         for threads in [int(t) for t in args.threads.split(",")]:

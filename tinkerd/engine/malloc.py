@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 # mallopt parameters (glibc malloc.h).
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+_M_MMAP_MAX = -4
 # Blocks up to this size come from the heap (glibc's ceiling for the threshold on 64-bit: 32 MB).
 MMAP_THRESHOLD_BYTES = 32 << 20
 # Free memory at the top of the heap is returned to the OS only beyond this.
@@ -63,8 +64,19 @@ def children_use_huge_pages() -> Iterator[None]:
             os.environ["GLIBC_TUNABLES"] = before
 
 
-def keep_freed_memory() -> bool:
-    """Tune glibc malloc for the engine (call once, early); False where the C library is not glibc."""
+def keep_freed_memory(map_large: bool = True) -> bool:
+    """Tune glibc malloc for the engine (call once, early); False where the C library is not glibc.
+
+    glibc will not serve a block over 32 MB from its heap by threshold alone, so such blocks are still
+    mapped and unmapped on every use. `map_large=False` turns mapping off (M_MMAP_MAX 0): every block
+    then comes from the heap. The HF + PEFT baseline of benchmarks/training.py takes it, since its
+    loss makes [tokens, vocabulary] logits (100 MB at 2 x 256 tokens on SmolLM2): there its step went
+    ~2.2 -> ~1.75 s at 2 threads (2,240 minor faults and ~0.8 s of system time a step -> ~0), on a
+    2-core Xeon. The engine keeps mapping them. Off, a 4 x 2048-token SmolLM2 step ran 43.5 -> 36.2 s
+    (2 threads), but the heap can then grow without bound: posix_memalign, which torch allocates
+    with, asks for a block's size plus its alignment, so a freed block never fits the next block of
+    its size, and with a live allocation above each one the heap grew 200 MB an iteration of
+    allocating and freeing one 200 MB tensor (docs/architecture.md section 9, session 43)."""
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name)
@@ -72,6 +84,8 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError, TypeError):  # not glibc (macOS, musl): its allocator is left alone
         return False
     ok = mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1 and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1
+    if not map_large:
+        ok = mallopt(_M_MMAP_MAX, 0) == 1 and ok
     if not ok:
         log.warning("could not tune malloc for the engine; steps may spend ~10%% in page faults")
     return ok
