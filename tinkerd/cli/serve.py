@@ -145,12 +145,16 @@ def _embedded_engine_client(config: ServerConfig, wait: bool):
     from tinkerd.engine.sampler.sample import SamplerConfig
 
     keep_freed_memory()  # as the engine process does (engine/malloc.py)
-    if config.torch_threads:
-        torch.set_num_threads(config.torch_threads)
-    engine = Engine(config.models_dir, config.max_lora_rank, SamplerConfig(kv_cache_bytes=config.sample_kv_cache_bytes),
-                    Precision(config.device, config.dtype), LocalArtifactStore(config.data_dir))
-    engine.load_base_models(config.base_models)
-    return InProcessEngineClient(engine)
+
+    def build() -> Engine:  # on the engine's own thread (InProcessEngineClient.on_one_thread)
+        if config.torch_threads:
+            torch.set_num_threads(config.torch_threads)
+        engine = Engine(config.models_dir, config.max_lora_rank, SamplerConfig(kv_cache_bytes=config.sample_kv_cache_bytes),
+                        Precision(config.device, config.dtype), LocalArtifactStore(config.data_dir))
+        engine.load_base_models(config.base_models)
+        return engine
+
+    return InProcessEngineClient.on_one_thread(build)
 
 
 def local_key(config: ServerConfig, accounts) -> str | None:
