@@ -4,11 +4,9 @@ Both sides train the same model with the same LoRA (rank, layers), batch, dtype 
 with AdamW, interleaved A B A B in one run so machine noise hits both alike. The tinkerd side is
 the whole path a user pays for: SDK -> HTTP -> control -> engine. The baseline gets what the engine
 gets: glibc malloc tuned the same way (engine/malloc.py: freed memory kept, huge pages asked for),
-and one more setting the engine does not need at these sizes: no block is mapped, since HF's loss
-makes [tokens, vocabulary] logits (100 MB at 2 x 256 on SmolLM2, past glibc's 32 MB ceiling for
-heap blocks) that were otherwise mapped and faulted in anew every step (session 43: ~0.8 s of
-system time a step at 2 threads, 2.2 against 1.75 s a step; every ratio this script printed before
-that was against the slower baseline). Also the same torch thread count, torch's fused AdamW over the adapter only, as the engine runs it
+and no mapped block (`map_large=False`: HF's [tokens, vocabulary] logits were otherwise faulted in
+anew every step; engine/malloc.py says what it cost, and every ratio this script printed before
+session 43 was against that slower baseline). Also the same torch thread count, torch's fused AdamW over the adapter only, as the engine runs it
 (engine/adam.py; `--hf-adamw foreach` for the multi-tensor one), bf16 as PEFT does it (model loaded in bf16, step under autocast, fp32
 adapters, logits upcast before the loss: docs/precision.md).
 

@@ -33,10 +33,11 @@ class InProcessEngineClient:
             runner.shutdown(wait=False)
             raise
 
+    def _on_engine_thread(self, fn, *args):
+        return fn(*args) if self._runner is None else self._runner.submit(fn, *args).result()
+
     def step(self, batch: StepBatch) -> StepOutput:
-        if self._runner is not None:
-            return self._runner.submit(self.engine.step, batch).result()
-        return self.engine.step(batch)
+        return self._on_engine_thread(self.engine.step, batch)
 
     def models(self) -> list[ServedModel]:
         return [
@@ -54,10 +55,8 @@ class InProcessEngineClient:
              for name, reason in self.engine.refused.items()]
 
     def close(self) -> None:
-        if self._runner is None:
-            self.engine.close()
-            return
         try:
-            self._runner.submit(self.engine.close).result()
+            self._on_engine_thread(self.engine.close)
         finally:
-            self._runner.shutdown(wait=True)
+            if self._runner is not None:
+                self._runner.shutdown(wait=True)
