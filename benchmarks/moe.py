@@ -173,10 +173,9 @@ def main() -> None:
     if "glibc.malloc.hugetlb" not in os.environ.get("GLIBC_TUNABLES", ""):
         # Read at process start: re-exec with it, as the engine process is started.
         os.execve(sys.executable, [sys.executable, *sys.argv], with_huge_pages(os.environ))
-    # Both sides run in this process, with the engine process's tuning and no mapped block: HF's
-    # [tokens, vocabulary] logits (33.5 MB at 4 x 256) were otherwise mapped and faulted in anew every
-    # step (engine/malloc.py, benchmarks/training.py); the engine's tiled head has no block that big.
-    keep_freed_memory(map_large=False)
+    # Both sides run in this process, with the engine process's malloc tuning: HF's [tokens,
+    # vocabulary] logits (33.5 MB at 4 x 256) were otherwise mapped and faulted in anew every step.
+    keep_freed_memory()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         for family in args.families.split(","):

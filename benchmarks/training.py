@@ -3,10 +3,9 @@
 Both sides train the same model with the same LoRA (rank, layers), batch, dtype and thread count,
 with AdamW, interleaved A B A B in one run so machine noise hits both alike. The tinkerd side is
 the whole path a user pays for: SDK -> HTTP -> control -> engine. The baseline gets what the engine
-gets: glibc malloc tuned the same way (engine/malloc.py: freed memory kept, huge pages asked for),
-and no mapped block (`map_large=False`: HF's [tokens, vocabulary] logits were otherwise faulted in
-anew every step; engine/malloc.py says what it cost, and every ratio this script printed before
-session 43 was against that slower baseline). Also the same torch thread count, torch's fused AdamW over the adapter only, as the engine runs it
+gets: glibc malloc tuned the same way (engine/malloc.py: freed memory kept, no block mapped, huge
+pages asked for; HF's [tokens, vocabulary] logits were otherwise faulted in anew every step, and
+every ratio this script printed before session 43 was against that slower baseline). Also the same torch thread count, torch's fused AdamW over the adapter only, as the engine runs it
 (engine/adam.py; `--hf-adamw foreach` for the multi-tensor one), bf16 as PEFT does it (model loaded in bf16, step under autocast, fp32
 adapters, logits upcast before the loss: docs/precision.md).
 
@@ -431,7 +430,7 @@ def main() -> None:
                     help="also run the HF + PEFT loop with F.linear's GEMMs on the engine's (engine/gemm.py: oneDNN's)")
     args = ap.parse_args()
     base = start_run(args.data_dir)
-    keep_freed_memory(map_large=False)  # the HF side runs in this process (module docstring)
+    keep_freed_memory()  # the HF side runs in this process (module docstring)
     summary = []
     for dtype in args.dtypes.split(","):
         for threads in [int(t) for t in args.threads.split(",")]:

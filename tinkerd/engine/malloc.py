@@ -8,7 +8,8 @@ memory back one zero-filled page at a time, some runs more than others. Measured
 18.3k minor page faults and 366 ms CPU per step by default, 250 faults and 332 ms tuned (-9%). The
 server benchmark saw 19-26k faults per step in the engine process against 1-19k with the engine on
 a server thread, which explains part of the process engine's measured overhead. Tuned, the
-engine's memory stays at its peak working set, which every step needs again anyway.
+engine's memory stays at its peak working set, which every step needs again anyway, until the
+machine runs short of memory or the engine idles (`HeapWatcher`).
 """
 
 from __future__ import annotations
@@ -16,9 +17,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
+import threading
+import time
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +35,15 @@ _M_MMAP_MAX = -4
 MMAP_THRESHOLD_BYTES = 32 << 20
 # Free memory at the top of the heap is returned to the OS only beyond this.
 TRIM_THRESHOLD_BYTES = 1 << 30
+# Below this share of memory left, the heap's free pages go back to the OS (HeapWatcher).
+LOW_MEMORY_FRACTION = 0.10
+# The HeapWatcher looks this often, gives free pages back after this long without work, and
+# at least this often.
+CHECK_S = 1.0
+IDLE_S = 30.0
+REFRESH_S = 600.0
+_watching = threading.Lock()  # held once this process's HeapWatcher runs
+
 
 
 # glibc (>= 2.35) tunable: malloc asks for transparent huge pages (madvise) on the memory it maps.
@@ -64,28 +78,126 @@ def children_use_huge_pages() -> Iterator[None]:
             os.environ["GLIBC_TUNABLES"] = before
 
 
-def keep_freed_memory(map_large: bool = True) -> bool:
+def keep_freed_memory() -> bool:
     """Tune glibc malloc for the engine (call once, early); False where the C library is not glibc.
 
-    glibc will not serve a block over 32 MB from its heap by threshold alone, so such blocks are still
-    mapped and unmapped on every use. `map_large=False` turns mapping off (M_MMAP_MAX 0): every block
-    then comes from the heap. The HF + PEFT baseline of benchmarks/training.py takes it, since its
-    loss makes [tokens, vocabulary] logits (100 MB at 2 x 256 tokens on SmolLM2): there its step went
-    ~2.2 -> ~1.75 s at 2 threads (2,240 minor faults and ~0.8 s of system time a step -> ~0), on a
-    2-core Xeon. The engine keeps mapping them. Off, a 4 x 2048-token SmolLM2 step ran 43.5 -> 36.2 s
-    (2 threads), but the heap can then grow without bound: posix_memalign, which torch allocates
-    with, asks for a block's size plus its alignment, so a freed block never fits the next block of
-    its size, and with a live allocation above each one the heap grew 200 MB an iteration of
-    allocating and freeing one 200 MB tensor (docs/architecture.md section 9, session 43)."""
+    Freed blocks stay in the heap for the next step: the mmap threshold at its 32 MB ceiling, the
+    heap's top trimmed only past 1 GB, and no block mapped at all (M_MMAP_MAX 0), since glibc maps
+    every block over 32 MB by size alone, and unmaps it on free, so the next step faulted it in and
+    zeroed it again. Such blocks are a wide batch's activations (SmolLM2's MLP at 8 x 1024 tokens:
+    50 MB each; an 8B model's from ~700 tokens in fp32) or an HF loss's [tokens, vocabulary] logits. At 8 x
+    1024 tokens, 2 threads, on a 2-core Xeon (`benchmarks/engine_malloc.py`, rank 8): a step 36.8 s
+    with 8.8 s of system time mapped, 32.1 s with 0.2 s kept, the same peak RSS (docs/architecture.md
+    section 9, session 44). What the heap then holds is bounded by a `HeapWatcher`, started here."""
+    libc = _libc()
+    if libc is None:  # not glibc (macOS, musl): its allocator is left alone
+        return False
+    ok = (libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
+          and libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1
+          and libc.mallopt(_M_MMAP_MAX, 0) == 1)
+    if not ok:
+        log.warning("could not tune malloc for the engine; steps may spend ~10%% in page faults")
+    elif _watching.acquire(blocking=False):  # one watcher a process, however often this is called
+        HeapWatcher().start()
+    return ok
+
+
+def give_back() -> bool:
+    """Hand every free page of the heap back to the OS (malloc_trim); True if any went back."""
+    libc = _libc()
+    return libc is not None and libc.malloc_trim(0) == 1
+
+
+class HeapWatcher:
+    """Gives the heap's free pages back to the OS now and then, and when memory runs short.
+
+    With no block mapped, the heap keeps what the widest step freed (its peak working set, which
+    the next such step takes again), and with steps of many shapes it grows past that, as freed
+    blocks of one size are split for others: 24 SmolLM2 steps of 4 shapes of 5.4-8k tokens (2
+    threads) grew it from 11.0 to 15.1 GB without levelling off, where one shape stayed at 9-10 GB
+    (session 44); the engine grew alike before, when such blocks were mapped (those steps' length
+    buckets keep theirs under 32 MB). One that trained a wide batch also held it while idle. So a thread
+    looks every `check_s` and hands every free page back (`give_back`): at every look while less
+    than `low` of the machine's memory, or of this process's cgroup limit, is left (`memory_left`);
+    once the process has done no work (under 5% of a core) for `idle_s`; and `refresh_s` after the
+    last time, so what the heap holds beyond a step's working set never builds up for longer. The
+    next step then faults in what it needs, as every step did with large blocks mapped (at 8 x 1024
+    tokens ~5-9 s of system time, so once in 10 minutes ~1-2% of the time). A look costs ~50 us."""
+
+    def __init__(self, check_s: float | None = None, idle_s: float | None = None, refresh_s: float | None = None,
+                 low: float | None = None, left=None, cpu=time.process_time, clock=time.monotonic, trim=give_back):
+        self.check_s = CHECK_S if check_s is None else check_s
+        self.idle_s = IDLE_S if idle_s is None else idle_s
+        self.refresh_s = REFRESH_S if refresh_s is None else refresh_s
+        self.low = LOW_MEMORY_FRACTION if low is None else low
+        self._left, self._cpu, self._clock, self._trim = left or memory_left, cpu, clock, trim
+        self._last = (clock(), cpu())
+        self._busy_at = self._trimmed_at = self._last[0]
+        self._idle_trimmed = False
+        self._said_short = False
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, name="tinkerd-heap-watcher", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.check_s)
+            self.check()
+
+    def check(self) -> str | None:
+        """One look: why the free pages went back ('short', 'idle', 'refresh'), or None."""
+        now, cpu = self._clock(), self._cpu()
+        if cpu - self._last[1] > 0.05 * (now - self._last[0]):
+            self._busy_at, self._idle_trimmed = now, False
+        self._last = (now, cpu)
+        left = self._left()
+        if left is not None and left < self.low:
+            # Said once: while memory stays short, this runs at every look.
+            log.log(logging.DEBUG if self._said_short else logging.INFO, "memory short (%.0f%% left): the engine's "
+                    "free heap pages go back to the OS while it lasts", 100 * left)
+            self._said_short = True
+            why = "short"
+        elif not self._idle_trimmed and now - self._busy_at >= self.idle_s:
+            self._idle_trimmed = True  # once per idle spell: nothing is freed while idle
+            why = "idle"
+        elif now - self._trimmed_at >= self.refresh_s:
+            why = "refresh"
+        else:
+            return None
+        self._trim()
+        self._trimmed_at = now
+        return why
+
+
+def memory_left(proc: str = "/proc", cgroup: str = "/sys/fs/cgroup") -> float | None:
+    """The share of memory still available: the machine's (MemAvailable / MemTotal) or, where this
+    process's cgroup (v2, or v1's memory controller) has a lower limit, the limit's less the
+    cgroup's anonymous memory (page cache is reclaimable); the lower of the two. None if unknown."""
+    try:
+        info = dict(line.split(":", 1) for line in Path(proc, "meminfo").read_text().splitlines() if ":" in line)
+        total = int(info["MemTotal"].split()[0]) * 1024
+        left = int(info["MemAvailable"].split()[0]) * 1024 / total
+    except (OSError, KeyError, ValueError):
+        return None
+    for limit_file, stat_file, anon_key in (("memory.max", "memory.stat", "anon"),
+                                            ("memory/memory.limit_in_bytes", "memory/memory.stat", "total_rss")):
+        try:
+            limit = Path(cgroup, limit_file).read_text().strip()
+            if limit == "max" or int(limit) >= total:
+                continue
+            stat = dict(line.split() for line in Path(cgroup, stat_file).read_text().splitlines())
+            left = min(left, (int(limit) - int(stat[anon_key])) / int(limit))
+        except (OSError, KeyError, ValueError):
+            continue
+    return left
+
+
+@functools.cache
+def _libc():
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError, TypeError):  # not glibc (macOS, musl): its allocator is left alone
-        return False
-    ok = mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1 and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1
-    if not map_large:
-        ok = mallopt(_M_MMAP_MAX, 0) == 1 and ok
-    if not ok:
-        log.warning("could not tune malloc for the engine; steps may spend ~10%% in page faults")
-    return ok
+        libc.mallopt, libc.malloc_trim  # glibc's
+    except (OSError, AttributeError, TypeError):
+        return None
+    return libc
