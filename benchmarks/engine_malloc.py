@@ -19,8 +19,6 @@ plus one optim_step), the minor page faults per step, and the process's peak RSS
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
 import multiprocessing as mp
 import os
 import statistics
@@ -32,17 +30,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 TINY = "tinkerd/tiny-qwen3"
-_M_MMAP_MAX = -4
 _GLIBC_DEFAULT_MMAP_MAX = 65536
 
 
 def _child(mode: str, args: argparse.Namespace, models_dir: str, out) -> None:
     if mode != "default":
-        from tinkerd.engine.malloc import keep_freed_memory
+        from tinkerd.engine import malloc
 
-        keep_freed_memory()
+        malloc.keep_freed_memory()
         if mode == "mapped":  # mapping back on, as before session 44
-            ctypes.CDLL(ctypes.util.find_library("c")).mallopt(_M_MMAP_MAX, _GLIBC_DEFAULT_MMAP_MAX)
+            malloc._libc().mallopt(malloc._M_MMAP_MAX, _GLIBC_DEFAULT_MMAP_MAX)
     import resource
 
     import numpy as np
