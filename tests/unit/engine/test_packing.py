@@ -1,8 +1,9 @@
 """The sampler's packed weights (lora/layers.py): q/k/v and gate/up share one stacked packed weight,
 each sibling's output through it equals its own linear plus its adapters, siblings called with the
 same input share one GEMM, and a sibling called twice does not get its adapters added twice. Both
-oneDNN packings (1x1 convolution, inner product) compute the linear row by row, and the first is
-given up where it is slow."""
+oneDNN packings (1x1 convolution, inner product) compute the linear row by row; on an Intel CPU
+with AVX-512 fp32 packs for the inner product unmeasured, and elsewhere the convolution is given up
+where it is slow."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from tinkerd.engine import cpu
 from tinkerd.engine.lora import layers as lora_layers
 from tinkerd.engine.lora.layers import LoraContext, LoraWeights, pack_for_decode, wrap_model
 
@@ -91,8 +93,11 @@ def test_packed_linear_equals_linear_and_each_row_is_its_own(conv):
 def timed_calls(monkeypatch):
     """packed_linear_2d on a fake clock that pack_for_decode reads: each call costs 1 unit, or 40 (a
     re-pack) where slow(packed, x) says so. The real calls still run, but how long they take on a
-    loaded machine cannot decide the outcome (a 5x spike at 16 x 16 once failed CI)."""
+    loaded machine cannot decide the outcome (a 5x spike at 16 x 16 once failed CI). The CPU is
+    taken for one that is not an Intel CPU with AVX-512, where pack_for_decode measures."""
     import types
+
+    monkeypatch.setattr(cpu, "mkl_avx512", lambda: False)
 
     now = [0.0]
     seen = []
@@ -110,6 +115,26 @@ def timed_calls(monkeypatch):
         return seen
 
     return install
+
+
+def test_an_intel_cpu_with_avx512_packs_fp32_for_the_inner_product_unmeasured(block, timed_calls, monkeypatch):
+    """There the inner product is the faster packing at every row count (lora/layers.py), so it is
+    taken without the convolution's timing check, and the sampling path still computes the linear."""
+    ctx, layers = block
+    seen = timed_calls(lambda packed, x: False)
+    monkeypatch.setattr(cpu, "mkl_avx512", lambda: True)
+    x = torch.randn(2, 5, 16)
+    ctx.set_rows([-1, -1])
+    with torch.no_grad():
+        want = {n: layers[n](x) for n in layers}
+    assert pack_for_decode(layers)
+    assert seen == []  # no convolution call: nothing timed
+    packed = [m.stack[0].packed if m.stack else m.packed_weight for m in layers.values()]
+    assert {p.dim() for p in packed} == {2}
+    ctx.sampling = True
+    with torch.inference_mode():
+        for n in layers:
+            torch.testing.assert_close(layers[n](x), want[n], atol=1e-5, rtol=1e-5)
 
 
 def test_a_fast_1x1_convolution_is_kept(block, timed_calls):

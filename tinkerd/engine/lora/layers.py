@@ -13,7 +13,7 @@ measured on SmolLM2-135M, 1 thread, 8 rows, all 211 linears: 42-87 ms per pass p
 the number of rows. Training never uses the packed copy (it has no autograd); logprobs of the two
 paths agree within 2.5e-5 on SmolLM2 (the sampler's tolerance against the trainer is 1e-4).
 
-The packing is oneDNN's 1x1 convolution's, not its inner product's: the M rows of x [M, in] are
+The packing is oneDNN's 1x1 convolution's (on an Intel CPU, see below), not its inner product's: the M rows of x [M, in] are
 M positions of one image, x itself is that image in channels-last layout, and so is the output
 [M, out], so no copy is made either way. oneDNN runs such a convolution through its brgemm 1x1
 kernel, which streams the packed weight faster than the inner-product kernel at decode's few rows
@@ -25,6 +25,14 @@ one re-packs the weight on every call (~40x slower), so calls take at most ROWS_
 prefill's 128-row chunks run as three GEMMs of ~43 rows, ~10% slower than one inner product of
 128. On a CPU where that does not hold, pack_for_decode measures it and packs for the inner
 product instead.
+
+On an Intel CPU with AVX-512 (engine/cpu.py) fp32 packs for the inner product from the start, with no
+timing check: its brgemm is the faster there at every row count a step runs (Xeon with AMX, SmolLM2's
+30 layers of body linears, 2 threads: 23.9 against 25.8 ms at 1 row, 30.2 / 32.2 at 8, 49.8 / 52.7
+at 32; 1 thread 5-9% faster too; the head alike), and a prefill chunk of 128 rows is one GEMM, 120 ms
+against 161 for the convolution's three of ~43. Its rows keep their bits whatever the number of rows
+beside them from 2 rows up; a lone row of the 1536-wide down projection rounds otherwise there, within
+the sampler's tolerance.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from tinkerd.engine import cpu
 from tinkerd.engine.lora import batched, casts, deltanet, fused, packed_head
 from tinkerd.engine.precision import lora_delta, lora_delta_add
 
@@ -402,8 +411,9 @@ def _conv_packing_holds(shapes: list[tuple[int, int]]) -> bool:
 def pack_for_decode(layers: dict[str, MultiLoraLinear]) -> bool:
     """Give every fp32 or bf16 CPU base linear a oneDNN-packed weight for the sampler; True if packed.
 
-    q/k/v and gate/up are packed together (PackedStack), the others alone. fp32: for the 1x1
-    convolution unless it is slow on this CPU (_conv_packing_holds), then for the inner product.
+    q/k/v and gate/up are packed together (PackedStack), the others alone. fp32: for the inner
+    product on an Intel CPU with AVX-512 (module docstring), elsewhere for the 1x1 convolution unless
+    it is slow on this CPU (_conv_packing_holds), then for the inner product.
     bf16 (where oneDNN has bf16 kernels): for the inner product, which gave F.linear's bits at 1.4-1.5x
     its speed on SmolLM2's linears at 8 rows and 2.2x on its head, 1 thread, AVX-512 bf16 (the 1x1
     convolution was slower than the inner product there and rounded differently). Costs one more
@@ -424,7 +434,7 @@ def pack_for_decode(layers: dict[str, MultiLoraLinear]) -> bool:
         stacked = {id(m) for members in stacks for m in members}
         shapes = [(sum(m.out_features for m in members), members[0].in_features) for members in stacks]
         shapes += [tuple(layer.weight.shape) for layer in layers.values() if id(layer) not in stacked]
-        conv = dtype == torch.float32 and _conv_packing_holds(shapes)
+        conv = dtype == torch.float32 and not cpu.mkl_avx512() and _conv_packing_holds(shapes)
         for members in stacks:
             if members[0].stack is None:
                 stack = PackedStack(members, conv)
