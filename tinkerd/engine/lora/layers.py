@@ -13,26 +13,26 @@ measured on SmolLM2-135M, 1 thread, 8 rows, all 211 linears: 42-87 ms per pass p
 the number of rows. Training never uses the packed copy (it has no autograd); logprobs of the two
 paths agree within 2.5e-5 on SmolLM2 (the sampler's tolerance against the trainer is 1e-4).
 
-The packing is oneDNN's 1x1 convolution's (on an Intel CPU, see below), not its inner product's: the M rows of x [M, in] are
-M positions of one image, x itself is that image in channels-last layout, and so is the output
-[M, out], so no copy is made either way. oneDNN runs such a convolution through its brgemm 1x1
-kernel, which streams the packed weight faster than the inner-product kernel at decode's few rows
-(benchmarks/packing.py; AMD Zen 4, 1 thread, SmolLM2's body linears streamed from memory: 25
-against 28 ms at 8 rows, 23 against 33 at 2; the 49k-row head 5.4 against 6.8-8.3 ms), equal from
-~24 rows. The kernel's weight layout depends on the number of positions (48-row blocks below 64
-positions, 64-row blocks from 64 up, on this CPU), and a call whose layout differs from the packed
-one re-packs the weight on every call (~40x slower), so calls take at most ROWS_PER_CALL rows:
-prefill's 128-row chunks run as three GEMMs of ~43 rows, ~10% slower than one inner product of
-128. On a CPU where that does not hold, pack_for_decode measures it and packs for the inner
-product instead.
+The packing is oneDNN's 1x1 convolution's (except on an Intel CPU, below), not its inner product's:
+the M rows of x [M, in] are M positions of one image, x itself is that image in channels-last
+layout, and so is the output [M, out], so no copy is made either way. oneDNN runs such a convolution
+through its brgemm 1x1 kernel, which streams the packed weight faster than the inner-product kernel
+at decode's few rows (benchmarks/packing.py; AMD Zen 4, 1 thread, SmolLM2's body linears streamed
+from memory: 25 against 28 ms at 8 rows, 23 against 33 at 2; the 49k-row head 5.4 against 6.8-8.3
+ms), equal from ~24 rows. The kernel's weight layout depends on the number of positions (48-row
+blocks below 64 positions, 64-row blocks from 64 up, on this CPU), and a call whose layout differs
+from the packed one re-packs the weight on every call (~40x slower), so calls take at most
+ROWS_PER_CALL rows: prefill's 128-row chunks run as three GEMMs of ~43 rows, ~10% slower than one
+inner product of 128. On a CPU where that does not hold, pack_for_decode measures it and packs for
+the inner product instead.
 
-On an Intel CPU with AVX-512 (engine/cpu.py) fp32 packs for the inner product from the start, with no
-timing check: its brgemm is the faster there at every row count a step runs (Xeon with AMX, SmolLM2's
-30 layers of body linears, 2 threads: 23.9 against 25.8 ms at 1 row, 30.2 / 32.2 at 8, 49.8 / 52.7
-at 32; 1 thread 5-9% faster too; the head alike), and a prefill chunk of 128 rows is one GEMM, 120 ms
-against 161 for the convolution's three of ~43. Its rows keep their bits whatever the number of rows
-beside them from 2 rows up; a lone row of the 1536-wide down projection rounds otherwise there, within
-the sampler's tolerance.
+On an Intel CPU with AVX-512 (engine/cpu.py) fp32 packs for the inner product from the start, with
+no timing check: its brgemm is the faster there at every row count a step runs (Xeon with AMX,
+SmolLM2's 30 layers of body linears, 2 threads: 23.9 against 25.8 ms at 1 row, 30.2 / 32.2 at 8,
+49.8 / 52.7 at 32; 1 thread 5-9% faster too; the head alike), and a prefill chunk of 128 rows is one
+GEMM, 120 ms against 161 for the convolution's three of ~43. Its rows keep their bits whatever the
+number of rows beside them from 2 rows up; a lone row of the 1536-wide down projection rounds
+otherwise there, within the sampler's tolerance.
 """
 
 from __future__ import annotations
