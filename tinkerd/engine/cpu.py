@@ -20,7 +20,7 @@ alternating (ms, 2 threads unless said):
 | fp32 attention without a mask from 1536 tokens: flash blocks vs the kernel's one call | blocks (1 thread, 2 x 2048: 529 -> 500 ms a layer) | one call: 1 x 2048 a layer 1.24x (1 thread 1.17x) |
 | fp32 flash blocks from 1024 tokens: T/16 vs 256 queries | T/16 | 256: 1 x 1024 a layer 1.14x, 2 x 2048 padded 1.11x |
 | bf16 attention of right-padded rows wider than 512 tokens: the kernel's masked call vs each row alone unmasked | GEMM blocks (above) | row by row: a step of 2048 + 1900 tokens 1.21x (1 thread 1.35x), of 500-600 1.11x |
-| the sampler's fp32 base weights packed for oneDNN's 1x1 convolution vs its inner product (lora/layers.py) | convolution (Zen 4, 1 thread, 8 rows: the body's linears 25 against 28 ms) | inner product: the body's linears 5-9% faster at 1-32 rows, a 128-row prefill chunk 1.34x |
+| the sampler's fp32 base weights packed for oneDNN's 1x1 convolution vs its inner product (lora/layers.py) | convolution (Zen 4, 1 thread, 8 rows: the body's linears 25 against 28 ms) | inner product (`benchmarks/packing.py`, its time over the convolution's, 2 threads: the body 0.95x at 1 row, 0.87x at 32, 0.79x at a 128-row prefill chunk; 1 thread 0.94x, 0.92x, 0.74x): GRPO-shaped sampling through the SDK 1.07x |
 
 `mkl_avx512` and `amx` say which column a machine is in. They read the CPU's vendor and features,
 never a timing, so a replay after a crash on the same machine takes the kernels the first run took
