@@ -12,6 +12,8 @@ How (`hidden`), in two decoder calls, or one more per extra length bucket of the
 2. The datums' suffixes, each with its group's cached prefix keys and values (the cache's rows
    selected per datum; the prefix padding masked out), at positions after its prefix. Suffixes of
    very different lengths go in length buckets (engine/buckets.py's plan), each with its own selection.
+   Their attention reads the cached keys and values with the key/value heads grouped, not widened
+   to the query heads as HF's masked call does (engine/causal.py: _reads_cached_prefix).
 
 The head runs once per distinct row: a group's leading prefix positions whose targets all its datums
 agree on are one row (all but its last position, usually: that one's target is each sample's first
