@@ -31,8 +31,9 @@ and 58 of its ~330 GFLOP), so how they are cut matters:
   head module and autograd, the path HF's own forward takes, with the log-softmax of the targets
   one node (TargetLogprobs: torch's logsumexp to the bit, its backward from the kept exponentials).
 
-Up to KEEP_CELLS logits are kept from the forward to the backward; beyond that each block is
-recomputed in the backward, so memory holds one tile (or chunk) at a time. Keeping or recomputing
+Up to KEEP_CELLS logits are kept from the forward to the backward, and beyond that too on a model
+whose logits are a small part of what its decoder keeps for the backward anyway (`keeps`);
+otherwise each block is recomputed in the backward, so memory holds one tile (or chunk) at a time. Keeping or recomputing
 gives the same bits: the same kernels on the same inputs. A run's blocks depend only on its number
 of rows, so its head gives the same bits alone and in a shared pass (engine/cotrain.py), where the
 runs' blocks share the GEMMs (HeadPass's docstring).
@@ -53,6 +54,15 @@ if TYPE_CHECKING:
 # Up to this many [M, V] cells (256 MB fp32) the logits are kept rather than recomputed: the second
 # head forward was 6% of a SmolLM2 step (2 x 256 tokens: 29 of ~330 GFLOP).
 KEEP_CELLS = 1 << 26
+# Past KEEP_CELLS the logits are still kept where a position's are at most BODY_SHARE of the floats
+# its decoder keeps for the backward (estimated as 4 x (hidden + intermediate) per layer; SmolLM2's
+# ~1.5 MB a position measured against this 1.0): then they add little to a step's peak, which comes
+# in the backward, not at the end of the forward. SmolLM2 (49k vocabulary, 2 threads, in process):
+# a GRPO-shaped forward_backward (4 prompts of 256 tokens, 8 samples of 64 each: 3,100 head rows,
+# 610 MB of logits) 12.1 -> 11.1 s, peak RSS 6,462 -> 6,504 MB; 4 x 1,025 tokens (806 MB) 17.5 ->
+# 16.0 s, 7,419 -> 7,503 MB. Qwen3-0.6B (152k vocabulary, 28 layers of 1,024 + 3,072) keeps too;
+# Gemma 3 270M's shape (262k, 18 layers of 640 + 2,048) only up to KEEP_CELLS.
+BODY_SHARE = 0.5
 # Tiled: rows per block, and logits cells per GEMM (4 MB fp32: the tile is in cache when the
 # logsumexp and, in the backward, the softmax pass over it run, and MKL writes it faster than a
 # 16 MB one; module docstring).
@@ -84,6 +94,17 @@ def head_lora(rt: "ModelRuntime", slot: int | None = None) -> tuple[torch.Tensor
         slot = rt.ctx.groups[0].slot
     lw = getattr(head, "adapters", {}).get(slot)
     return (lw.a, lw.b, lw.scaling) if lw is not None else None
+
+
+def keeps(rt: "ModelRuntime", rows: int) -> bool:
+    """Whether the head keeps `rows` rows' logits from its forward to its backward (KEEP_CELLS, BODY_SHARE)."""
+    vocab = rt.vocab_size
+    if rows * vocab <= KEEP_CELLS:
+        return True
+    config = rt.model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    width = (getattr(text, "hidden_size", 0) or 0) + (getattr(text, "intermediate_size", 0) or 0)
+    return vocab <= BODY_SHARE * 4 * width * (getattr(text, "num_hidden_layers", 0) or 0)
 
 
 def tiled(rt: "ModelRuntime", loras: list) -> bool:
@@ -171,7 +192,7 @@ class HeadPass:
                  parts: list[tuple[int, tuple | None]] | None = None):
         self.rt, self.hidden, self.targets = rt, hidden, targets
         m, vocab = hidden.shape[0], rt.vocab_size
-        self.keep = keep and m * vocab <= KEEP_CELLS
+        self.keep = keep and keeps(rt, m)
         self.parts = parts if parts is not None else [(m, head_lora(rt))]
         self.tiled = tiled(rt, [lora for _, lora in self.parts])
         if parts is not None and not self.tiled:

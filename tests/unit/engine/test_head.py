@@ -199,3 +199,25 @@ def test_target_logprobs_of_the_autograd_head_against_float64(soft, dtype):
     assert d.dtype == dtype
     tol = 1e-6 if dtype == torch.float32 else 1e-2  # bf16: the gradient is rounded to bf16 at the end
     assert (d.double() - d64).abs().max() <= tol * d64.abs().max()
+
+
+def test_logits_past_keep_cells_are_kept_where_the_decoder_keeps_far_more():
+    """Past KEEP_CELLS a model keeps its logits for the backward when a position's are at most
+    BODY_SHARE of its decoder's estimated activations: SmolLM2 (49k vocabulary, 30 layers of 576 +
+    1,536) and Qwen3-0.6B (152k, 28 layers of 1,024 + 3,072) at any batch; Gemma 3 270M's shape
+    (262k, 18 layers of 640 + 2,048) only up to KEEP_CELLS; a vision-language model by its text
+    decoder's config."""
+    from transformers import LlamaConfig, Qwen3Config, Qwen3VLConfig
+
+    def runtime(config):
+        text = config.get_text_config()
+        return SimpleNamespace(vocab_size=text.vocab_size, model=SimpleNamespace(config=config))
+
+    smol = runtime(LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30))
+    qwen = runtime(Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28))
+    gemma = runtime(LlamaConfig(vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18))
+    assert head.keeps(smol, 3100) and head.keeps(smol, 1 << 16) and head.keeps(qwen, 1 << 16)
+    fits = head.KEEP_CELLS // 262144
+    assert head.keeps(gemma, fits) and not head.keeps(gemma, fits + 1)
+    vl = Qwen3VLConfig(text_config=dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30))
+    assert head.keeps(runtime(vl), 1 << 16)
