@@ -118,6 +118,29 @@ def test_a_shared_system_prompt_is_prefilled_once(eng):
     assert_same(cached["b"], plain["b"])  # its last 4 tokens ran as a chunk after the 18 kept ones
 
 
+
+def test_a_chunk_after_kept_columns_reads_them_with_grouped_heads_to_the_bit(eng, monkeypatch):
+    """A prompt's chunk over the prefix cache's kept columns (more keys than queries, under a mask)
+    reads them with the key/value heads grouped (engine/causal.py), not widened to the query heads
+    as HF's call does; what it samples is bit for bit what the widened call gives."""
+    from transformers.integrations import sdpa_attention as hf
+
+    from tinkerd.engine import causal
+
+    widened = []
+    real = hf.repeat_kv
+    monkeypatch.setattr(hf, "repeat_kv", lambda x, n: widened.append(tuple(x.shape)) or real(x, n))
+    other = SYSTEM + [4000, 5000, 6000, 7000]
+    schedule = {0: [("a", op(PROMPT, 5, **SEEDED))], 8: [("b", op(other, 5, **SEEDED))]}
+    grouped = drive(Sampler(eng.runtime(TINY), SamplerConfig()), schedule)
+    assert grouped["b"].prompt_cache_hit_tokens == len(SYSTEM)
+    assert [s for s in widened if s[2] > len(SYSTEM)] == []
+    monkeypatch.setattr(causal, "_reads_cached_prefix", lambda *a: False)  # HF's widened call
+    wide = drive(Sampler(eng.runtime(TINY), SamplerConfig()), schedule)
+    assert any(s[2] == len(other) for s in widened)
+    for t in "ab":
+        assert_identical(grouped[t], wide[t])
+
 def test_no_reuse_across_adapters(eng, paths):
     schedule = {0: [("a", op(PROMPT, 6, paths[0], **SEEDED))], 8: [("b", op(PROMPT, 6, paths[1], **SEEDED))],
                 16: [("base", op(PROMPT, 6, **SEEDED))], 24: [("a2", op(PROMPT, 6, paths[0], **SEEDED))]}
