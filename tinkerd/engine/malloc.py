@@ -38,9 +38,15 @@ TRIM_THRESHOLD_BYTES = 1 << 30
 # Below this share of memory left, the heap's free pages go back to the OS (HeapWatcher).
 LOW_MEMORY_FRACTION = 0.10
 # The HeapWatcher looks this often, gives free pages back after this long without work, and
-# at least this often.
+# at least this often. Idle means a pause of the user's loop as often as an abandoned server: an RL
+# loop that scores its samples for more than IDLE_S between ops pays the next step's faults every
+# time, and on a VM whose host takes freed guest memory back those cost far more than the
+# page-zeroing: a GRPO-shaped forward_backward through the SDK (SmolLM2, 4 prompts x 256 tokens,
+# 8 samples of 64, 2 threads, a 7.5 GB engine) took 22.0 s after a 35 s pause with a 30 s IDLE_S
+# against 10.6-11.5 s without the give-back (the first step of a fresh engine, 22.3 s, is the same
+# cost). Memory running short gives pages back at the next look whatever IDLE_S says.
 CHECK_S = 1.0
-IDLE_S = 30.0
+IDLE_S = 300.0
 REFRESH_S = 600.0
 _watching = threading.Lock()  # held once this process's HeapWatcher runs
 
