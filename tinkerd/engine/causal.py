@@ -138,8 +138,13 @@ def _reads_cached_prefix(module, query, key, attention_mask, kwargs) -> bool:
     CPU flash kernel takes the grouped heads and that mask itself. A prompt chunk (forward only) gets
     the widened call's bits; SmolLM2, 2 threads, a 1,024-token prompt's prefill 1.03x, 4 x 256 1.016x."""
     return (query.device.type == "cpu" and key.shape[2] > query.shape[2] > 1 and attention_mask is not None
-            and getattr(module, "num_key_value_groups", 1) > 1 and not kwargs.get("dropout", 0.0)
-            and all(kwargs.get(k) is None for k in ("softcap", "position_bias", "s_aux")))
+            and getattr(module, "num_key_value_groups", 1) > 1 and not _extras(kwargs))
+
+
+def _extras(kwargs) -> bool:
+    """Whether HF's call carries anything beyond plain scaled-dot-product attention (dropout, a logit
+    softcap, a position bias, attention sinks), which only its own call handles."""
+    return bool(kwargs.get("dropout", 0.0)) or any(kwargs.get(k) is not None for k in ("softcap", "position_bias", "s_aux"))
 
 
 def _grouped_call(query, key, value, attention_mask, scale) -> torch.Tensor:
@@ -233,9 +238,7 @@ def _fits(module, query, key, attention_mask, kwargs, cuts=spans) -> bool:
     is_causal = kwargs.get("is_causal")
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
-    if (query.device.type != "cpu" or not is_causal
-            or key.shape[2] != t or t < 2 * MIN_BLOCK or kwargs.get("dropout", 0.0)
-            or any(kwargs.get(k) is not None for k in ("softcap", "position_bias", "s_aux"))):
+    if query.device.type != "cpu" or not is_causal or key.shape[2] != t or t < 2 * MIN_BLOCK or _extras(kwargs):
         return False
     if attention_mask is None:
         return True

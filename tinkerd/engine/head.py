@@ -33,8 +33,8 @@ and 58 of its ~330 GFLOP), so how they are cut matters:
 
 Up to KEEP_CELLS logits are kept from the forward to the backward, and beyond that too on a model
 whose logits are a small part of what its decoder keeps for the backward anyway (`keeps`);
-otherwise each block is recomputed in the backward, so memory holds one tile (or chunk) at a time. Keeping or recomputing
-gives the same bits: the same kernels on the same inputs. A run's blocks depend only on its number
+otherwise each block is recomputed in the backward, so memory holds one tile (or chunk) at a time.
+Keeping or recomputing gives the same bits: the same kernels on the same inputs. A run's blocks depend only on its number
 of rows, so its head gives the same bits alone and in a shared pass (engine/cotrain.py), where the
 runs' blocks share the GEMMs (HeadPass's docstring).
 """

@@ -118,7 +118,6 @@ def test_a_shared_system_prompt_is_prefilled_once(eng):
     assert_same(cached["b"], plain["b"])  # its last 4 tokens ran as a chunk after the 18 kept ones
 
 
-
 def test_a_chunk_after_kept_columns_reads_them_with_grouped_heads_to_the_bit(eng, monkeypatch):
     """A prompt's chunk over the prefix cache's kept columns (more keys than queries, under a mask)
     reads them with the key/value heads grouped (engine/causal.py), not widened to the query heads
@@ -140,6 +139,7 @@ def test_a_chunk_after_kept_columns_reads_them_with_grouped_heads_to_the_bit(eng
     assert any(s[2] == len(other) for s in widened)
     for t in "ab":
         assert_identical(grouped[t], wide[t])
+
 
 def test_no_reuse_across_adapters(eng, paths):
     schedule = {0: [("a", op(PROMPT, 6, paths[0], **SEEDED))], 8: [("b", op(PROMPT, 6, paths[1], **SEEDED))],
