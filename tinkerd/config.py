@@ -104,6 +104,14 @@ class ServerConfig(BaseModel):
                                              description="memory the sampler's KV cache may take, in GiB (default: a "
                                                          "quarter of the device's); a sample request needing more "
                                                          "alone is refused, others wait for room")
+    # engine/recompute.py: past it a decoder call keeps each layer's input alone and replays the layer
+    # in the backward, with the same bits. The default follows the memory free at each call.
+    activation_memory_gb: float | None = Field(default=None, ge=0,
+                                               description="memory a training pass's activations may hold for "
+                                                           "its backward, in GiB (default: 80% of what is free "
+                                                           "when each decoder call starts); past it the fewest "
+                                                           "layers that fit replay their forward in the backward, "
+                                                           "~40% more time each, the same numbers (0: all, always)")
     # 0 is torch's choice too (EngineSpec treats it as unset).
     torch_threads: int | None = Field(default=None, ge=0,
                                       description="torch intra-op threads of the engine (default: torch's choice)")
@@ -253,6 +261,10 @@ class ServerConfig(BaseModel):
     @property
     def sample_kv_cache_bytes(self) -> int | None:
         return None if self.sample_kv_cache_gb is None else int(self.sample_kv_cache_gb * 2**30)
+
+    @property
+    def activation_memory_bytes(self) -> int | None:
+        return None if self.activation_memory_gb is None else int(self.activation_memory_gb * 2**30)
 
     @property
     def min_free_disk_bytes(self) -> int | None:

@@ -364,6 +364,8 @@ class Resident:
     # The samplers' decode KV caches, allocated and allowed, summed over base models (GET /metrics).
     kv_cache_bytes: int = 0
     kv_cache_budget_bytes: int = 0
+    # Decoder layers training passes recomputed in their backward since the engine started (engine/recompute.py).
+    recomputed_layers: int = 0
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,10 @@ mid-loop: the engine restarts whole and the loop's losses equal an uninterrupted
 from __future__ import annotations
 
 import os
+import re
 import signal
+
+import httpx
 
 import numpy as np
 import pytest
@@ -93,6 +96,33 @@ def test_two_ranks_train_and_sample_as_one(server, sharded, tmp_path, monkeypatc
         assert tokens2 == tokens1
         np.testing.assert_allclose(lps2, lps1, rtol=0, atol=TOL)
     np.testing.assert_allclose(two["scored"], one["scored"], rtol=0, atol=TOL)
+
+
+def _recomputed_layers(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return float(re.search(r"^tinkerd_recomputed_layers_total (\S+)$", text, re.M).group(1))
+
+
+def test_ranks_that_recompute_their_activations_train_and_sample_to_the_same_bits(sharded, tmp_path, monkeypatch):
+    """--activation-memory-gb 0: every decoder layer of every rank replays its forward in the backward
+    (engine/recompute.py), under FSDP2, whose hooks unshard the layer's weights before its backward
+    and so before the replay. Losses, logprobs, LoRA weights and samples equal the keeping ranks'."""
+    monkeypatch.setenv("TINKER_API_KEY", API_KEY)
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    srv = start_server(tmp_path / "srv", [TINY], ["--threads", "1", "--engine-ranks", "2", "--activation-memory-gb", "0"])
+    try:
+        replayed = _run(srv.url, tmp_path / "replayed")
+        layers = _recomputed_layers(srv.url)
+    finally:
+        srv.stop()
+    kept = _run(sharded.url, tmp_path / "kept")
+    assert layers >= 2 * len(BATCHES) and _recomputed_layers(sharded.url) == 0  # the tiny model's 2 layers a step
+    assert replayed["losses"] == kept["losses"]
+    for a, b in zip(replayed["forward"], kept["forward"], strict=True):
+        assert np.array_equal(a, b)
+    assert replayed["lora"].keys() == kept["lora"].keys()
+    assert all(np.array_equal(replayed["lora"][k], kept["lora"][k]) for k in kept["lora"])
+    assert replayed["sequences"] == kept["sequences"] and replayed["scored"] == kept["scored"]
 
 
 def _rank1_pid(server_pid: int) -> int:

@@ -122,7 +122,8 @@ def test_the_flags_in_use_keep_their_names_and_meaning(tmp_path, monkeypatch):
     config = serve.build_config(_args(
         "--threads", "2", "--base-model", "tinkerd/tiny-qwen3", "--base-model", "tinkerd/tiny-llama", "--no-metrics",
         "--sample-kv-cache-gb", "0.01", "--min-free-disk-gb", "0", "--max-queued-ops-per-model", "0",
-        "--max-queued-ops", "7", "--data-dir", "data", "--checkpoint-sweep-interval-s", "0.2", "--allow-non-finite"))
+        "--max-queued-ops", "7", "--data-dir", "data", "--checkpoint-sweep-interval-s", "0.2", "--allow-non-finite",
+        "--activation-memory-gb", "0"))
     assert config.torch_threads == 2
     assert config.base_models == ["tinkerd/tiny-qwen3", "tinkerd/tiny-llama"]
     assert config.metrics is False and config.allow_non_finite is True
@@ -130,6 +131,7 @@ def test_the_flags_in_use_keep_their_names_and_meaning(tmp_path, monkeypatch):
     assert (config.max_queued_ops_per_model, config.max_queued_ops) == (None, 7)  # 0: no bound
     assert config.data_dir == tmp_path / "data"  # made absolute
     assert config.checkpoint_sweep_interval_s == 0.2
+    assert (config.activation_memory_bytes, ServerConfig().activation_memory_bytes) == (0, None)  # 0: always recompute
 
 
 @pytest.mark.parametrize("words, says", [

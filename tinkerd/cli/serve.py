@@ -134,7 +134,8 @@ def _embedded_engine_client(config: ServerConfig, wait: bool):
                                               config.torch_threads, config.sample_kv_cache_bytes,
                                               precision=Precision(config.device, config.dtype),
                                               log_level=logging.getLogger().getEffectiveLevel(), log_format=LOG_FORMAT,
-                                              ranks=config.engine_ranks, artifacts=LocalArtifactStore(config.data_dir)),
+                                              ranks=config.engine_ranks, artifacts=LocalArtifactStore(config.data_dir),
+                                              activation_memory_bytes=config.activation_memory_bytes),
                                    wait=wait)
     import torch
 
@@ -150,7 +151,8 @@ def _embedded_engine_client(config: ServerConfig, wait: bool):
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
         engine = Engine(config.models_dir, config.max_lora_rank, SamplerConfig(kv_cache_bytes=config.sample_kv_cache_bytes),
-                        Precision(config.device, config.dtype), LocalArtifactStore(config.data_dir))
+                        Precision(config.device, config.dtype), LocalArtifactStore(config.data_dir),
+                        config.activation_memory_bytes)
         engine.load_base_models(config.base_models)
         return engine
 

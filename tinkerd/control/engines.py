@@ -232,7 +232,8 @@ class EngineRouter:
         return Resident(training=sum(p.training for p in parts),
                         sampler_paths=tuple(path for p in parts for path in p.sampler_paths),
                         kv_cache_bytes=sum(p.kv_cache_bytes for p in parts),
-                        kv_cache_budget_bytes=sum(p.kv_cache_budget_bytes for p in parts))
+                        kv_cache_budget_bytes=sum(p.kv_cache_budget_bytes for p in parts),
+                        recomputed_layers=sum(p.recomputed_layers for p in parts))
 
 
 def _merge_release(results: list[object]) -> object:

@@ -204,5 +204,9 @@ class _StateCollector:
                                     value=resident.kv_cache_bytes)
             yield GaugeMetricFamily("tinkerd_kv_cache_budget_bytes", "Sampler KV cache budget (all base models)",
                                     value=resident.kv_cache_budget_bytes)
+            # Counted by the engine since it started: a restarted engine starts again from 0.
+            yield CounterMetricFamily("tinkerd_recomputed_layers", "Decoder layers whose activations training "
+                                      "passes recomputed in the backward, memory being short "
+                                      "(--activation-memory-gb)", value=resident.recomputed_layers)
         yield CounterMetricFamily("tinkerd_result_store_stalls", "Times storing a finished op's result had to wait "
                                   "on storage", value=c.results.stalls)

@@ -25,6 +25,7 @@ from tinkerd.engine.lora.layers import LoraContext, MultiLoraLinear, wrap_model,
 from tinkerd.engine.lora.pool import AdapterPool
 from tinkerd.engine.model.registry import LoadedModel, load_model
 from tinkerd.engine.precision import Precision
+from tinkerd.engine.recompute import Recompute
 from tinkerd.engine.sampler.sample import Sampler, SamplerConfig
 from tinkerd.engine.snapshots import SnapshotWriter
 from tinkerd.errors import NotFoundError, ServerError, TinkerdError, UserError
@@ -47,6 +48,8 @@ class ModelRuntime:
     artifacts: ArtifactStore = field(default_factory=lambda: LocalArtifactStore("/"))
     # engine/rowbits.py's verdicts by torch thread count (odd_rows).
     odd_rows_by_threads: dict[int, frozenset[int] | None] = field(default_factory=dict, repr=False)
+    # When a training pass recomputes its layers' activations in the backward (engine/recompute.py).
+    recompute: Recompute = field(default_factory=Recompute)
 
     @property
     def name(self) -> str:
@@ -80,7 +83,8 @@ class ModelRuntime:
 
 class Engine:
     def __init__(self, models_dir: Path, max_lora_rank: int = 256, sampler_config: SamplerConfig = SamplerConfig(),
-                 precision: Precision = Precision(), artifacts: ArtifactStore | None = None):
+                 precision: Precision = Precision(), artifacts: ArtifactStore | None = None,
+                 activation_memory_bytes: int | None = None):
         self.models_dir = Path(models_dir)
         # Checkpoints, snapshots and exports, by the keys ops carry (tinkerd/artifacts.py). None: keys
         # are absolute paths (tests and tools that hold an Engine); a server passes its store.
@@ -90,6 +94,8 @@ class Engine:
         self.precision = precision
         self.max_lora_rank = max_lora_rank
         self.sampler_config = sampler_config
+        # What a training pass's activations may hold before its layers recompute (engine/recompute.py).
+        self.activation_memory_bytes = activation_memory_bytes
         self.runtimes: dict[str, ModelRuntime] = {}
         # Base model name -> its continuous decode batch, created on the first sampling request.
         self.samplers: dict[str, Sampler] = {}
@@ -142,7 +148,8 @@ class Engine:
         packed_head.install(loaded.model, self.precision.device, head.chunk_rows(loaded.model.get_output_embeddings().out_features))
         causal.install(loaded.model)
         pool = AdapterPool({**layers, **experts}, self.max_lora_rank, device=self.precision.torch_device)
-        runtime = ModelRuntime(loaded, ctx, layers, pool, routing, self.precision, self.artifacts)
+        runtime = ModelRuntime(loaded, ctx, layers, pool, routing, self.precision, self.artifacts,
+                               recompute=Recompute(self.activation_memory_bytes))
         self.runtimes[name] = runtime
         return runtime
 
@@ -199,7 +206,8 @@ class Engine:
         return Resident(training=sum(a.trainable for a in adapters),
                         sampler_paths=tuple(a.key for a in adapters if not a.trainable),
                         kv_cache_bytes=sum(s.kv_cache_bytes() for s in self.samplers.values()),
-                        kv_cache_budget_bytes=sum(s.kv_budget for s in self.samplers.values()))
+                        kv_cache_budget_bytes=sum(s.kv_budget for s in self.samplers.values()),
+                        recomputed_layers=sum(rt.recompute.replayed for rt in self.runtimes.values()))
 
     def _guarded(self, fn, op: EngineOp) -> object:
         """fn(op), or the error that failed it: a bug must fail one future, not the engine loop."""

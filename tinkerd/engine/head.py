@@ -97,14 +97,18 @@ def head_lora(rt: "ModelRuntime", slot: int | None = None) -> tuple[torch.Tensor
 
 
 def keeps(rt: "ModelRuntime", rows: int) -> bool:
-    """Whether the head keeps `rows` rows' logits from its forward to its backward (KEEP_CELLS, BODY_SHARE)."""
+    """Whether the head keeps `rows` rows' logits from its forward to its backward (KEEP_CELLS,
+    BODY_SHARE, and past KEEP_CELLS only where they fit in memory: Recompute.fits)."""
     vocab = rt.vocab_size
     if rows * vocab <= KEEP_CELLS:
         return True
     config = rt.model.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     width = (getattr(text, "hidden_size", 0) or 0) + (getattr(text, "intermediate_size", 0) or 0)
-    return vocab <= BODY_SHARE * 4 * width * (getattr(text, "num_hidden_layers", 0) or 0)
+    # And only while they fit: a body that recomputes its activations (engine/recompute.py) holds
+    # little, and then the logits would be most of the step's peak.
+    return (vocab <= BODY_SHARE * 4 * width * (getattr(text, "num_hidden_layers", 0) or 0)
+            and rt.recompute.fits(rt, rows * vocab * 4))
 
 
 def tiled(rt: "ModelRuntime", loras: list) -> bool:

@@ -177,25 +177,60 @@ class HeapWatcher:
 
 def memory_left(proc: str = "/proc", cgroup: str = "/sys/fs/cgroup") -> float | None:
     """The share of memory still available: the machine's (MemAvailable / MemTotal) or, where this
-    process's cgroup (v2, or v1's memory controller) has a lower limit, the limit's less the
-    cgroup's anonymous memory (page cache is reclaimable); the lower of the two. None if unknown."""
+    process's cgroup or one above it (v2, or v1's memory controller) has a lower limit, the limit's
+    less that cgroup's anonymous memory (page cache is reclaimable); the lowest. None if unknown."""
+    room = _room(proc, cgroup)
+    return None if room is None else room[0]
+
+
+def bytes_left(proc: str = "/proc", cgroup: str = "/sys/fs/cgroup") -> int | None:
+    """Bytes still available: what `memory_left` counts, in bytes (the lowest of the machine's and
+    its cgroups'). The free blocks the process's own heap keeps are not among them. None if unknown."""
+    room = _room(proc, cgroup)
+    return None if room is None else room[1]
+
+
+def _room(proc: str, cgroup: str) -> tuple[float, int] | None:
+    """(share, bytes) of memory left, the lower of the machine's and this process's cgroup's."""
     try:
         info = dict(line.split(":", 1) for line in Path(proc, "meminfo").read_text().splitlines() if ":" in line)
         total = int(info["MemTotal"].split()[0]) * 1024
-        left = int(info["MemAvailable"].split()[0]) * 1024 / total
+        available = int(info["MemAvailable"].split()[0]) * 1024
     except (OSError, KeyError, ValueError):
         return None
-    for limit_file, stat_file, anon_key in (("memory.max", "memory.stat", "anon"),
-                                            ("memory/memory.limit_in_bytes", "memory/memory.stat", "total_rss")):
+    share, left = available / total, available
+    for limit_path, stat_path, anon_key in _cgroup_files(proc, cgroup):
         try:
-            limit = Path(cgroup, limit_file).read_text().strip()
+            limit = limit_path.read_text().strip()
             if limit == "max" or int(limit) >= total:
                 continue
-            stat = dict(line.split() for line in Path(cgroup, stat_file).read_text().splitlines())
-            left = min(left, (int(limit) - int(stat[anon_key])) / int(limit))
+            stat = dict(line.split() for line in stat_path.read_text().splitlines())
+            room = int(limit) - int(stat[anon_key])
+            share, left = min(share, room / int(limit)), min(left, room)
         except (OSError, KeyError, ValueError):
             continue
-    return left
+    return share, max(0, left)
+
+
+def _cgroup_files(proc: str, cgroup: str) -> list[tuple[Path, Path, str]]:
+    """(limit file, stat file, its anonymous-memory key) of each memory cgroup whose limit binds this
+    process: its own (v2, or v1's memory controller, by /proc/self/cgroup) and every ancestor's. A
+    container sees its own as the root; a systemd unit's MemoryMax= or a test's cgroup is a subdirectory."""
+    try:
+        lines = Path(proc, "self", "cgroup").read_text().splitlines()
+    except OSError:
+        lines = []
+    fields = [line.split(":", 2) for line in lines if line.count(":") >= 2]
+    v2 = next((path for hid, _, path in fields if hid == "0"), "/")
+    v1 = next((path for _, controllers, path in fields if "memory" in controllers.split(",")), "/")
+    out = []
+    for root, own, (limit, stat, anon) in ((Path(cgroup), v2, ("memory.max", "memory.stat", "anon")),
+                                           (Path(cgroup, "memory"), v1, ("memory.limit_in_bytes", "memory.stat", "total_rss"))):
+        parts = [p for p in own.split("/") if p]
+        for k in range(len(parts), -1, -1):
+            where = root.joinpath(*parts[:k])
+            out.append((where / limit, where / stat, anon))
+    return out
 
 
 @functools.cache

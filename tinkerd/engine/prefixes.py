@@ -138,35 +138,20 @@ def hidden(rt: "ModelRuntime", data: list["Datum"], groups: list[Group], targets
     for row, g in enumerate(groups):
         ids[row, : g.prefix] = torch.from_numpy(np.array(data[g.members[0]].tokens[: g.prefix], dtype=np.int64))
         mask[row, : g.prefix] = 1
-    cache = DynamicCache(config=rt.model.config)
-    h_prefix = run_decoder(input_ids=ids.to(device), attention_mask=mask.to(device), cache=cache,
-                           use_cache=True)  # [G, P, H]
-    layers = [(layer.keys, layer.values) for layer in cache.layers]
-    # 2. The suffixes, in length buckets, each datum reading its group's cached prefix.
     owner = {i: (row, g.prefix) for row, g in enumerate(groups) for i in g.members}
     datums = [i for g in groups for i in g.members]
     suffix_len = [len(data[i].tokens) - owner[i][1] for i in datums]
     cut = buckets.plan(suffix_len) or [sorted(range(len(datums)), key=lambda k: -suffix_len[k])]
-    h_suffix: dict[int, torch.Tensor] = {}
-    for bucket in cut:
-        members = [datums[k] for k in bucket]
-        t = max(suffix_len[k] for k in bucket)
-        ids = torch.zeros(len(members), t, dtype=torch.long)
-        sees = torch.zeros(len(members), widest + t, dtype=torch.long)
-        positions = torch.zeros(len(members), t, dtype=torch.long)
-        for row, i in enumerate(members):
-            _, p = owner[i]
-            n = len(data[i].tokens) - p
-            ids[row, :n] = torch.from_numpy(np.array(data[i].tokens[p:], dtype=np.int64))
-            sees[row, :p] = 1
-            sees[row, widest : widest + n] = 1
-            positions[row] = torch.arange(p, p + t)
-        pick = torch.tensor([owner[i][0] for i in members], device=device)
-        selected = DynamicCache(ddp_cache_data=[(k.index_select(0, pick), v.index_select(0, pick)) for k, v in layers])
-        out = run_decoder(input_ids=ids.to(device), attention_mask=sees.to(device), position_ids=positions.to(device),
-                          cache=selected, use_cache=True)  # [b, t, H]
-        for row, i in enumerate(members):
-            h_suffix[i] = out[row, : len(data[i].tokens) - owner[i][1]]
+    widths = [max(suffix_len[k] for k in bucket) for bucket in cut]
+    # The calls' positions and the keys the suffixes' caches hold, for engine/recompute.py's plan.
+    extent = (ids.numel() + sum(len(b) * t for b, t in zip(cut, widths)),
+              ids.numel() + sum(len(b) * (widest + t) for b, t in zip(cut, widths)))
+    with rt.recompute.whole_pass(*extent):
+        cache = DynamicCache(config=rt.model.config)
+        h_prefix = run_decoder(input_ids=ids.to(device), attention_mask=mask.to(device), cache=cache,
+                               use_cache=True)  # [G, P, H]
+        layers = [(layer.keys, layer.values) for layer in cache.layers]
+        h_suffix = _suffixes(data, owner, datums, suffix_len, cut, widest, layers, device, run_decoder)
     # 3. The head's rows: a group's agreed prefix positions once, the rest per datum.
     pieces, index, first = [], torch.empty(int(starts[-1]), dtype=torch.long), []
     at = 0
@@ -187,6 +172,34 @@ def hidden(rt: "ModelRuntime", data: list["Datum"], groups: list[Group], targets
             at += own
     rows = Rows(index.to(device), torch.tensor(first, dtype=torch.long, device=device))
     return torch.cat(pieces), rows
+
+
+def _suffixes(data: list["Datum"], owner: dict[int, tuple[int, int]], datums: list[int], suffix_len: list[int],
+              cut: list[list[int]], widest: int, layers, device, run_decoder) -> dict[int, torch.Tensor]:
+    """2. The datums' suffixes, by length bucket, each reading its group's cached prefix: datum -> [n, H]."""
+    from transformers import DynamicCache
+
+    h_suffix: dict[int, torch.Tensor] = {}
+    for bucket in cut:
+        members = [datums[k] for k in bucket]
+        t = max(suffix_len[k] for k in bucket)
+        ids = torch.zeros(len(members), t, dtype=torch.long)
+        sees = torch.zeros(len(members), widest + t, dtype=torch.long)
+        positions = torch.zeros(len(members), t, dtype=torch.long)
+        for row, i in enumerate(members):
+            _, p = owner[i]
+            n = len(data[i].tokens) - p
+            ids[row, :n] = torch.from_numpy(np.array(data[i].tokens[p:], dtype=np.int64))
+            sees[row, :p] = 1
+            sees[row, widest : widest + n] = 1
+            positions[row] = torch.arange(p, p + t)
+        pick = torch.tensor([owner[i][0] for i in members], device=device)
+        selected = DynamicCache(ddp_cache_data=[(k.index_select(0, pick), v.index_select(0, pick)) for k, v in layers])
+        out = run_decoder(input_ids=ids.to(device), attention_mask=sees.to(device), position_ids=positions.to(device),
+                          cache=selected, use_cache=True)  # [b, t, H]
+        for row, i in enumerate(members):
+            h_suffix[i] = out[row, : len(data[i].tokens) - owner[i][1]]
+    return h_suffix
 
 
 def _agreed(targets: torch.Tensor, starts: list[int], prefix: int) -> int:

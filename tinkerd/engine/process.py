@@ -51,6 +51,8 @@ class EngineSpec:
     # Where checkpoints, snapshots and exports go, by the keys ops carry (tinkerd/artifacts.py); the
     # engine reaches the data directory through it alone. None: keys are absolute paths (tests).
     artifacts: ArtifactStore | None = None
+    # engine/recompute.py: bytes of activations a training pass may hold (None: by the free memory).
+    activation_memory_bytes: int | None = None
 
     def build(self) -> Engine:
         """The Engine this spec describes, its base models loaded: what an engine process or a Ray
@@ -63,7 +65,7 @@ class EngineSpec:
         if self.torch_threads:
             torch.set_num_threads(self.torch_threads)
         engine = Engine(self.models_dir, self.max_lora_rank, SamplerConfig(kv_cache_bytes=self.sample_kv_cache_bytes),
-                        self.precision, self.artifacts)
+                        self.precision, self.artifacts, self.activation_memory_bytes)
         engine.load_base_models(self.base_models)
         return engine
 

@@ -187,7 +187,8 @@ def ray_engines(config, log_level: int = logging.WARNING, log_format: str | None
     clients = [RayEngineClient(EngineSpec(config.models_dir, (base,), config.max_lora_rank, threads,
                                           config.sample_kv_cache_bytes, precision=Precision(config.device, config.dtype),
                                           log_level=log_level, log_format=log_format,
-                                          artifacts=LocalArtifactStore(config.data_dir)),
+                                          artifacts=LocalArtifactStore(config.data_dir),
+                                          activation_memory_bytes=config.activation_memory_bytes),
                                config.ray_num_cpus, config.ray_num_gpus)
                for base in config.base_models]
     log.info("starting %d engine actors on Ray (%s)", len(clients), config.ray_address)

@@ -161,7 +161,8 @@ def _build_engine(spec: "EngineSpec", group: RankGroup) -> "Engine":
     if spec.torch_threads:
         torch.set_num_threads(spec.torch_threads)
     config = SamplerConfig(kv_cache_bytes=spec.sample_kv_cache_bytes, pack_weights=False, fused_decode=False)
-    engine = Engine(spec.models_dir, spec.max_lora_rank, config, spec.precision, spec.artifacts)
+    engine = Engine(spec.models_dir, spec.max_lora_rank, config, spec.precision, spec.artifacts,
+                    spec.activation_memory_bytes)
     engine.group = group
     engine.load_base_models(spec.base_models)
     for rt in engine.runtimes.values():

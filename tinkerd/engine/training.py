@@ -109,7 +109,8 @@ def _hidden(rt: "ModelRuntime", input_ids: torch.Tensor, mask: torch.Tensor, ima
     if images is not None and any(images):
         extra = rt.loaded.vision.inputs(input_ids, mask, images)
         extra.pop("rope_deltas")
-        hidden = rt.model.model(input_ids=input_ids, attention_mask=mask, use_cache=False, **extra).last_hidden_state
+        with rt.recompute.layers(rt, mask.numel()):
+            hidden = rt.model.model(input_ids=input_ids, attention_mask=mask, use_cache=False, **extra).last_hidden_state
         return hidden[mask.bool()]
     hidden = _decoder(rt)(input_ids=input_ids, attention_mask=mask, use_cache=False, **attention)  # [B, T, H]
     return hidden[mask.bool()]  # datum 0's positions first
@@ -121,7 +122,12 @@ def _decoder(rt: "ModelRuntime"):
 
     def run(**kwargs) -> torch.Tensor:
         # tinkerd_causal_blocks: causal attention in query blocks on a CPU (engine/causal.py).
-        return decoder(tinkerd_causal_blocks=True, **kwargs).last_hidden_state
+        # Each call decides how many of its layers recompute in the backward, for what it and the
+        # pass's later calls will hold (engine/recompute.py); a sample's call holds its prompt's
+        # cached keys and values too.
+        cached = kwargs["attention_mask"].numel() if kwargs.get("cache") is not None else 0
+        with rt.recompute.layers(rt, kwargs["input_ids"].numel(), cached):
+            return decoder(tinkerd_causal_blocks=True, **kwargs).last_hidden_state
 
     return run
 
@@ -276,10 +282,11 @@ def own_body(rt: "ModelRuntime", data: list[Datum]):
 def _bucketed_hidden(rt: "ModelRuntime", data: list[Datum], groups: list[list[int]]) -> torch.Tensor:
     """[M, H] in datum order, the decoder run once per bucket of datums (engine/buckets.py)."""
     pieces: list[torch.Tensor | None] = [None] * len(data)
-    for group in groups:
-        hidden = _hidden(rt, *padded_tokens(rt, [data[i] for i in group]))  # [M_g, H], the bucket's order
-        for i, piece in zip(group, torch.split(hidden, [len(data[i].tokens) for i in group])):
-            pieces[i] = piece
+    with rt.recompute.whole_pass(sum(len(g) * max(len(data[i].tokens) for i in g) for g in groups)):
+        for group in groups:
+            hidden = _hidden(rt, *padded_tokens(rt, [data[i] for i in group]))  # [M_g, H], the bucket's order
+            for i, piece in zip(group, torch.split(hidden, [len(data[i].tokens) for i in group])):
+                pieces[i] = piece
     return torch.cat(pieces)
 
 

@@ -13,6 +13,8 @@ from tests.unit.engine.test_training import BASE, adapter_of, assert_identical, 
 from tinkerd.engine import gemm, head
 from tinkerd.engine.head import HeadPass
 from tinkerd.engine.lora.layers import LoraContext, LoraWeights, MultiLoraLinear
+from tinkerd.engine.precision import Precision
+from tinkerd.engine.recompute import Recompute
 from tinkerd.types import Datum, ForwardBackwardOp
 
 
@@ -206,12 +208,14 @@ def test_logits_past_keep_cells_are_kept_where_the_decoder_keeps_far_more():
     BODY_SHARE of its decoder's estimated activations: SmolLM2 (49k vocabulary, 30 layers of 576 +
     1,536) and Qwen3-0.6B (152k, 28 layers of 1,024 + 3,072) at any batch; Gemma 3 270M's shape
     (262k, 18 layers of 640 + 2,048) only up to KEEP_CELLS; a vision-language model by its text
-    decoder's config."""
+    decoder's config. And past KEEP_CELLS only while they fit the memory the engine may use for
+    activations (engine/recompute.py: here a budget of 1 TB)."""
     from transformers import LlamaConfig, Qwen3Config, Qwen3VLConfig
 
-    def runtime(config):
+    def runtime(config, budget=10**12):
         text = config.get_text_config()
-        return SimpleNamespace(vocab_size=text.vocab_size, model=SimpleNamespace(config=config))
+        return SimpleNamespace(vocab_size=text.vocab_size, model=SimpleNamespace(config=config),
+                               recompute=Recompute(budget), precision=Precision())
 
     smol = runtime(LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30))
     qwen = runtime(Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28))
@@ -221,3 +225,7 @@ def test_logits_past_keep_cells_are_kept_where_the_decoder_keeps_far_more():
     assert head.keeps(gemma, fits) and not head.keeps(gemma, fits + 1)
     vl = Qwen3VLConfig(text_config=dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30))
     assert head.keeps(runtime(vl), 1 << 16)
+    rows = 3100  # the GRPO shape's head rows: 610 MB of fp32 logits
+    assert head.keeps(runtime(smol.model.config, rows * 49152 * 4), rows)
+    assert not head.keeps(runtime(smol.model.config, rows * 49152 * 4 - 1), rows)
+    assert head.keeps(runtime(smol.model.config, 0), head.KEEP_CELLS // 49152)  # always up to KEEP_CELLS

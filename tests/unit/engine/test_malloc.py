@@ -162,6 +162,31 @@ def test_memory_left_takes_a_tighter_cgroup_limit_less_its_anonymous_memory(tmp_
     assert malloc.memory_left(proc, v1.parent) == pytest.approx(0.05)
 
 
+def test_the_limit_of_the_cgroup_the_process_is_in_or_above_it_counts(tmp_path):
+    """A systemd unit's MemoryMax= or a test's cgroup is a subdirectory of the hierarchy, named in
+    /proc/self/cgroup; a limit on it or on any cgroup above it binds the process. bytes_left: the
+    same room in bytes."""
+    proc = _proc(tmp_path, 1000, 900)
+    (proc / "self").mkdir()
+    (proc / "self" / "cgroup").write_text("4:memory:/svc/unit\n0::/svc/unit\n")
+    v2 = tmp_path / "v2"
+    (v2 / "svc" / "unit").mkdir(parents=True)
+    (v2 / "memory.max").write_text("max\n")
+    (v2 / "svc" / "unit" / "memory.max").write_text("max\n")
+    (v2 / "svc" / "unit" / "memory.stat").write_text(f"anon {100 * 1024}\n")
+    assert malloc.memory_left(proc, v2) == pytest.approx(0.9)
+    (v2 / "svc" / "memory.max").write_text(f"{500 * 1024}\n")  # the parent's limit, over its subtree's anon
+    (v2 / "svc" / "memory.stat").write_text(f"anon {400 * 1024}\n")
+    assert malloc.memory_left(proc, v2) == pytest.approx(0.2)
+    assert malloc.bytes_left(proc, v2) == 100 * 1024
+    v1 = tmp_path / "v1" / "memory" / "svc" / "unit"
+    v1.mkdir(parents=True)
+    (v1 / "memory.limit_in_bytes").write_text(f"{200 * 1024}\n")
+    (v1 / "memory.stat").write_text(f"total_rss {50 * 1024}\n")
+    assert malloc.memory_left(proc, v1.parents[2]) == pytest.approx(0.75)
+    assert malloc.bytes_left(proc, tmp_path / "v1") == 150 * 1024
+
+
 def test_the_watcher_gives_back_every_refresh_period_while_busy():
     # What the heap holds past a step's working set (blocks split for other shapes) never builds up longer.
     clock, trims = _Clock(), []
