@@ -47,38 +47,42 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Margin on `layer_values`, whose terms count the tensors a layer saves for its backward; measured
-# by those bytes (rank-32 LoRA on every linear, 2 x 512 tokens, fp32), it gave SmolLM2-135M 10,752
-# against 10,413 saved, Qwen3-0.6B's widths 25,600 against 25,900, a Qwen3-30B-A3B-shaped MoE layer
-# 95,700 against 97,800 (test_recompute pins it against the measure).
-MARGIN = 1.15
+# Margin on `layer_bytes`, whose terms count the tensors a layer saves for its backward. Against
+# those bytes (torch's saved-tensor hooks, rank-32 LoRA on every linear, 2 x 128 tokens) the terms
+# alone gave SmolLM2-135M's widths 0.93x (fp32) and 1.03x (bf16), Qwen3-0.6B's 0.89x and 0.87x (its
+# q and k norms save Q + KV more), so with the margin 1.16x, 1.28x, 1.11x and 1.09x;
+# test_recompute pins it there.
+MARGIN = 1.25
 # Share of the memory free when a decoder call starts that its activations may take; the rest is for
 # the head, the backward's gradients and whatever else the process allocates meanwhile.
 FREE_SHARE = 0.8
 
 
-def layer_values(text) -> int:
-    """Values one position's activations hold in one decoder layer until the backward: the norms'
-    and residuals' (4 H), q, k and v before and after rotary and the attention's output (3 (Q + KV)),
-    the MLP's gate, up, activation and product (4 I: a routed MoE's k experts' and its shared one's),
+def layer_bytes(text, dtype: torch.dtype) -> int:
+    """Bytes one position's activations hold in one decoder layer until the backward: the norms'
+    and residuals' 4 H values (fp32 whatever the dtype: the norms compute in it), and at the
+    dtype's size q, k and v before and after rotary and the attention's output (3 (Q + KV)), the
+    MLP's gate, up, activation and product (4 I: a routed MoE's k experts' and its shared one's),
     and an MoE layer's token copies to and from its k experts and their weighting (3 k H)."""
     hidden = text.hidden_size
     heads = getattr(text, "num_attention_heads", 1)
     head_dim = getattr(text, "head_dim", None) or hidden // heads
     q, kv = heads * head_dim, getattr(text, "num_key_value_heads", heads) * head_dim
-    values = 4 * hidden + 3 * (q + kv)
+    values = 3 * (q + kv)
     routed = getattr(text, "moe_intermediate_size", None)
     if routed:
         k = getattr(text, "num_experts_per_tok", 1)
         shared = getattr(text, "shared_expert_intermediate_size", 0) or 0
-        return values + 4 * (k * routed + shared) + 3 * k * hidden
-    return values + 4 * text.intermediate_size
+        values += 4 * (k * routed + shared) + 3 * k * hidden
+    else:
+        values += 4 * text.intermediate_size
+    return 4 * hidden * 4 + values * dtype.itemsize
 
 
 def activation_bytes(config, dtype: torch.dtype, positions: int) -> int:
     """About the bytes `positions` decoder positions' activations take until the backward."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return int(MARGIN * positions * text.num_hidden_layers * layer_values(text) * dtype.itemsize)
+    return int(MARGIN * positions * text.num_hidden_layers * layer_bytes(text, dtype))
 
 
 def free_bytes(device: torch.device) -> int:
