@@ -141,15 +141,15 @@ class Recompute:
         kept_input = positions * text.hidden_size * dtype.itemsize
         fixed = keys * kv_bytes_per_token(text, dtype) + 2 * layer * own[0] / positions
         room = self.room(rt, fixed + layers * layer)
-        if fixed + layers * layer <= room:
-            if self.ahead is not None:
-                self.spent += own[0] / positions * layers * layer + own[1] * kv_bytes_per_token(text, dtype)
-            return 0
-        kept = max(0, math.floor((room - fixed - layers * kept_input) / (layer - kept_input)))
-        n = layers - min(layers, kept)
+        n = 0
+        if fixed + layers * layer > room:
+            kept = max(0, math.floor((room - fixed - layers * kept_input) / (layer - kept_input)))
+            n = layers - min(layers, kept)
         if self.ahead is not None:  # what this call holds: its share of the plan
             share = own[0] / positions
             self.spent += share * ((layers - n) * layer + n * kept_input) + own[1] * kv_bytes_per_token(text, dtype)
+        if not n:
+            return 0
         log.debug("a decoder call over %d positions (%d cached), %d with the pass's later calls: activations "
                   "~%.2f GB, room %.2f GB: %d of %d layers recompute", own[0], own[1], positions,
                   (fixed + layers * layer) / 1e9, room / 1e9, n, layers)
